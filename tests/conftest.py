@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+@pytest.fixture(autouse=True)
+def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Each test gets its own socket directory (short: Unix socket paths are limited to 108)."""
+    path = Path(tempfile.mkdtemp(prefix="tt-", dir="/tmp")) / "run"
+    monkeypatch.setenv("TORCHTOP_RUNTIME_DIR", str(path))
+    yield path
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def torchtop(*args: str, timeout: float = 120, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """Run the real command line in a subprocess, as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "torchtop", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        **kwargs,  # type: ignore[arg-type]
+    )

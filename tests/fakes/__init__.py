@@ -1,0 +1,1 @@
+"""Fakes for hardware and libraries the tests cannot rely on."""

@@ -1,0 +1,228 @@
+"""`torchtop run` and friends as a user runs them: real processes, a real CPU training script."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SCRIPTS, torchtop
+from torchtop.protocol import AgentStats, Dropped
+from torchtop.recording import read_recording
+from torchtop.transport import AgentConnection, list_agents
+
+TRAIN = str(SCRIPTS / "train_mlp.py")
+
+
+def _report(path: Path) -> dict:
+    out = torchtop("report", str(path), "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_headless_run_records_and_reports(tmp_path: Path) -> None:
+    rec = tmp_path / "r.ttr"
+    out = torchtop("run", "--headless", "--record", str(rec), TRAIN, "--steps", "40", "--sleep", "0.03")
+    assert out.returncode == 0, out.stderr
+    assert "step 30 loss" in out.stdout  # the job's output comes through
+    assert "training done" in out.stderr
+    report = _report(rec)
+    assert report["exit_code"] == 0
+    assert report["samples"] / report["duration_s"] >= 5
+    assert report["dropped"] == 0
+    assert report["job"]["torch"]  # learnt once the job imported torch
+    (cpu,) = report["devices"]
+    assert cpu["id"] == "cpu" and cpu["name"]
+    assert cpu["peak_allocated_bytes"] > 1 << 20
+    assert cpu["peak_reserved_bytes"] >= cpu["peak_allocated_bytes"]
+    assert report["host"]["peak_rss_bytes"] > 50 << 20
+    assert report["phases"] == []
+    assert report["log_lines"] >= 5  # the job's output is kept in the recording
+    text = torchtop("report", str(rec))
+    assert text.returncode == 0 and "peak allocated" in text.stdout
+
+
+def test_exit_code_passes_through() -> None:
+    out = torchtop("run", "--headless", TRAIN, "--steps", "2", "--exit-code", "3")
+    assert out.returncode == 3
+
+
+def test_uncaught_exception_exits_1_with_the_jobs_traceback(tmp_path: Path) -> None:
+    rec = tmp_path / "r.ttr"
+    out = torchtop("run", "--headless", "--record", str(rec), TRAIN, "--raise-at", "2")
+    assert out.returncode == 1
+    assert "Traceback (most recent call last)" in out.stderr
+    assert "RuntimeError: boom at step 2" in out.stderr
+    assert 'train_mlp.py", line' in out.stderr
+    assert "bootstrap" not in out.stderr and "runpy" not in out.stderr
+    report = _report(rec)
+    assert report["exit_code"] == 1 and "RuntimeError" in report["exit_reason"]
+
+
+def test_module_mode_and_phases(tmp_path: Path) -> None:
+    pkg = tmp_path / "jobpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "main.py").write_text(
+        "import sys, time, torchtop\n"
+        "with torchtop.phase('warmup'):\n    time.sleep(0.4)\n"
+        "torchtop.mark('half')\n"
+        "with torchtop.phase('train'):\n    x = bytearray(64 << 20); time.sleep(0.4)\n"
+        "print('args', sys.argv[1:])\n"
+    )
+    rec = tmp_path / "r.ttr"
+    out = torchtop("run", "--headless", "--record", str(rec), "-m", "jobpkg.main", "a", "-b", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "args ['a', '-b']" in out.stdout
+    phases = _report(rec)["phases"]
+    assert [p["name"] for p in phases] == ["warmup", "train"]
+    assert all(0.35 < p["duration_s"] < 2 for p in phases)
+    assert phases[1]["peak_rss_bytes"] - phases[0]["peak_rss_bytes"] > 32 << 20
+
+
+def test_clear_errors_not_tracebacks(tmp_path: Path) -> None:
+    for args, expected in [
+        (["run", "--headless", "nope.py"], "no such script: nope.py"),
+        (["run", "--headless"], "nothing to run"),
+        (["run", "--interval", "-1", "x.py"], "must be positive"),
+        (["run", "--bogus", "x.py"], "unrecognized arguments: --bogus"),
+        (["run", "--headless", "-m", "no_such_module_xyz"], "no module named"),
+        (["report", str(tmp_path / "missing.ttr")], "no recording at"),
+        (["attach", "999999", "--headless", "--record", "x.ttr"], "no agent running in pid 999999"),
+        (["demo", "no-such-demo"], "no demo named"),
+        (["frobnicate"], "invalid choice"),
+    ]:
+        out = torchtop(*args, cwd=tmp_path)
+        assert out.returncode != 0, args
+        assert expected in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr, args
+
+
+def test_damaged_recording_reads_to_the_last_whole_frame(tmp_path: Path) -> None:
+    rec = tmp_path / "r.ttr"
+    assert torchtop("run", "--headless", "--record", str(rec), TRAIN, "--steps", "5").returncode == 0
+    data = rec.read_bytes()
+    cut = tmp_path / "cut.ttr"
+    cut.write_bytes(data[: len(data) // 2] + b"\x00garbage")
+    contents = read_recording(cut)
+    assert contents.truncated and contents.messages
+    report = _report(cut)
+    assert report["samples"] > 0 and report["recording"]["truncated"]
+
+
+def _start_job(*extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torchtop", "run", "--headless", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_agent(timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        agents = list_agents()
+        if agents:
+            return agents[0].pid
+        time.sleep(0.1)
+    raise AssertionError("no agent appeared")
+
+
+def test_ps_attach_and_bad_peers_on_a_live_job(tmp_path: Path) -> None:
+    job = _start_job(TRAIN, "--steps", "400", "--sleep", "0.02")
+    try:
+        pid = _wait_for_agent()
+        listing = json.loads(torchtop("ps", "--json").stdout)
+        assert listing[0]["pid"] == pid and listing[0]["address"].startswith("unix:")
+        assert "train_mlp.py" in listing[0]["command"]
+        path = listing[0]["address"].removeprefix("unix:")
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        for payload in (os.urandom(2048) + b"\n", b"y" * (2 << 20), b'{"kind":"client_hello","protocol":999}\n'):
+            import socket
+
+            bad = socket.socket(socket.AF_UNIX)
+            bad.settimeout(5)
+            bad.connect(path)
+            try:
+                bad.sendall(payload)
+                assert bad.recv(1) == b""
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            bad.close()
+        rec = tmp_path / "a.ttr"
+        out = torchtop("attach", str(pid), "--headless", "--record", str(rec), "--duration", "1")
+        assert out.returncode == 0, out.stderr
+        assert _report(rec)["samples"] >= 5
+        assert job.poll() is None  # the job ran on through all of it
+    finally:
+        _interrupt(job)
+
+
+def _interrupt(job: subprocess.Popen[str]) -> None:
+    """Ctrl-C as a terminal sends it: to the job (the runner itself ignores SIGINT)."""
+    for agent in list_agents():
+        os.kill(agent.pid, signal.SIGINT)
+    job.communicate(timeout=30)
+
+
+def test_job_killed_with_sigkill_is_reported(tmp_path: Path) -> None:
+    rec = tmp_path / "r.ttr"
+    job = _start_job("--record", str(rec), TRAIN, "--steps", "100000", "--sleep", "0.01")
+    pid = _wait_for_agent()
+    time.sleep(1.0)
+    os.kill(pid, signal.SIGKILL)
+    job.communicate(timeout=30)
+    assert job.returncode == 128 + signal.SIGKILL
+    report = _report(rec)
+    assert report["exit_code"] == -signal.SIGKILL and "SIGKILL" in report["exit_reason"]
+    assert report["samples"] > 0
+    assert list_agents() == []  # the stale socket is cleaned up
+
+
+def test_stalled_viewer_does_not_grow_the_agent() -> None:
+    """A viewer stopped with SIGSTOP: its queue fills, frames drop and are counted, memory is bounded."""
+    queue = 64
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torchtop.agent.bootstrap", TRAIN, "--steps", "100000", "--sleep", "0.01"],
+        env={**os.environ, "TORCHTOP_AGENT_OPTIONS": json.dumps({"client_queue": queue, "interval_s": 0.01})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    viewer = None
+    try:
+        pid = _wait_for_agent()
+        address = list_agents()[0].address
+        viewer = subprocess.Popen(
+            [sys.executable, "-c", "from torchtop.transport import AgentConnection\n"
+             f"for f in AgentConnection({address!r}).frames(): pass"],
+        )
+        time.sleep(1.0)
+        os.kill(viewer.pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        watcher = AgentConnection(address)
+        stats: list[AgentStats] = []
+        for message in watcher.messages():
+            # Skip the history replay; watch the agent while the viewer stays stopped.
+            if isinstance(message, AgentStats) and message.t > stopped_at:
+                stats.append(message)
+                if message.dropped > 0 and message.t > stopped_at + 3:
+                    break
+        watcher.close()
+        assert stats[-1].clients == 2
+        assert stats[-1].dropped > 0
+        # Bounded by the stalled viewer's queue plus one send buffer, not by how long it stalls.
+        assert max(s.queued_bytes for s in stats) < queue * 4096 + (1 << 16)
+        assert job.poll() is None and pid == list_agents()[0].pid
+    finally:
+        if viewer is not None:
+            os.kill(viewer.pid, signal.SIGCONT)
+            viewer.kill()
+        job.send_signal(signal.SIGINT)
+        job.wait(timeout=30)

@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from torchtop.agent.probes.base import ProbeUnavailable
+from torchtop.agent.probes.host import HostProbe
+
+
+class FakeProcess:
+    """A psutil.Process stand-in whose methods can be made to fail one by one."""
+
+    def __init__(self, fail: dict[str, Exception] | None = None) -> None:
+        self.pid = 4242
+        self.fail = fail or {}
+        self.children_calls = 0
+        self.child_count = 3
+        self.cpu_calls = 0
+
+    @contextlib.contextmanager
+    def oneshot(self) -> Iterator[None]:
+        yield
+
+    def _maybe_fail(self, name: str) -> None:
+        if name in self.fail:
+            raise self.fail[name]
+
+    def memory_info(self) -> object:
+        self._maybe_fail("memory_info")
+
+        class Info:
+            rss = 512 * 1024 * 1024
+
+        return Info()
+
+    def cpu_percent(self, interval: float | None = None) -> float:
+        assert interval is None, "the probe must never block in cpu_percent"
+        self._maybe_fail("cpu_percent")
+        self.cpu_calls += 1
+        return 0.0 if self.cpu_calls == 1 else 187.5
+
+    def num_threads(self) -> int:
+        self._maybe_fail("num_threads")
+        return 23
+
+    def children(self, recursive: bool = False) -> list[object]:
+        assert recursive
+        self._maybe_fail("children")
+        self.children_calls += 1
+        return [object()] * self.child_count
+
+
+def test_reads_the_current_process() -> None:
+    probe = HostProbe()
+    first = probe.read()
+    second = probe.read()
+    me = psutil.Process()
+    assert first.rss_bytes is not None and first.rss_bytes > 10 * 1024 * 1024
+    assert abs(first.rss_bytes - me.memory_info().rss) < 64 * 1024 * 1024
+    assert first.threads is not None and first.threads >= 1
+    assert first.system_total_bytes == psutil.virtual_memory().total
+    assert first.system_used_bytes is not None and first.system_total_bytes is not None
+    assert 0 < first.system_used_bytes < first.system_total_bytes
+    assert first.children is not None and first.children >= 0
+    # The first cpu_percent only starts psutil's measurement.
+    assert first.cpu_percent is None
+    assert second.cpu_percent is not None and second.cpu_percent >= 0.0
+
+
+def test_counts_child_processes() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        stats = HostProbe().read()
+        assert stats.children is not None and stats.children >= 1
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_children_are_counted_every_n_reads_and_reused_between() -> None:
+    process = FakeProcess()
+    probe = HostProbe(process, children_every=10)
+    seen = []
+    for i in range(25):
+        if i == 5:
+            process.child_count = 7  # a new worker appears between two counts
+        seen.append(probe.read().children)
+    assert process.children_calls == 3  # reads 0, 10 and 20
+    assert seen[:10] == [3] * 10
+    assert seen[10:] == [7] * 15
+
+
+def test_a_field_that_fails_is_none_and_the_rest_come_through() -> None:
+    process = FakeProcess(
+        fail={
+            "memory_info": psutil.AccessDenied(4242),
+            "children": psutil.AccessDenied(4242),
+        }
+    )
+    probe = HostProbe(process)
+    probe.read()
+    stats = probe.read()
+    assert stats.rss_bytes is None
+    assert stats.children is None
+    assert stats.threads == 23
+    assert stats.cpu_percent == 187.5
+    assert stats.system_total_bytes is not None
+
+
+def test_cpu_percent_that_cannot_be_read_is_none() -> None:
+    probe = HostProbe(FakeProcess(fail={"cpu_percent": OSError("nope")}))
+    assert probe.read().cpu_percent is None
+    assert probe.read().cpu_percent is None
+
+
+def test_a_process_that_is_gone_makes_the_probe_unavailable() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    process = psutil.Process(child.pid)
+    child.wait()
+    probe = HostProbe(process)
+    with pytest.raises(ProbeUnavailable, match=f"process {child.pid} is gone"):
+        probe.read()
+
+
+def test_vanishing_during_the_children_walk_is_also_gone() -> None:
+    process = FakeProcess(fail={"children": psutil.NoSuchProcess(4242)})
+    with pytest.raises(ProbeUnavailable):
+        HostProbe(process).read()
+
+
+def test_children_every_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        HostProbe(children_every=0)

@@ -1,0 +1,315 @@
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fakes.nvml import MIB, FakeGpu, FakeNvmlBackend
+
+from torchtop.agent.probes.base import ProbeUnavailable
+from torchtop.agent.probes.nvml import NvmlCallError, NvmlProbe, PynvmlBackend
+from torchtop.protocol import GpuProcess
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_reads_two_h200s() -> None:
+    backend = FakeNvmlBackend.two_h200()
+    first, second = NvmlProbe(backend).read()
+    assert first.index == 0 and second.index == 1
+    assert first.name == second.name == "NVIDIA H200"
+    assert first.util_gpu_percent == 97.0 and second.util_gpu_percent == 88.0
+    assert first.util_memory_percent == 61.0
+    assert first.memory_used_bytes == 118_562 * MIB
+    assert second.memory_used_bytes == 97_001 * MIB
+    assert first.memory_total_bytes == 143_771 * MIB
+    assert first.temperature_c == 64.0
+    assert first.power_w == 612.4 and second.power_w == 548.9
+    assert first.power_limit_w == 700.0
+    assert (first.clock_sm_mhz, first.clock_memory_mhz) == (1980, 3201)
+    assert first.processes == [GpuProcess(4242, 117_800 * MIB), GpuProcess(4310, 532 * MIB)]
+    assert not first.lost and not second.lost
+
+
+def test_nvml_starts_on_the_first_read_only() -> None:
+    backend = FakeNvmlBackend.two_h200()
+    probe = NvmlProbe(backend)
+    assert backend.count("init") == 0
+    for _ in range(3):
+        probe.read()
+    assert backend.count("init") == 1
+    assert backend.count("device_count") == 1
+    # Handles and names do not change: each is asked once per GPU.
+    assert backend.count("handle", 0) == backend.count("handle", 1) == 1
+    assert backend.count("name", 0) == backend.count("name", 1) == 1
+    assert backend.count("utilization", 0) == 3
+
+
+def test_an_unsupported_call_is_none_and_not_asked_again() -> None:
+    backend = FakeNvmlBackend.power_not_supported()
+    probe = NvmlProbe(backend)
+    for _ in range(5):
+        h200, rtx = probe.read()
+    assert h200.power_w == 612.4 and h200.power_limit_w == 700.0
+    assert rtx.power_w is None and rtx.power_limit_w is None
+    assert rtx.name == "NVIDIA GeForce RTX 3090"
+    assert rtx.memory_total_bytes == 24_576 * MIB
+    assert rtx.util_gpu_percent == 97.0 and rtx.temperature_c == 64.0
+    assert backend.count("power_w", 1) == 1
+    assert backend.count("power_limit_w", 1) == 1
+    assert backend.count("power_w", 0) == 5
+
+
+def test_other_errors_are_none_and_asked_again() -> None:
+    gpu = FakeGpu(fail={"temperature": "other", "clocks": "no_permission"})
+    backend = FakeNvmlBackend([gpu])
+    probe = NvmlProbe(backend)
+    (stats,) = probe.read()
+    assert stats.temperature_c is None
+    assert stats.clock_sm_mhz is None and stats.clock_memory_mhz is None
+    assert stats.util_gpu_percent == 97.0
+    del gpu.fail["temperature"]
+    (stats,) = probe.read()
+    assert stats.temperature_c == 64.0
+    assert backend.count("temperature", 0) == 2
+
+
+def test_a_lost_gpu_stays_lost_and_is_not_asked_again() -> None:
+    backend = FakeNvmlBackend.gpu_lost(after_reads=2)
+    probe = NvmlProbe(backend)
+    for _ in range(2):
+        _, gpu1 = probe.read()
+        assert not gpu1.lost and gpu1.power_w == 612.4
+    calls_before = sum(n for (_, index), n in backend.calls.items() if index == 1)
+    for _ in range(3):
+        gpu0, gpu1 = probe.read()
+        assert gpu1.lost
+        assert gpu1.index == 1 and gpu1.name == "NVIDIA H200"
+        assert gpu1.util_gpu_percent is None and gpu1.memory_used_bytes is None
+        assert gpu1.power_w is None and gpu1.processes is None
+        assert not gpu0.lost and gpu0.util_gpu_percent == 97.0
+    calls_after = sum(n for (_, index), n in backend.calls.items() if index == 1)
+    assert calls_after == calls_before + 1  # the one call that found it lost
+
+
+def test_library_not_found_is_unavailable_once_and_for_all() -> None:
+    backend = FakeNvmlBackend.library_not_found()
+    probe = NvmlProbe(backend)
+    for _ in range(2):
+        with pytest.raises(ProbeUnavailable, match=r"libnvidia-ml\.so\.1 not found"):
+            probe.read()
+    assert backend.count("init") == 1
+    probe.close()
+    assert backend.count("shutdown") == 0  # never started, so nothing to shut down
+
+
+def test_an_init_that_breaks_its_contract_is_still_unavailable() -> None:
+    class Broken(FakeNvmlBackend):
+        def init(self) -> None:
+            raise NvmlCallError("other", "Unknown Error")
+
+    with pytest.raises(ProbeUnavailable, match="NVML not available: other: Unknown Error"):
+        NvmlProbe(Broken()).read()
+
+
+def test_no_gpus_is_unavailable_and_shuts_nvml_down() -> None:
+    backend = FakeNvmlBackend([])
+    with pytest.raises(ProbeUnavailable, match="no NVIDIA GPUs"):
+        NvmlProbe(backend).read()
+    assert backend.count("shutdown") == 1
+
+
+def test_process_list_is_read_at_most_every_interval() -> None:
+    backend = FakeNvmlBackend.two_h200()
+    clock = Clock()
+    probe = NvmlProbe(backend, process_interval_s=10.0, clock=clock)
+    seen = []
+    for _ in range(251):  # 25 s at 10 Hz
+        seen.append(probe.read()[0].processes)
+        backend.gpus[0].processes = [(4242, None)]  # changes after the first read
+        clock.now += 0.1
+    # Reads at 0 s, 10 s and 20 s (within float rounding of the 0.1 s steps).
+    assert backend.count("processes", 0) == 3
+    assert backend.count("processes", 1) == 3
+    assert seen[0] == [GpuProcess(4242, 117_800 * MIB), GpuProcess(4310, 532 * MIB)]
+    assert all(p == seen[0] for p in seen[:100])
+    assert seen[-1] == [GpuProcess(4242, None)]
+
+
+def test_process_list_is_none_where_it_cannot_be_read() -> None:
+    backend = FakeNvmlBackend([FakeGpu(fail={"processes": "not_supported"})])
+    clock = Clock()
+    probe = NvmlProbe(backend, clock=clock)
+    for _ in range(3):
+        (stats,) = probe.read()
+        assert stats.processes is None
+        clock.now += 11.0
+    assert backend.count("processes", 0) == 1
+
+
+def test_close_shuts_down_once() -> None:
+    backend = FakeNvmlBackend.two_h200()
+    probe = NvmlProbe(backend)
+    probe.read()
+    probe.close()
+    probe.close()
+    assert backend.count("shutdown") == 1
+    with pytest.raises(ProbeUnavailable, match="closed"):
+        probe.read()
+
+
+def test_a_backend_that_raises_anything_costs_only_the_field() -> None:
+    class Buggy(FakeNvmlBackend):
+        def temperature(self, handle: object) -> float:
+            raise ZeroDivisionError
+
+    (stats,) = NvmlProbe(Buggy([FakeGpu()])).read()
+    assert stats.temperature_c is None and stats.power_w == 612.4
+
+
+# --- the pynvml backend ---------------------------------------------------------------------
+
+
+def test_real_nvml_on_this_machine() -> None:
+    probe = NvmlProbe()
+    try:
+        gpus = probe.read()
+    except ProbeUnavailable as exc:
+        assert str(exc).startswith("NVML not available: ")
+    else:
+        assert gpus and all(g.memory_total_bytes for g in gpus if not g.lost)
+    finally:
+        probe.close()
+
+
+def test_pynvml_missing_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with pytest.raises(ProbeUnavailable, match="nvidia-ml-py"):
+        PynvmlBackend().init()
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        ("NVML_ERROR_LIBRARY_NOT_FOUND", "libnvidia-ml.so.1 not found"),
+        ("NVML_ERROR_DRIVER_NOT_LOADED", "driver is not loaded"),
+        ("NVML_ERROR_NO_PERMISSION", "no permission"),
+        ("NVML_ERROR_UNKNOWN", "Unknown Error"),
+    ],
+)
+def test_pynvml_init_failures_say_why(
+    monkeypatch: pytest.MonkeyPatch, error: str, reason: str
+) -> None:
+    pynvml = pytest.importorskip("pynvml")
+
+    def fail() -> None:
+        raise pynvml.NVMLError(getattr(pynvml, error))
+
+    monkeypatch.setattr(pynvml, "nvmlInit", fail)
+    with pytest.raises(ProbeUnavailable, match=f"^NVML not available: .*{reason}"):
+        PynvmlBackend().init()
+
+
+def fake_pynvml(**functions: Any) -> SimpleNamespace:
+    """The real pynvml's errors and constants, with the device functions replaced."""
+    import pynvml
+
+    names = [n for n in dir(pynvml) if n.startswith(("NVML_", "NVMLError"))]
+    namespace = SimpleNamespace(**{n: getattr(pynvml, n) for n in names})
+    for name, function in functions.items():
+        setattr(namespace, name, function)
+    return namespace
+
+
+def backend_over(module: SimpleNamespace) -> PynvmlBackend:
+    backend = PynvmlBackend()
+    backend._nvml = module
+    return backend
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        ("NVML_ERROR_NOT_SUPPORTED", "not_supported"),
+        ("NVML_ERROR_FUNCTION_NOT_FOUND", "not_supported"),
+        ("NVML_ERROR_GPU_IS_LOST", "gpu_lost"),
+        ("NVML_ERROR_NO_PERMISSION", "no_permission"),
+        ("NVML_ERROR_UNKNOWN", "other"),
+        ("NVML_ERROR_TIMEOUT", "other"),
+    ],
+)
+def test_pynvml_errors_map_to_codes(error: str, code: str) -> None:
+    pynvml = pytest.importorskip("pynvml")
+
+    def fail(handle: object) -> None:
+        raise pynvml.NVMLError(getattr(pynvml, error))
+
+    backend = backend_over(fake_pynvml(nvmlDeviceGetPowerUsage=fail))
+    with pytest.raises(NvmlCallError) as caught:
+        backend.power_w(object())
+    assert caught.value.code == code
+
+
+def test_pynvml_units_and_process_lists() -> None:
+    pynvml = pytest.importorskip("pynvml")
+
+    def proc(pid: int, used: int | None) -> SimpleNamespace:
+        return SimpleNamespace(pid=pid, usedGpuMemory=used)
+
+    def graphics_unsupported(handle: object) -> list[SimpleNamespace]:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    module = fake_pynvml(
+        nvmlDeviceGetPowerUsage=lambda h: 612_400,
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: 700_000,
+        nvmlDeviceGetName=lambda h: b"NVIDIA H200",
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=5, total=9, free=4),
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=97, memory=61),
+        nvmlDeviceGetClockInfo=lambda h, kind: 1980 if kind == pynvml.NVML_CLOCK_SM else 3201,
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [proc(10, 4 * MIB), proc(11, None)],
+        nvmlDeviceGetGraphicsRunningProcesses=lambda h: [proc(10, 4 * MIB), proc(12, MIB)],
+    )
+    backend = backend_over(module)
+    assert backend.power_w("h") == pytest.approx(612.4)
+    assert backend.power_limit_w("h") == pytest.approx(700.0)
+    assert backend.name("h") == "NVIDIA H200"
+    assert backend.memory("h") == (5, 9)
+    assert backend.utilization("h") == (97.0, 61.0)
+    assert backend.clocks("h") == (1980, 3201)
+    assert backend.processes("h") == [(10, 4 * MIB), (11, None), (12, MIB)]
+
+    module.nvmlDeviceGetGraphicsRunningProcesses = graphics_unsupported
+    assert backend.processes("h") == [(10, 4 * MIB), (11, None)]
+    module.nvmlDeviceGetComputeRunningProcesses = graphics_unsupported
+    with pytest.raises(NvmlCallError) as caught:
+        backend.processes("h")
+    assert caught.value.code == "not_supported"
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU")
+def test_real_nvml_reads_a_gpu() -> None:
+    probe = NvmlProbe()
+    try:
+        gpus = probe.read()
+    finally:
+        probe.close()
+    assert gpus
+    gpu = gpus[0]
+    assert gpu.name and gpu.memory_total_bytes and gpu.memory_used_bytes is not None
+    assert gpu.util_gpu_percent is not None and gpu.temperature_c is not None

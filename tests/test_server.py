@@ -1,0 +1,174 @@
+"""The agent's socket server: history, several viewers, bad peers, and stalled viewers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from torchtop.agent import server as server_module
+from torchtop.agent.server import EVENTS, SAMPLES, AgentServer
+from torchtop.protocol import (
+    PROTOCOL_VERSION,
+    ClientHello,
+    Dropped,
+    FrameSplitter,
+    Hello,
+    Marked,
+    Message,
+    decode,
+    encode,
+)
+from torchtop.transport import bind_server
+
+HELLO = Hello(
+    protocol=PROTOCOL_VERSION, pid=1, argv=["x"], cwd="/", started_at=0.0, python="3",
+    torch=None, devices=[], interval_s=0.1,
+)
+
+
+@pytest.fixture
+def server() -> Iterator[AgentServer]:
+    listener, info = bind_server(os.getpid(), ["test"], time.time())
+    srv = AgentServer(
+        listener, lambda: encode(HELLO), ring_sizes={SAMPLES: 50, EVENTS: 50}, client_queue=20
+    )
+    srv.address = info.socket_path  # type: ignore[attr-defined]
+    srv.start()
+    yield srv
+    srv.stop(drain_s=0)
+
+
+def _connect(srv: AgentServer, hello: bytes | None = None) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(5)
+    sock.connect(srv.address)  # type: ignore[attr-defined]
+    try:
+        sock.sendall(hello if hello is not None else encode(ClientHello(protocol=PROTOCOL_VERSION)))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # refused at once; the caller checks that it is closed
+    return sock
+
+
+def _read(sock: socket.socket, count: int, timeout: float = 5) -> list[Message]:
+    splitter = FrameSplitter()
+    out: list[Message] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < count and time.monotonic() < deadline:
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            break
+        if not data:
+            break
+        for frame in splitter.feed(data):
+            message = decode(frame)
+            if message is not None:
+                out.append(message)
+    return out
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _mark(i: int) -> bytes:
+    return encode(Marked(t=float(i), name=f"m{i}"))
+
+
+def test_socket_and_directory_modes(server: AgentServer, runtime_dir: object) -> None:
+    path = server.address  # type: ignore[attr-defined]
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+
+
+def test_late_viewer_gets_hello_then_history_in_order(server: AgentServer) -> None:
+    for i in range(5):
+        server.publish(_mark(i), EVENTS if i % 2 else SAMPLES)
+    sock = _connect(server)
+    messages = _read(sock, 6)
+    assert isinstance(messages[0], Hello)
+    assert [m.name for m in messages[1:]] == [f"m{i}" for i in range(5)]  # type: ignore[attr-defined]
+    server.publish(_mark(99))
+    assert _read(sock, 1)[0].name == "m99"  # type: ignore[attr-defined]
+
+
+def test_history_ring_is_bounded(server: AgentServer) -> None:
+    for i in range(200):
+        server.publish(_mark(i))
+    messages = _read(_connect(server), 51)
+    names = [m.name for m in messages[1:]]  # type: ignore[attr-defined]
+    assert names == [f"m{i}" for i in range(150, 200)]
+
+
+def test_several_viewers_at_once(server: AgentServer) -> None:
+    socks = [_connect(server) for _ in range(3)]
+    for sock in socks:
+        assert isinstance(_read(sock, 1)[0], Hello)
+    server.publish(_mark(7))
+    for sock in socks:
+        assert _read(sock, 1)[0].name == "m7"  # type: ignore[attr-defined]
+    assert server.client_count == 3
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        os.urandom(4096) + b"\n",
+        b"x" * (200 * 1024),
+        encode(ClientHello(protocol=PROTOCOL_VERSION + 1)),
+        encode(Marked(t=0.0, name="not a hello")),
+    ],
+    ids=["random-bytes", "oversized", "unknown-version", "no-hello"],
+)
+def test_bad_peer_is_closed_and_others_keep_going(server: AgentServer, payload: bytes) -> None:
+    good = _connect(server)
+    assert isinstance(_read(good, 1)[0], Hello)
+    bad = socket.socket(socket.AF_UNIX)
+    bad.settimeout(5)
+    bad.connect(server.address)  # type: ignore[attr-defined]
+    try:
+        bad.sendall(payload)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    assert _closed(bad)
+    server.publish(_mark(1))
+    assert _read(good, 1)[0].name == "m1"  # type: ignore[attr-defined]
+    assert _read(_connect(server), 2)[-1].name == "m1"  # type: ignore[attr-defined]
+
+
+def test_silent_peer_is_dropped_after_the_hello_timeout(
+    server: AgentServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_module, "HELLO_TIMEOUT_S", 0.2)
+    silent = socket.socket(socket.AF_UNIX)
+    silent.settimeout(5)
+    silent.connect(server.address)  # type: ignore[attr-defined]
+    assert _closed(silent)
+
+
+def test_other_users_are_refused(server: AgentServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server_module, "peer_uid", lambda sock: os.getuid() + 1)
+    assert _closed(_connect(server))
+
+
+def test_stalled_viewer_costs_only_its_bounded_queue(server: AgentServer) -> None:
+    stalled = _connect(server)
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    time.sleep(0.2)  # let the server greet it
+    frame = encode(Marked(t=0.0, name="x" * 1000))
+    for _ in range(5000):
+        server.publish(frame)
+    # Bounded: the queue (20 frames) plus one send chunk, whatever the viewer failed to read.
+    assert server.pending_bytes() <= 20 * len(frame) + server_module.SEND_CHUNK + len(frame)
+    assert server.total_dropped() > 4000
+    # When the viewer reads again it is told how many frames it lost.
+    stalled.settimeout(1)
+    dropped = [m for m in _read(stalled, 400) if isinstance(m, Dropped)]
+    assert dropped and dropped[-1].count == server.total_dropped()

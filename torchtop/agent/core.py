@@ -1,0 +1,268 @@
+"""The agent: probes, sampler thread and socket server, started once per training process.
+
+``start()`` is idempotent and returns in milliseconds. The agent lives in daemon threads, is
+disabled in forked children (DataLoader workers must not run a copy of it), and on exit sends a
+final ``exit`` message and removes its socket.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+from torchtop.agent.output import OutputCapture
+from torchtop.agent.sampler import Sampler, SamplerStats, torch_imported
+from torchtop.agent.server import EVENTS, LOGS, SAMPLES, AgentServer
+from torchtop.protocol import (
+    PROTOCOL_VERSION,
+    AgentStats,
+    DeviceInfo,
+    GpuSample,
+    Hello,
+    JobExited,
+    LogLine,
+    Message,
+    Sample,
+    encode,
+)
+from torchtop.transport import bind_server, remove_server_files
+
+
+@dataclass
+class AgentConfig:
+    """How the agent samples and serves. Every field can come from ``torchtop run`` options."""
+
+    #: Seconds between reads of the cheap counters (memory, host).
+    interval_s: float = 0.1
+    #: Seconds between NVML reads.
+    nvml_interval_s: float = 0.5
+    #: Seconds of history a late viewer still sees.
+    history_s: float = 300.0
+    #: Frames queued per viewer before the oldest are dropped.
+    client_queue: int = 4096
+    #: Read GPUs through NVML.
+    nvml: bool = True
+    #: Tee fds 1 and 2 into ``log`` frames (``torchtop run`` turns this on).
+    capture_output: bool = False
+    #: At exit, wait up to this long for a viewer that is expected to attach to get everything.
+    linger_s: float = 0.0
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> AgentConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(options) - known
+        if unknown:
+            raise TypeError(f"unknown agent option(s): {', '.join(sorted(unknown))}")
+        config = cls(**options)
+        if config.interval_s <= 0 or config.nvml_interval_s <= 0:
+            raise ValueError("sampling intervals must be positive")
+        return config
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.pid = os.getpid()
+        self.started_at = time.time()
+        self.finished = False
+        self._finish_lock = threading.Lock()
+        self._capture: OutputCapture | None = None
+
+        from torchtop.agent.probes.cpu_memory import CpuMemoryProbe
+        from torchtop.agent.probes.cuda_memory import CudaMemoryProbe
+        from torchtop.agent.probes.host import HostProbe
+
+        self._cuda = CudaMemoryProbe()
+        nvml = None
+        if config.nvml:
+            from torchtop.agent.probes.nvml import NvmlProbe
+
+            nvml = NvmlProbe()
+        self._nvml = nvml
+
+        listener, self.info = bind_server(self.pid, sys.argv, self.started_at)
+        samples_ring = int(config.history_s / config.interval_s) + int(
+            config.history_s / config.nvml_interval_s
+        )
+        self.server = AgentServer(
+            listener,
+            self._hello_frame,
+            ring_sizes={SAMPLES: samples_ring, EVENTS: 10_000, LOGS: 2_000},
+            client_queue=config.client_queue,
+        )
+        self.sampler = Sampler(
+            self.publish,
+            host=HostProbe(),
+            cpu_memory=CpuMemoryProbe(),
+            cuda_memory=self._cuda,
+            nvml=nvml,
+            interval_s=config.interval_s,
+            nvml_interval_s=config.nvml_interval_s,
+            # Viewers that attached before the job imported torch learn its version and devices.
+            on_torch_imported=lambda: self.server.publish(self._hello_frame(), EVENTS),
+            stats_every=max(1, round(1.0 / config.interval_s)),
+            agent_stats=self._agent_stats,
+        )
+
+    def _devices(self) -> list[DeviceInfo]:
+        devices = [DeviceInfo(id="cpu", name=platform.processor() or platform.machine())]
+        if torch_imported():
+            with contextlib.suppress(Exception):
+                devices.extend(self._cuda.devices())
+        return devices
+
+    def _hello_frame(self) -> bytes:
+        torch_version = None
+        if torch_imported():
+            torch_version = str(getattr(sys.modules["torch"], "__version__", None))
+        return encode(
+            Hello(
+                protocol=PROTOCOL_VERSION,
+                pid=self.pid,
+                argv=list(sys.argv),
+                cwd=os.getcwd(),
+                started_at=self.started_at,
+                python=platform.python_version(),
+                torch=torch_version,
+                devices=self._devices(),
+                interval_s=self.config.interval_s,
+                hostname=socket.gethostname(),
+            )
+        )
+
+    def _agent_stats(self, stats: SamplerStats) -> AgentStats:
+        return AgentStats(
+            t=time.time(),
+            clients=self.server.client_count,
+            queued_bytes=self.server.pending_bytes(),
+            dropped=self.server.total_dropped(),
+            ticks=stats.ticks,
+            late_ticks=stats.late_ticks,
+            mean_tick_s=stats.total_tick_s / stats.ticks if stats.ticks else 0.0,
+            max_tick_s=stats.max_tick_s,
+        )
+
+    def publish(self, message: Message) -> None:
+        try:
+            frame = encode(message)
+        except Exception:
+            return
+        if isinstance(message, (Sample, GpuSample, AgentStats)):
+            ring = SAMPLES
+        elif isinstance(message, LogLine):
+            ring = LOGS
+        else:
+            ring = EVENTS
+        self.server.publish(frame, ring)
+
+    def start(self) -> None:
+        self.server.start()
+        if self.config.capture_output:
+            self._capture = OutputCapture(
+                lambda stream, text: self.publish(LogLine(t=time.time(), stream=stream, text=text))
+            )
+            self._capture.start()
+        self.sampler.start()
+
+    def finish(self, exit_code: int | None, reason: str = "") -> None:
+        """Send the final state and the exit status, then close. Safe to call more than once."""
+        with self._finish_lock:
+            if self.finished or os.getpid() != self.pid:
+                return
+            self.finished = True
+        self.sampler.stop()
+        with contextlib.suppress(Exception):
+            self.sampler.tick()  # one last sample: the state at the end
+        if self._capture is not None:
+            self._capture.stop()
+        self.publish(JobExited(t=time.time(), exit_code=exit_code, reason=reason))
+        if self.config.linger_s > 0:
+            self.server.wait_for_clients_drained(self.config.linger_s)
+        self.server.stop(drain_s=1.0)
+        remove_server_files(self.pid)
+        if self._nvml is not None:
+            with contextlib.suppress(Exception):
+                self._nvml.close()
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close our copies of the agent's descriptors; threads are gone."""
+        self.finished = True
+        self.server.close_fds_in_child()
+        if self._capture is not None:
+            self._capture.close_fds_in_child()
+
+
+_agent: Agent | None = None
+_agent_lock = threading.Lock()
+_uncaught: list[BaseException] = []
+
+
+def current() -> Agent | None:
+    return _agent
+
+
+def start(**options: Any) -> Agent:
+    """Start the agent in this process, once. Options are :class:`AgentConfig` fields."""
+    global _agent
+    with _agent_lock:
+        if _agent is not None and _agent.pid == os.getpid() and not _agent.finished:
+            return _agent
+        agent = Agent(AgentConfig.from_options(options))
+        agent.start()
+        _agent = agent
+    atexit.register(_finish_at_exit)
+    _chain_excepthook()
+    return agent
+
+
+def stop() -> None:
+    agent = _agent
+    if agent is not None:
+        agent.finish(None, "agent stopped")
+
+
+def finish(exit_code: int | None, reason: str = "") -> None:
+    agent = _agent
+    if agent is not None:
+        agent.finish(exit_code, reason)
+
+
+def _finish_at_exit() -> None:
+    if _uncaught:
+        exc = _uncaught[-1]
+        finish(1, f"uncaught {type(exc).__name__}: {exc}")
+    else:
+        finish(None, "interpreter exited")
+
+
+def _chain_excepthook() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "_torchtop", False):
+        return
+
+    def hook(exc_type: Any, exc: BaseException, tb: Any) -> None:
+        _uncaught.append(exc)
+        previous(exc_type, exc, tb)
+
+    hook._torchtop = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _after_fork_in_child() -> None:
+    global _agent
+    agent = _agent
+    _agent = None
+    if agent is not None:
+        with contextlib.suppress(Exception):
+            agent.forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,1 @@
+"""Probes: each reads one source of numbers for the sampler thread."""

@@ -1,0 +1,149 @@
+"""CUDA memory as PyTorch's caching allocator sees it, per device.
+
+The probe must never change the job: it does not initialize CUDA, does not create a context on
+a device, and does not touch CUDA before the job has. ``torch.cuda.memory_stats()`` only reads
+the allocator's counters, so it is safe on any device; ``mem_get_info()`` makes the device
+current, which creates a context on a device that has none, so it is called only for devices
+whose allocator has reserved memory at some point (and so already has a context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from torchtop.agent.probes.base import ProbeUnavailable
+from torchtop.protocol import DeviceInfo, MemoryStats
+
+#: ``MemoryStats.source`` for numbers from the CUDA caching allocator.
+SOURCE_CUDA = "cuda-allocator"
+
+
+class CudaModule(Protocol):
+    """The part of ``torch.cuda`` the probe uses, so tests can pass a fake."""
+
+    def is_available(self) -> bool: ...
+
+    def is_initialized(self) -> bool: ...
+
+    def device_count(self) -> int: ...
+
+    def memory_stats(self, device: int) -> Mapping[str, Any]: ...
+
+    def mem_get_info(self, device: int) -> tuple[int, int]: ...
+
+    def get_device_name(self, device: int) -> str: ...
+
+
+class CudaMemoryProbe:
+    """Reads :class:`~torchtop.protocol.MemoryStats` for each CUDA device the job uses.
+
+    ``cuda`` is the ``torch.cuda`` module (imported on first use) or a fake with the functions
+    of :class:`CudaModule`. ``read()`` returns an empty list until the job itself has initialized
+    CUDA.
+    """
+
+    def __init__(self, cuda: object | None = None) -> None:
+        self._cuda: Any = cuda
+
+    def _module(self) -> Any:
+        if self._cuda is None:
+            try:
+                import torch.cuda
+            except Exception as exc:  # ImportError, or OSError for a broken install
+                raise ProbeUnavailable(f"CUDA memory not available: {exc}") from None
+            self._cuda = torch.cuda
+        return self._cuda
+
+    def read(self) -> list[MemoryStats]:
+        """One ``MemoryStats`` per device whose allocator has reserved memory, in index order."""
+        cuda = self._module()
+        try:
+            # is_initialized() is a flag check; is_available() would call cuInit on its own.
+            if not cuda.is_initialized() or not cuda.is_available():
+                return []
+            count = int(cuda.device_count())
+        except Exception:
+            return []
+        result = []
+        for index in range(count):
+            stats = self._read_device(cuda, index)
+            if stats is not None:
+                result.append(stats)
+        return result
+
+    def _read_device(self, cuda: Any, index: int) -> MemoryStats | None:
+        try:
+            stats: Mapping[str, Any] = cuda.memory_stats(index)
+        except Exception:
+            return None
+        reserved = _int(stats, "reserved_bytes.all.current")
+        reserved_peak = _int(stats, "reserved_bytes.all.peak")
+        if not reserved and not reserved_peak:
+            # The job has never allocated here, so the device may have no context: leave it be.
+            return None
+        free: int | None
+        total: int | None
+        try:
+            free_raw, total_raw = cuda.mem_get_info(index)
+            free, total = int(free_raw), int(total_raw)
+        except Exception:
+            free = total = None
+        return MemoryStats(
+            device=f"cuda:{index}",
+            source=SOURCE_CUDA,
+            allocated_bytes=_int(stats, "allocated_bytes.all.current"),
+            reserved_bytes=reserved,
+            active_bytes=_int(stats, "active_bytes.all.current"),
+            inactive_split_bytes=_int(stats, "inactive_split_bytes.all.current"),
+            peak_allocated_bytes=_int(stats, "allocated_bytes.all.peak"),
+            peak_reserved_bytes=reserved_peak,
+            num_alloc_retries=_int(stats, "num_alloc_retries"),
+            num_ooms=_int(stats, "num_ooms"),
+            free_bytes=free,
+            total_bytes=total,
+        )
+
+    def devices(self) -> list[DeviceInfo]:
+        """The CUDA devices the job can use, for the ``hello`` message.
+
+        Before the job initializes CUDA this asks only ``device_count()``, which PyTorch answers
+        through NVML where it can, without initializing CUDA, so the job can still fork CUDA
+        workers; the names are then generic. Once CUDA is initialized, the real names and sizes
+        are read from the device properties, which needs no context.
+        """
+        try:
+            cuda = self._module()
+        except ProbeUnavailable:
+            return []
+        try:
+            initialized = bool(cuda.is_initialized())
+            if initialized and not cuda.is_available():
+                return []
+            count = int(cuda.device_count())
+        except Exception:
+            return []
+        return [self._device_info(cuda, index, initialized) for index in range(count)]
+
+    @staticmethod
+    def _device_info(cuda: Any, index: int, initialized: bool) -> DeviceInfo:
+        fallback = DeviceInfo(id=f"cuda:{index}", name=f"CUDA device {index}")
+        if not initialized:
+            return fallback
+        try:
+            properties = getattr(cuda, "get_device_properties", None)
+            if properties is not None:
+                props = properties(index)
+                return DeviceInfo(
+                    id=f"cuda:{index}", name=str(props.name), total_bytes=int(props.total_memory)
+                )
+            return DeviceInfo(id=f"cuda:{index}", name=str(cuda.get_device_name(index)))
+        except Exception:
+            return fallback
+
+
+def _int(stats: Mapping[str, Any], key: str) -> int | None:
+    value = stats.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value

@@ -1,0 +1,81 @@
+"""The training process and its machine: RSS, CPU, threads, child processes and system memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import psutil
+
+from torchtop.agent.probes.base import ProbeUnavailable
+from torchtop.protocol import HostStats
+
+_T = TypeVar("_T")
+
+
+class HostProbe:
+    """Reads :class:`~torchtop.protocol.HostStats` for one process with psutil.
+
+    Each field is read on its own: a field psutil cannot read (access denied, an odd platform)
+    is ``None`` and the rest still come through. Only a process that no longer exists makes
+    ``read()`` raise :class:`ProbeUnavailable`.
+
+    Counting child processes walks the whole process table, which costs far more than the other
+    fields, so it runs only on every ``children_every``-th read and the count is reused in
+    between. DataLoader workers come and go on a scale of seconds, so that loses nothing.
+    """
+
+    def __init__(self, process: psutil.Process | None = None, children_every: int = 10) -> None:
+        if children_every < 1:
+            raise ValueError("children_every must be at least 1")
+        self._process = process if process is not None else psutil.Process()
+        self._children_every = children_every
+        self._reads = 0
+        self._children: int | None = None
+        # psutil's cpu_percent(interval=None) measures since its previous call; the first call
+        # only starts the measurement, so its 0.0 means nothing and is reported as None.
+        self._cpu_primed = False
+
+    def read(self) -> HostStats:
+        """The current numbers. Raises :class:`ProbeUnavailable` once the process is gone."""
+        process = self._process
+        try:
+            with process.oneshot():
+                rss = _field(lambda: int(process.memory_info().rss))
+                cpu = _field(lambda: float(process.cpu_percent(interval=None)))
+                threads = _field(lambda: int(process.num_threads()))
+            if self._reads % self._children_every == 0:
+                self._children = _field(lambda: len(process.children(recursive=True)))
+        except psutil.NoSuchProcess:
+            raise ProbeUnavailable(f"process {process.pid} is gone") from None
+        self._reads += 1
+        if cpu is not None and not self._cpu_primed:
+            self._cpu_primed = True
+            cpu = None
+
+        used: int | None
+        total: int | None
+        try:
+            memory = psutil.virtual_memory()
+            used, total = int(memory.used), int(memory.total)
+        except (psutil.Error, OSError, AttributeError):
+            used = total = None
+
+        return HostStats(
+            rss_bytes=rss,
+            cpu_percent=cpu,
+            threads=threads,
+            children=self._children,
+            system_used_bytes=used,
+            system_total_bytes=total,
+        )
+
+
+def _field(get: Callable[[], _T]) -> _T | None:
+    """One psutil value, or ``None`` where it cannot be read. A vanished process propagates."""
+    try:
+        return get()
+    except psutil.NoSuchProcess:
+        raise
+    except (psutil.Error, OSError, NotImplementedError, AttributeError):
+        return None

@@ -1,0 +1,193 @@
+"""The sampler thread: reads the probes on a drift-free schedule and publishes frames.
+
+It also drains the events the training thread left in :data:`torchtop.agent.events.PENDING`,
+so that the training thread's own cost stays one ``deque.append``. Nothing here raises into the
+job: a probe that fails three times in a row, or says it is unavailable, is switched off and
+reported once as a ``probe_status`` message.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torchtop.agent import events
+from torchtop.agent.probes.base import ProbeUnavailable
+from torchtop.protocol import (
+    GpuSample,
+    Marked,
+    MemoryStats,
+    Message,
+    PhaseBegan,
+    PhaseEnded,
+    ProbeStatus,
+    Sample,
+)
+
+#: Consecutive failures after which a probe is switched off.
+MAX_FAILURES = 3
+
+
+def torch_imported() -> bool:
+    """True once the job has finished importing torch. The agent never imports it first."""
+    module = sys.modules.get("torch")
+    if module is None:
+        return False
+    spec = getattr(module, "__spec__", None)
+    return not getattr(spec, "_initializing", False)
+
+
+class _Guarded:
+    """Calls one probe, turning its failures into a status message instead of an exception."""
+
+    def __init__(self, name: str, report: Callable[[Message], None]) -> None:
+        self.name = name
+        self.enabled = True
+        self.failures = 0
+        self._report = report
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if not self.enabled:
+            return None
+        try:
+            result = fn(*args)
+        except ProbeUnavailable as exc:
+            self._switch_off(str(exc))
+            return None
+        except Exception as exc:
+            self.failures += 1
+            if self.failures >= MAX_FAILURES:
+                self._switch_off(f"{self.name} failed {self.failures} times: {exc!r}")
+            return None
+        self.failures = 0
+        return result
+
+    def _switch_off(self, detail: str) -> None:
+        self.enabled = False
+        self._report(ProbeStatus(t=time.time(), probe=self.name, available=False, detail=detail))
+
+
+@dataclass
+class SamplerStats:
+    ticks: int = 0
+    late_ticks: int = 0
+    max_tick_s: float = 0.0
+    total_tick_s: float = 0.0
+
+
+class Sampler:
+    """Runs in its own daemon thread; ``publish(message)`` sends each message on."""
+
+    def __init__(
+        self,
+        publish: Callable[[Message], None],
+        *,
+        host: Any,
+        cpu_memory: Any,
+        cuda_memory: Any | None,
+        nvml: Any | None,
+        interval_s: float = 0.1,
+        nvml_interval_s: float = 0.5,
+        on_torch_imported: Callable[[], None] | None = None,
+        stats_every: int = 10,
+        agent_stats: Callable[[SamplerStats], Message | None] | None = None,
+    ) -> None:
+        self._stats_every = stats_every
+        self._agent_stats = agent_stats
+        self._publish = publish
+        self._on_torch_imported = on_torch_imported
+        self._torch_seen = False
+        self._host = host
+        self._cpu_memory = cpu_memory
+        self._cuda_memory = cuda_memory
+        self._nvml = nvml
+        self.interval_s = interval_s
+        self.nvml_interval_s = nvml_interval_s
+        self._guards = {
+            name: _Guarded(name, publish) for name in ("host", "cpu_memory", "cuda_memory", "nvml")
+        }
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="torchtop-sampler", daemon=True)
+        self._next_nvml = 0.0
+        self.stats = SamplerStats()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        # Ticks fall on start + k * interval: a slow tick delays one sample but never shifts
+        # the schedule, and ticks missed entirely are skipped, not bunched.
+        start = time.monotonic()
+        k = 0
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                self.tick()
+            except Exception:  # pragma: no cover - tick guards each probe already
+                pass
+            elapsed = time.monotonic() - began
+            self.stats.ticks += 1
+            self.stats.total_tick_s += elapsed
+            self.stats.max_tick_s = max(self.stats.max_tick_s, elapsed)
+            if self._agent_stats is not None and self.stats.ticks % self._stats_every == 0:
+                message = self._agent_stats(self.stats)
+                if message is not None:
+                    self._publish(message)
+            k += 1
+            due = start + k * self.interval_s
+            now = time.monotonic()
+            if now > due:
+                missed = int((now - due) / self.interval_s) + 1
+                self.stats.late_ticks += missed
+                k += missed
+                due = start + k * self.interval_s
+            self._stop.wait(max(0.0, due - now))
+        self.drain_events()
+
+    def drain_events(self) -> None:
+        """Publish every phase and mark the training thread has left so far."""
+        pending = events.PENDING
+        while pending:
+            try:
+                kind, t, name, phase_id = pending.popleft()
+            except IndexError:
+                return
+            message: Message
+            if kind == "phase_began":
+                message = PhaseBegan(t=t, name=name, id=phase_id)
+            elif kind == "phase_ended":
+                message = PhaseEnded(t=t, name=name, id=phase_id)
+            else:
+                message = Marked(t=t, name=name)
+            self._publish(message)
+
+    def tick(self) -> None:
+        self.drain_events()
+        now = time.time()
+        host = self._guards["host"].call(self._host.read)
+        rss = host.rss_bytes if host is not None else None
+        memory: list[MemoryStats] = []
+        cpu = self._guards["cpu_memory"].call(self._cpu_memory.read, rss)
+        if cpu is not None:
+            memory.append(cpu)
+        if not self._torch_seen and torch_imported():
+            self._torch_seen = True
+            if self._on_torch_imported is not None:
+                self._on_torch_imported()
+        if self._cuda_memory is not None and self._torch_seen:
+            memory.extend(self._guards["cuda_memory"].call(self._cuda_memory.read) or [])
+        self._publish(Sample(t=now, host=host, memory=memory))
+        if self._nvml is not None and time.monotonic() >= self._next_nvml:
+            self._next_nvml = time.monotonic() + self.nvml_interval_s
+            gpus = self._guards["nvml"].call(self._nvml.read)
+            if gpus is not None:
+                self._publish(GpuSample(t=now, gpus=gpus))

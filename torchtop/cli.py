@@ -1,0 +1,400 @@
+"""The ``torchtop`` command line. ``main(argv) -> int`` returns the exit code.
+
+Each subcommand imports what it needs when it runs, so ``torchtop --help`` starts in a blink and
+nothing here imports torch. Expected failures print one line naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+EXIT_USAGE = 2
+
+DESCRIPTION = """\
+A terminal monitor for PyTorch training: GPU and allocator memory, host load, phases and the
+job's output, live or from a recording.
+
+examples:
+  torchtop run train.py --lr 3e-4        watch a training script live
+  torchtop run --headless --record r.ttr train.py
+  torchtop attach                        watch a job that called torchtop.start()
+  torchtop report r.ttr --json           summarize a recording
+  torchtop demo broadcasting             learn a practice, measured live
+"""
+
+
+class CliError(Exception):
+    """An expected failure: printed as one line, exit code 2 unless given."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{message} (see `{self.prog} --help`)")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _add_agent_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--headless", action="store_true", help="no viewer; the job's output passes straight through")
+    p.add_argument("--record", metavar="FILE", type=Path, help="save the stream to FILE (.ttr) for replay and report")
+    p.add_argument("--interval", metavar="S", type=_positive_float, default=0.1, help="seconds between memory and host samples (default 0.1)")
+    p.add_argument("--nvml-interval", metavar="S", type=_positive_float, default=0.5, help="seconds between NVML reads (default 0.5)")
+    p.add_argument("--no-nvml", action="store_true", help="do not read GPUs through NVML")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="torchtop",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = sub.add_parser(
+        "run",
+        help="run a script with the agent inside and watch it",
+        description="Run an unchanged training script (or -m MODULE) with the agent inside.",
+        usage="torchtop run [options] SCRIPT [ARGS...]\n       torchtop run [options] -m MODULE [ARGS...]",
+    )
+    _add_agent_options(run)
+    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
+    run.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]")
+
+    ps = sub.add_parser("ps", help="list running agents", description="List the running agents of this user.")
+    ps.add_argument("--json", action="store_true", help="print a JSON list")
+
+    attach = sub.add_parser(
+        "attach",
+        help="watch a running agent",
+        description="Attach the viewer (or a headless recorder) to a running agent.",
+    )
+    attach.add_argument("pid", nargs="?", type=int, help="the job's pid (default: the only agent, or pick one)")
+    attach.add_argument("--headless", action="store_true", help="record without a viewer (needs --record)")
+    attach.add_argument("--record", metavar="FILE", type=Path, help="save the stream to FILE")
+    attach.add_argument("--duration", metavar="S", type=_positive_float, help="with --headless: stop after S seconds (default: until the job ends)")
+
+    replay = sub.add_parser("replay", help="view a recording", description="The viewer over a recording: space plays or pauses, e jumps to the end.")
+    replay.add_argument("file", type=Path)
+    replay.add_argument("--speed", type=_positive_float, default=1.0, help="playback speed (default 1)")
+
+    report = sub.add_parser("report", help="summarize a recording", description="Summarize a recording: duration, samples, peaks, phases, exit.")
+    report.add_argument("file", type=Path)
+    report.add_argument("--json", action="store_true", help="print JSON (keys in the README)")
+
+    demo = sub.add_parser(
+        "demo",
+        help="run a bundled demo of a PyTorch practice",
+        description="Run a demo: the same job done the slow way and the fast way, measured.",
+    )
+    demo.add_argument("name", nargs="?", help="the demo to run (see --list)")
+    demo.add_argument("--list", action="store_true", help="list the demos")
+    demo.add_argument("--json", action="store_true", help="with --list: print JSON")
+    demo.add_argument("--source", action="store_true", help="print the demo's source instead of running it")
+    demo.add_argument("--quick", action="store_true", help="a short run (for CI)")
+    demo.add_argument("--device", choices=("cpu", "cuda"), help="where to run (default: cuda when available)")
+    demo.add_argument("--headless", action="store_true", help="no viewer: print the measured table")
+    demo.add_argument("--record", metavar="FILE", type=Path, help="save the stream to FILE")
+    return parser
+
+
+def _version() -> str:
+    from torchtop import __version__
+
+    return f"torchtop {__version__}"
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from torchtop.runner import RunError, RunSpec
+
+    target = list(args.target)
+    if args.module:
+        target = ["-m", args.module, *target]
+    if target and target[0] == "--":
+        target = target[1:]
+    if not target:
+        raise CliError("nothing to run: give a script or -m MODULE (see `torchtop run --help`)")
+    if target[0].startswith("-") and target[0] != "-m":
+        raise CliError(f"unknown option {target[0]} (see `torchtop run --help`)")
+    spec = RunSpec(
+        target=target,
+        agent_options={
+            "interval_s": args.interval,
+            "nvml_interval_s": args.nvml_interval,
+            "nvml": not args.no_nvml,
+        },
+        headless=args.headless,
+        record=args.record,
+    )
+    try:
+        spec.validate()
+    except RunError as exc:
+        raise CliError(str(exc)) from None
+    return _run_spec(spec)
+
+
+def _run_spec(spec: Any) -> int:
+    from torchtop.recording import RecordingError
+    from torchtop.runner import RunError, run_headless
+
+    try:
+        if spec.headless:
+            return run_headless(spec)
+        _require_terminal("torchtop run --headless")
+        from torchtop.tui.app import TorchtopApp
+        from torchtop.tui.sources import RunSource
+
+        source = RunSource(spec)
+        return _run_app(TorchtopApp(source, title=spec.description))
+    except (RunError, RecordingError) as exc:
+        raise CliError(str(exc), code=1) from None
+
+
+def _require_terminal(alternative: str) -> None:
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise CliError(f"the viewer needs a terminal; without one use `{alternative}`")
+
+
+def _run_app(app: Any) -> int:
+    result = app.run()
+    return int(result) if isinstance(result, int) else 0
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    from torchtop.transport import list_agents
+
+    agents = list_agents()
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "pid": a.pid,
+                        "command": a.command,
+                        "argv": a.argv,
+                        "started_at": a.started_at,
+                        "address": a.address,
+                        "cwd": a.cwd,
+                    }
+                    for a in agents
+                ],
+                indent=2,
+            )
+        )
+        return 0
+    if not agents:
+        print("no running agents (start one with `torchtop run SCRIPT` or torchtop.start())")
+        return 0
+    print(f"{'PID':>8}  {'STARTED':19}  {'ADDRESS':40}  COMMAND")
+    for a in agents:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.started_at))
+        print(f"{a.pid:>8}  {started:19}  {a.address:40}  {a.command}")
+    return 0
+
+
+def _pick_agent(pid: int | None, interactive: bool) -> Any:
+    from torchtop.transport import find_agent, list_agents
+
+    if pid is not None:
+        info = find_agent(pid)
+        if info is None:
+            raise CliError(f"no agent running in pid {pid} (see `torchtop ps`)", code=1)
+        return info
+    agents = list_agents()
+    if not agents:
+        raise CliError(
+            "no running agents: start a job with `torchtop run SCRIPT` or call torchtop.start()",
+            code=1,
+        )
+    if len(agents) == 1:
+        return agents[0]
+    if not interactive:
+        pids = ", ".join(str(a.pid) for a in agents)
+        raise CliError(f"{len(agents)} agents are running ({pids}): give a PID", code=1)
+    return None  # the viewer offers a picker
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    if args.headless:
+        if args.record is None:
+            raise CliError("--headless records without a viewer: give --record FILE")
+        info = _pick_agent(args.pid, interactive=False)
+        return _record_headless(info, args.record, args.duration)
+    if args.duration is not None:
+        raise CliError("--duration applies to --headless recording")
+    _require_terminal(f"torchtop attach {args.pid or 'PID'} --headless --record FILE")
+    info = _pick_agent(args.pid, interactive=True)
+    from torchtop.recording import RecordingError, RecordingWriter
+    from torchtop.tui.app import TorchtopApp
+    from torchtop.tui.sources import LiveSource, pick_agent_interactively
+
+    if info is None:
+        info = pick_agent_interactively()
+        if info is None:
+            return 0
+    try:
+        writer = RecordingWriter(args.record) if args.record else None
+    except RecordingError as exc:
+        raise CliError(str(exc), code=1) from None
+    return _run_app(TorchtopApp(LiveSource(info.address, writer=writer), title=info.command))
+
+
+def _record_headless(info: Any, path: Path, duration: float | None) -> int:
+    from torchtop.feed import AgentFeed
+    from torchtop.recording import RecordingError, RecordingWriter
+
+    try:
+        writer = RecordingWriter(path)
+    except RecordingError as exc:
+        raise CliError(str(exc), code=1) from None
+    feed = AgentFeed(address=info.address, writer=writer, client="recorder").start()
+    start = time.monotonic()
+    interactive = sys.stderr.isatty()
+    try:
+        while not feed.ended.is_set():
+            elapsed = time.monotonic() - start
+            if duration is not None and elapsed >= duration:
+                break
+            if interactive:
+                limit = f"/{duration:.0f}" if duration else ""
+                print(f"\rrecording pid {info.pid}: {elapsed:5.1f}{limit} s, {feed.frames} frames", end="", file=sys.stderr)
+            feed.ended.wait(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        feed.close()
+        feed.join(2.0)
+        writer.close()
+    if interactive:
+        print(file=sys.stderr)
+    print(f"recorded {feed.frames} frames from pid {info.pid} to {path} ({feed.end_reason or 'stopped'})", file=sys.stderr)
+    if feed.frames == 0:
+        return 1
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from torchtop.recording import RecordingError, read_recording
+
+    try:
+        contents = read_recording(args.file)
+    except RecordingError as exc:
+        raise CliError(str(exc), code=1) from None
+    _require_terminal(f"torchtop report {args.file}")
+    from torchtop.tui.app import TorchtopApp
+    from torchtop.tui.sources import RecordingSource
+
+    source = RecordingSource(contents.messages, speed=args.speed)
+    return _run_app(TorchtopApp(source, title=str(args.file)))
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from torchtop.recording import RecordingError, read_recording
+    from torchtop.report import render_text, summarize
+
+    try:
+        contents = read_recording(args.file)
+    except RecordingError as exc:
+        raise CliError(str(exc), code=1) from None
+    report = summarize(contents.messages)
+    report["recording"] = {
+        "path": str(args.file),
+        "skipped_frames": contents.skipped,
+        "truncated": contents.truncated,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        from rich.console import Console
+
+        Console().print(render_text(report))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from torchtop.demo_catalog import DemoNotFound, find_demo, list_demos
+
+    if args.list or not args.name:
+        demos = list_demos()
+        if args.json:
+            print(json.dumps([{"name": d.name, "description": d.description} for d in demos], indent=2))
+            return 0
+        width = max(len(d.name) for d in demos) if demos else 0
+        print("demos (run one with `torchtop demo NAME`, add --headless for a table):")
+        for d in demos:
+            print(f"  {d.name:<{width}}  {d.description}")
+        return 0
+    try:
+        demo = find_demo(args.name)
+    except DemoNotFound as exc:
+        raise CliError(str(exc)) from None
+    if args.source:
+        print(demo.path.read_text(), end="")
+        return 0
+    from torchtop.runner import RunSpec
+
+    demo_args = []
+    if args.quick:
+        demo_args.append("--quick")
+    if args.device:
+        demo_args += ["--device", args.device]
+    spec = RunSpec(
+        target=["-m", demo.module, *demo_args],
+        headless=args.headless,
+        record=args.record,
+    )
+    return _run_spec(spec)
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "ps": cmd_ps,
+    "attach": cmd_attach,
+    "replay": cmd_replay,
+    "report": cmd_report,
+    "demo": cmd_demo,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return EXIT_USAGE
+        return COMMANDS[args.command](args)
+    except CliError as exc:
+        print(f"torchtop: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # `torchtop report x | head`: the reader went away; that is not an error.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def main_entry() -> None:
+    sys.exit(main())

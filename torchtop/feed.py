@@ -1,0 +1,131 @@
+"""A background reader of one agent's stream, for viewers and recorders. Standard library only.
+
+:class:`AgentFeed` waits for the agent to listen, connects, and hands every decoded message to a
+callback, writing each frame to a recording on the way. It ends when the agent closes the
+connection (the job exited or died), when it is closed, or on a malformed frame.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from torchtop.protocol import JobExited, Message, ProtocolError, decode
+from torchtop.recording import RecordingWriter
+from torchtop.transport import AgentConnection, AgentInfo, TransportError, wait_for_agent
+
+
+class AgentFeed:
+    """Streams one agent into ``on_message``; ``on_end(reason)`` is called once at the end."""
+
+    def __init__(
+        self,
+        *,
+        pid: int | None = None,
+        address: str | None = None,
+        alive: Callable[[], bool] | None = None,
+        wait_s: float = 120.0,
+        writer: RecordingWriter | None = None,
+        on_message: Callable[[Message], None] | None = None,
+        on_connect: Callable[[AgentInfo | str], None] | None = None,
+        on_end: Callable[[str], None] | None = None,
+        client: str = "viewer",
+    ) -> None:
+        if pid is None and address is None:
+            raise ValueError("give the agent's pid or address")
+        self.pid = pid
+        self.address = address
+        self._alive = alive
+        self._wait_s = wait_s
+        self.writer = writer
+        self._on_message = on_message
+        self._on_connect = on_connect
+        self._on_end = on_end
+        self._client = client
+        self._conn: AgentConnection | None = None
+        self._closed = threading.Event()
+        self.saw_exit: JobExited | None = None
+        self.frames = 0
+        self.connected = threading.Event()
+        self.ended = threading.Event()
+        self.end_reason = ""
+        self._thread = threading.Thread(target=self._run, name="torchtop-feed", daemon=True)
+
+    def start(self) -> AgentFeed:
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def close(self) -> None:
+        self._closed.set()
+        conn = self._conn
+        if conn is not None:
+            conn.close()
+
+    def _run(self) -> None:
+        reason = "closed"
+        try:
+            reason = self._stream()
+        except Exception as exc:  # a feed must end with a reason, never a traceback
+            reason = f"feed failed: {exc!r}"
+        finally:
+            self.end_reason = reason
+            self.ended.set()
+            if self._on_end is not None:
+                self._on_end(reason)
+
+    def _stream(self) -> str:
+        address = self.address
+        if address is None:
+            assert self.pid is not None
+            alive = self._alive
+
+            def keep_waiting() -> bool:
+                return not self._closed.is_set() and (alive is None or alive())
+
+            info = wait_for_agent(self.pid, self._wait_s, keep_waiting)
+            if info is None:
+                if self._closed.is_set():
+                    return "closed"
+                if alive is not None and not alive():
+                    return "the job exited before its agent started"
+                return f"no agent appeared for pid {self.pid} within {self._wait_s:.0f} s"
+            address = info.address
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                self._conn = AgentConnection(address, client=self._client)
+                break
+            except TransportError:
+                # The socket can exist a moment before it listens; retry briefly.
+                if time.monotonic() > deadline or self._closed.is_set():
+                    raise
+                time.sleep(0.05)
+        self.connected.set()
+        if self._on_connect is not None:
+            self._on_connect(address)
+        try:
+            for frame in self._conn.frames():
+                message = decode(frame)
+                if self.writer is not None:
+                    self.writer.write_frame(frame)
+                self.frames += 1
+                if message is None:
+                    continue
+                if isinstance(message, JobExited):
+                    self.saw_exit = message
+                if self._on_message is not None:
+                    self._on_message(message)
+        except ProtocolError as exc:
+            return f"the agent sent a malformed frame: {exc}"
+        finally:
+            self._conn.close()
+        if self._closed.is_set():
+            return "detached"
+        if self.saw_exit is not None:
+            return "job exited"
+        return "connection lost"

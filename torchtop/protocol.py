@@ -1,0 +1,398 @@
+"""The wire protocol between the agent and its viewers.
+
+Standard library only. A frame is one JSON object on one line (UTF-8, ``\\n``-terminated) with a
+``kind`` field naming the message. Each message kind is a frozen dataclass below; decoding
+validates every field against the dataclass's type hints, so nothing from the wire is ever
+unpickled, evaluated or trusted. Readers skip kinds they do not know (a newer agent may send
+more), and reject a malformed or oversized frame with :class:`ProtocolError`.
+
+Units: bytes are ``int``, seconds and timestamps are ``float`` (``time.time()`` wall clock), and a
+value that could not be read is ``None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+PROTOCOL_VERSION = 1
+#: The largest frame a reader accepts, newline included.
+MAX_FRAME_BYTES = 1 << 20
+
+
+class ProtocolError(Exception):
+    """A frame that is malformed, too large, or of an unsupported protocol version."""
+
+
+# --------------------------------------------------------------------------------------------
+# Messages
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message kind. ``KIND`` is the value of the ``kind`` field on the wire."""
+
+    KIND: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """A device the job can use: ``cpu`` or ``cuda:N``."""
+
+    id: str
+    name: str
+    total_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class ClientHello(Message):
+    """First frame from a viewer to the agent. The agent closes a connection whose version differs."""
+
+    KIND: ClassVar[str] = "client_hello"
+    protocol: int
+    client: str = "viewer"
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """First frame from the agent: who the job is."""
+
+    KIND: ClassVar[str] = "hello"
+    protocol: int
+    pid: int
+    argv: list[str]
+    cwd: str
+    started_at: float
+    python: str
+    torch: str | None
+    devices: list[DeviceInfo]
+    interval_s: float
+    hostname: str = ""
+
+
+@dataclass(frozen=True)
+class HostStats:
+    """The training process and its machine, read with psutil."""
+
+    rss_bytes: int | None
+    cpu_percent: float | None
+    threads: int | None
+    children: int | None
+    system_used_bytes: int | None
+    system_total_bytes: int | None
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """One device's memory as its allocator sees it.
+
+    On CUDA, ``allocated`` and ``reserved`` come from the caching allocator (``reserved`` is its
+    cache). On a CPU-only job there is no caching allocator: ``allocated`` is the C heap in use
+    (``source == "cpu-heap"``) or RSS where the heap cannot be read (``source == "cpu-rss"``),
+    and ``reserved`` is the process RSS.
+    """
+
+    device: str
+    source: str
+    allocated_bytes: int | None
+    reserved_bytes: int | None
+    active_bytes: int | None = None
+    inactive_split_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    num_alloc_retries: int | None = None
+    num_ooms: int | None = None
+    free_bytes: int | None = None
+    total_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Sample(Message):
+    """One tick of the cheap counters."""
+
+    KIND: ClassVar[str] = "sample"
+    t: float
+    host: HostStats | None
+    memory: list[MemoryStats]
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    used_bytes: int | None
+
+
+@dataclass(frozen=True)
+class GpuStats:
+    """One NVIDIA GPU as NVML sees it. ``lost`` is set once NVML reports the GPU gone."""
+
+    index: int
+    name: str | None
+    util_gpu_percent: float | None = None
+    util_memory_percent: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    clock_sm_mhz: int | None = None
+    clock_memory_mhz: int | None = None
+    processes: list[GpuProcess] | None = None
+    lost: bool = False
+
+
+@dataclass(frozen=True)
+class GpuSample(Message):
+    KIND: ClassVar[str] = "gpu"
+    t: float
+    gpus: list[GpuStats]
+
+
+@dataclass(frozen=True)
+class ProbeStatus(Message):
+    """A probe became available or unavailable, with the reason in words."""
+
+    KIND: ClassVar[str] = "probe_status"
+    t: float
+    probe: str
+    available: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class PhaseBegan(Message):
+    KIND: ClassVar[str] = "phase_began"
+    t: float
+    name: str
+    id: int
+
+
+@dataclass(frozen=True)
+class PhaseEnded(Message):
+    KIND: ClassVar[str] = "phase_ended"
+    t: float
+    name: str
+    id: int
+
+
+@dataclass(frozen=True)
+class Marked(Message):
+    KIND: ClassVar[str] = "mark"
+    t: float
+    name: str
+
+
+@dataclass(frozen=True)
+class LogLine(Message):
+    """A line of the job's own output. ``stream`` is ``stdout`` or ``stderr``."""
+
+    KIND: ClassVar[str] = "log"
+    t: float
+    stream: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Dropped(Message):
+    """How many frames the agent has dropped for this client so far (a running total)."""
+
+    KIND: ClassVar[str] = "dropped"
+    t: float
+    count: int
+
+
+@dataclass(frozen=True)
+class AgentStats(Message):
+    """The agent's own cost and health, about once a second."""
+
+    KIND: ClassVar[str] = "agent_stats"
+    t: float
+    clients: int
+    queued_bytes: int
+    dropped: int
+    ticks: int
+    late_ticks: int
+    mean_tick_s: float
+    max_tick_s: float
+
+
+@dataclass(frozen=True)
+class JobExited(Message):
+    """The job ended. ``exit_code`` is ``None`` when unknown; negative means killed by a signal."""
+
+    KIND: ClassVar[str] = "exit"
+    t: float
+    exit_code: int | None
+    reason: str = ""
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.KIND: cls
+    for cls in (
+        ClientHello,
+        Hello,
+        Sample,
+        GpuSample,
+        ProbeStatus,
+        PhaseBegan,
+        PhaseEnded,
+        Marked,
+        LogLine,
+        Dropped,
+        AgentStats,
+        JobExited,
+    )
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding and decoding
+# --------------------------------------------------------------------------------------------
+
+
+def to_dict(message: Message) -> dict[str, Any]:
+    """The JSON-ready dict of a message, with its ``kind``."""
+    body = dataclasses.asdict(message)
+    return {"kind": message.KIND, **body}
+
+
+def encode(message: Message) -> bytes:
+    """One frame: compact JSON and a newline."""
+    data = json.dumps(to_dict(message), separators=(",", ":"), allow_nan=False).encode()
+    if len(data) + 1 > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(data) + 1} bytes exceeds the {MAX_FRAME_BYTES} limit")
+    return data + b"\n"
+
+
+def decode(frame: bytes | str) -> Message | None:
+    """Decode one frame. Returns ``None`` for a well-formed frame of a kind this reader doesn't know.
+
+    Raises :class:`ProtocolError` for anything malformed.
+    """
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES} limit")
+    try:
+        obj = json.loads(frame)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"frame is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("frame is not a JSON object")
+    kind = obj.get("kind")
+    if not isinstance(kind, str):
+        raise ProtocolError("frame has no string 'kind'")
+    cls = MESSAGE_TYPES.get(kind)
+    if cls is None:
+        return None
+    body = {k: v for k, v in obj.items() if k != "kind"}
+    message = _build(cls, body, kind)
+    assert isinstance(message, Message)
+    return message
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = hints
+    return hints
+
+
+def _build(cls: type, obj: Any, where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{where}: expected an object")
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in obj:
+            kwargs[f.name] = _check(hints[f.name], obj[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"{where}: missing field {f.name!r}")
+    # Fields this reader does not know are ignored: a newer writer may add them.
+    return cls(**kwargs)
+
+
+def _check(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Union or origin is types.UnionType:
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check(option, value, where)
+            except ProtocolError as exc:
+                errors.append(str(exc))
+        raise ProtocolError(errors[0] if errors else f"{where}: unexpected value")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list")
+        return [_check(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{where}: expected a boolean")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"{where}: expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(f"{where}: expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"{where}: expected a string")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)  # type: ignore[arg-type]
+    raise ProtocolError(f"{where}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------------------------
+# Framing
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FrameSplitter:
+    """Cuts a byte stream into frames, refusing any frame longer than ``limit``.
+
+    Feed it what ``recv`` returned; it yields each complete line (without the newline).
+    """
+
+    limit: int = MAX_FRAME_BYTES
+    _buffer: bytearray = field(default_factory=bytearray)
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        self._buffer += data
+        start = 0
+        while True:
+            end = self._buffer.find(b"\n", start)
+            if end < 0:
+                break
+            if end - start + 1 > self.limit:
+                raise ProtocolError(f"frame exceeds the {self.limit}-byte limit")
+            yield bytes(self._buffer[start:end])
+            start = end + 1
+        del self._buffer[:start]
+        if len(self._buffer) >= self.limit:
+            raise ProtocolError(f"frame exceeds the {self.limit}-byte limit")
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete frame held back."""
+        return len(self._buffer)

@@ -1,0 +1,125 @@
+"""Recordings: the agent's frames, as received, in a file (``.ttr``). Standard library only.
+
+A recording is the same JSON-lines frames the socket carries, so one code path feeds the viewer
+live and from a file. Frames are flushed at least twice a second, so a crash loses at most that;
+a file cut short reads up to its last whole frame.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from torchtop.protocol import MAX_FRAME_BYTES, Message, ProtocolError, decode, encode
+
+FLUSH_INTERVAL_S = 0.5
+
+
+class RecordingError(Exception):
+    """A recording cannot be written or read; the message says why and what to do."""
+
+
+class RecordingWriter:
+    """Appends frames to a file. Thread-safe; flushes at least every half second."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            self._file: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        except OSError as exc:
+            raise RecordingError(
+                f"cannot write the recording {self.path}: {exc.strerror}; "
+                "check that its directory exists and is writable"
+            ) from None
+        self._lock = threading.Lock()
+        self._last_flush = time.monotonic()
+        self.frames = 0
+        self.closed = False
+
+    def write_frame(self, frame: bytes) -> None:
+        """Write one raw frame (without its newline) that has already been decoded once."""
+        with self._lock:
+            if self.closed:
+                return
+            self._file.write(frame)
+            self._file.write(b"\n")
+            self.frames += 1
+            now = time.monotonic()
+            if now - self._last_flush >= FLUSH_INTERVAL_S:
+                self._file.flush()
+                self._last_flush = now
+
+    def write(self, message: Message) -> None:
+        self.write_frame(encode(message).rstrip(b"\n"))
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self.closed:
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._file.close()
+
+
+@dataclass
+class RecordingContents:
+    messages: list[Message]
+    #: Lines that were not valid frames (a torn write, a damaged file); they are skipped.
+    skipped: int
+    #: True when the file ended mid-frame (the writer was killed).
+    truncated: bool
+
+
+def read_recording(path: str | os.PathLike[str]) -> RecordingContents:
+    """All messages of a recording, skipping unknown kinds and damaged lines."""
+    messages: list[Message] = []
+    skipped = 0
+    truncated = False
+    for line, complete in _lines(path):
+        if not complete:
+            truncated = True
+            break
+        if not line.strip():
+            continue
+        try:
+            message = decode(line)
+        except ProtocolError:
+            skipped += 1
+            continue
+        if message is not None:
+            messages.append(message)
+    if not messages and skipped:
+        raise RecordingError(f"{path} is not a torchtop recording (no readable frames)")
+    return RecordingContents(messages=messages, skipped=skipped, truncated=truncated)
+
+
+def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[bytes, bool]]:
+    try:
+        f = open(path, "rb")  # noqa: SIM115
+    except FileNotFoundError:
+        raise RecordingError(f"no recording at {path}; record one with `torchtop run --record`") from None
+    except OSError as exc:
+        raise RecordingError(f"cannot read {path}: {exc.strerror}") from None
+    with f:
+        while True:
+            line = f.readline(MAX_FRAME_BYTES + 1)
+            if not line:
+                return
+            if line.endswith(b"\n"):
+                yield line[:-1], True
+            elif len(line) > MAX_FRAME_BYTES:
+                # An oversized line: skip to its end and count it as damaged.
+                while line and not line.endswith(b"\n"):
+                    line = f.readline(MAX_FRAME_BYTES + 1)
+                yield b"\xff", True
+            else:
+                yield line, False

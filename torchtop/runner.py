@@ -1,0 +1,180 @@
+"""``torchtop run``: start the user's unchanged script in a child process with the agent inside.
+
+Standard library only: the child imports torch, this process never does. Headless, the child
+shares our terminal (its output passes straight through) and we exit with its exit code. With a
+viewer, the child gets its own session and no terminal, so it can outlive a viewer that detaches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchtop.feed import AgentFeed
+from torchtop.protocol import JobExited
+from torchtop.recording import RecordingWriter
+from torchtop.transport import ensure_runtime_dir
+
+OPTIONS_ENV = "TORCHTOP_AGENT_OPTIONS"
+#: How long a job has to stop after SIGINT before SIGTERM, and after SIGTERM before SIGKILL.
+STOP_GRACE_S = 5.0
+
+
+class RunError(Exception):
+    """The job cannot be started; the message says why and what to do."""
+
+
+@dataclass
+class RunSpec:
+    """What to run and how to watch it."""
+
+    #: ``["train.py", *args]`` or ``["-m", "pkg.module", *args]``.
+    target: list[str]
+    agent_options: dict[str, Any] = field(default_factory=dict)
+    headless: bool = False
+    record: Path | None = None
+
+    def validate(self) -> None:
+        if not self.target:
+            raise RunError("nothing to run: give a script or -m MODULE (see `torchtop run --help`)")
+        if self.target[0] == "-m":
+            if len(self.target) < 2 or not self.target[1]:
+                raise RunError("-m needs a module name, e.g. `torchtop run -m mypkg.train`")
+        else:
+            script = Path(self.target[0])
+            if not script.exists():
+                raise RunError(f"no such script: {script} (check the path; to run a module use -m)")
+            if script.is_dir():
+                raise RunError(f"{script} is a directory; give the training script inside it")
+        if self.record is not None and not self.record.parent.resolve().is_dir():
+            raise RunError(f"cannot record to {self.record}: its directory does not exist")
+
+    @property
+    def description(self) -> str:
+        return " ".join(self.target[1:] if self.target[0] == "-m" else self.target)
+
+
+def exit_status(returncode: int) -> tuple[int, str]:
+    """The shell-style exit code of a finished child and its reason in words."""
+    if returncode < 0:
+        signum = -returncode
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return 128 + signum, f"killed by {name}"
+    return returncode, f"exited with code {returncode}"
+
+
+class Job:
+    """The child process running the user's code under the agent."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        spec = self.spec
+        options = {"capture_output": True, "linger_s": 5.0, **spec.agent_options}
+        env = dict(os.environ)
+        env[OPTIONS_ENV] = json.dumps(options)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        cmd = [sys.executable, "-m", "torchtop.agent.bootstrap", *spec.target]
+        try:
+            if spec.headless:
+                self.process = subprocess.Popen(cmd, env=env)
+            else:
+                directory = ensure_runtime_dir()
+                self.log_path = directory / f"job-{int(time.time() * 1000)}.log"
+                with open(self.log_path, "wb") as log:
+                    self.process = subprocess.Popen(
+                        cmd,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+        except OSError as exc:
+            raise RunError(f"cannot start {sys.executable}: {exc.strerror}") from None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        assert self.process is not None
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def signal(self, signum: int) -> None:
+        if self.running():
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signum)
+
+    def stop(self) -> None:
+        """Interrupt the job, then terminate and kill it if it will not stop. Returns at once."""
+        if self._stopping or not self.running():
+            return
+        self._stopping = True
+        threading.Thread(target=self._escalate, name="torchtop-stop", daemon=True).start()
+
+    def _escalate(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+            if not self.running():
+                return
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signum)
+            if self.wait(STOP_GRACE_S) is not None:
+                return
+
+
+def run_headless(spec: RunSpec) -> int:
+    """Run the job with its output passing straight through; return its exit code."""
+    writer = RecordingWriter(spec.record) if spec.record is not None else None
+    job = Job(spec)
+    job.start()
+    # Ctrl-C reaches the job from the terminal; we outlive it to finish the recording.
+    # SIGTERM sent to us is passed on to the job.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous_term = signal.signal(signal.SIGTERM, lambda signum, frame: job.signal(signum))
+    feed = None
+    try:
+        if writer is not None:
+            feed = AgentFeed(pid=job.pid, alive=job.running, writer=writer, client="recorder")
+            feed.start()
+        returncode = job.wait()
+        assert returncode is not None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
+    code, reason = exit_status(returncode)
+    if feed is not None and writer is not None:
+        feed.join(timeout=10.0)
+        feed.close()
+        if feed.saw_exit is None:
+            writer.write(JobExited(t=time.time(), exit_code=returncode, reason=reason))
+        writer.close()
+        if feed.frames == 0:
+            print(
+                f"torchtop: nothing was recorded: {feed.end_reason or 'no agent'}",
+                file=sys.stderr,
+            )
+    return code

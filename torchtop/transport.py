@@ -1,0 +1,267 @@
+"""Where agents listen and how viewers find and reach them. Standard library only.
+
+Each agent listens on a Unix socket ``<pid>.sock`` in a per-user directory (mode 0700; the socket
+itself is 0600) and leaves ``<pid>.json`` beside it describing the job, which ``torchtop ps``
+lists. The server checks each peer's uid and refuses other users.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import struct
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from torchtop.protocol import (
+    PROTOCOL_VERSION,
+    ClientHello,
+    FrameSplitter,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+)
+
+
+class TransportError(Exception):
+    """A socket could not be set up or reached; the message says what to do."""
+
+
+def runtime_dir() -> Path:
+    """The per-user directory for sockets: ``$XDG_RUNTIME_DIR/torchtop`` or ``/tmp/torchtop-<uid>``."""
+    override = os.environ.get("TORCHTOP_RUNTIME_DIR")
+    if override:
+        return Path(override)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+        return Path(xdg) / "torchtop"
+    return Path(f"/tmp/torchtop-{os.getuid()}")
+
+
+def ensure_runtime_dir() -> Path:
+    """Create the socket directory with mode 0700, refusing one that another user owns."""
+    path = runtime_dir()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.lstat()
+    except OSError as exc:
+        raise TransportError(
+            f"cannot create the socket directory {path}: {exc.strerror}; "
+            "set TORCHTOP_RUNTIME_DIR to a directory you own"
+        ) from None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise TransportError(
+            f"{path} is not a directory owned by you; remove it or set TORCHTOP_RUNTIME_DIR"
+        )
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a Unix socket (Linux), or None if unknown."""
+    opt = getattr(socket, "SO_PEERCRED", None)
+    if opt is None:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """What ``<pid>.json`` says of a running agent."""
+
+    pid: int
+    argv: list[str]
+    started_at: float
+    address: str
+    cwd: str = ""
+
+    @property
+    def command(self) -> str:
+        return " ".join(self.argv)
+
+    @property
+    def socket_path(self) -> str:
+        return self.address.removeprefix("unix:")
+
+
+def socket_path_for(pid: int, directory: Path | None = None) -> Path:
+    return (directory or runtime_dir()) / f"{pid}.sock"
+
+
+def bind_server(pid: int, argv: list[str], started_at: float) -> tuple[socket.socket, AgentInfo]:
+    """Bind the agent's listening socket (mode 0600) and write its description file."""
+    directory = ensure_runtime_dir()
+    path = socket_path_for(pid, directory)
+    # A socket of the same name is left by a dead process whose pid we now have.
+    _unlink_quietly(path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(str(path))
+        os.chmod(path, 0o600)
+        server.listen(16)
+    except OSError as exc:
+        server.close()
+        raise TransportError(f"cannot listen on {path}: {exc.strerror}") from None
+    server.setblocking(False)
+    info = AgentInfo(
+        pid=pid, argv=list(argv), started_at=started_at, address=f"unix:{path}", cwd=os.getcwd()
+    )
+    meta = directory / f"{pid}.json"
+    tmp = meta.with_suffix(".json.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(info), f)
+    os.replace(tmp, meta)
+    return server, info
+
+
+def remove_server_files(pid: int) -> None:
+    directory = runtime_dir()
+    _unlink_quietly(directory / f"{pid}.sock")
+    _unlink_quietly(directory / f"{pid}.json")
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_agents(clean_stale: bool = True) -> list[AgentInfo]:
+    """Running agents of this user, oldest first. Files left by dead processes are removed."""
+    directory = runtime_dir()
+    if not directory.is_dir():
+        return []
+    agents = []
+    for meta in sorted(directory.glob("*.json")):
+        try:
+            raw = json.loads(meta.read_text())
+            info = AgentInfo(
+                pid=int(raw["pid"]),
+                argv=[str(a) for a in raw["argv"]],
+                started_at=float(raw["started_at"]),
+                address=str(raw["address"]),
+                cwd=str(raw.get("cwd", "")),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not _pid_alive(info.pid) or not os.path.exists(info.socket_path):
+            if clean_stale:
+                remove_server_files(info.pid)
+            continue
+        agents.append(info)
+    agents.sort(key=lambda a: a.started_at)
+    return agents
+
+
+def find_agent(pid: int) -> AgentInfo | None:
+    for info in list_agents():
+        if info.pid == pid:
+            return info
+    return None
+
+
+class AgentConnection:
+    """A viewer's connection to an agent: send our hello, then read messages.
+
+    ``messages()`` yields decoded messages and skips kinds it does not know. It ends when the
+    agent closes the connection, and raises :class:`ProtocolError` for a malformed frame.
+    """
+
+    def __init__(self, address: str, client: str = "viewer", timeout: float = 5.0) -> None:
+        if not address.startswith("unix:"):
+            raise TransportError(f"unsupported address {address!r}; expected unix:/path")
+        path = address.removeprefix("unix:")
+        self.address = address
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+            self.sock.sendall(encode(ClientHello(protocol=PROTOCOL_VERSION, client=client)))
+        except OSError as exc:
+            self.sock.close()
+            raise TransportError(
+                f"cannot connect to the agent at {path}: {exc.strerror or exc}; "
+                "is the job still running? (see `torchtop ps`)"
+            ) from None
+        self.sock.settimeout(None)
+        self._splitter = FrameSplitter()
+
+    def frames(self) -> Iterator[bytes]:
+        """Raw frames as they arrive (for recording), each without its newline."""
+        while True:
+            try:
+                data = self.sock.recv(1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            yield from self._splitter.feed(data)
+
+    def messages(self) -> Iterator[Message]:
+        for frame in self.frames():
+            message = decode(frame)
+            if message is not None:
+                yield message
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def wait_for_agent(
+    pid: int, timeout: float, alive: Callable[[], bool] | None = None
+) -> AgentInfo | None:
+    """Wait until the agent of ``pid`` is listening, or ``alive()`` turns false, or time runs out."""
+    deadline = time.monotonic() + timeout
+    path = socket_path_for(pid)
+    while time.monotonic() < deadline:
+        if path.exists():
+            info = find_agent(pid)
+            if info is not None:
+                return info
+        if alive is not None and not alive():
+            return None
+        time.sleep(0.05)
+    return None
+
+
+__all__ = [
+    "AgentConnection",
+    "AgentInfo",
+    "ProtocolError",
+    "TransportError",
+    "bind_server",
+    "ensure_runtime_dir",
+    "list_agents",
+    "peer_uid",
+    "remove_server_files",
+    "runtime_dir",
+    "wait_for_agent",
+]
+
+if sys.platform == "win32":  # pragma: no cover
+    raise ImportError("torchtop needs Unix sockets (Linux or macOS)")
