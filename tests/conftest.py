@@ -23,7 +23,9 @@ def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(path.parent, ignore_errors=True)
 
 
-def torchtop(*args: str, timeout: float = 120, **kwargs: object) -> subprocess.CompletedProcess[str]:
+def torchtop(
+    *args: str, timeout: float = 120, **kwargs: object
+) -> subprocess.CompletedProcess[str]:
     """Run the real command line in a subprocess, as a user would."""
     return subprocess.run(
         [sys.executable, "-m", "torchtop", *args],

@@ -25,8 +25,15 @@ from torchtop.protocol import (
 from torchtop.transport import bind_server
 
 HELLO = Hello(
-    protocol=PROTOCOL_VERSION, pid=1, argv=["x"], cwd="/", started_at=0.0, python="3",
-    torch=None, devices=[], interval_s=0.1,
+    protocol=PROTOCOL_VERSION,
+    pid=1,
+    argv=["x"],
+    cwd="/",
+    started_at=0.0,
+    python="3",
+    torch=None,
+    devices=[],
+    interval_s=0.1,
 )
 
 

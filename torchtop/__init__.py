@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 
 def start(**options: Any) -> None:
-    """Start the in-process agent (idempotent). See :class:`torchtop.agent.AgentConfig` for options."""
+    """Start the in-process agent (idempotent); options are ``AgentConfig`` fields."""
     from torchtop.agent.core import start as _start
 
     _start(**options)

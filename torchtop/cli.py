@@ -53,10 +53,31 @@ def _positive_float(text: str) -> float:
 
 
 def _add_agent_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--headless", action="store_true", help="no viewer; the job's output passes straight through")
-    p.add_argument("--record", metavar="FILE", type=Path, help="save the stream to FILE (.ttr) for replay and report")
-    p.add_argument("--interval", metavar="S", type=_positive_float, default=0.1, help="seconds between memory and host samples (default 0.1)")
-    p.add_argument("--nvml-interval", metavar="S", type=_positive_float, default=0.5, help="seconds between NVML reads (default 0.5)")
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="no viewer; the job's output passes straight through",
+    )
+    p.add_argument(
+        "--record",
+        metavar="FILE",
+        type=Path,
+        help="save the stream to FILE (.ttr) for replay and report",
+    )
+    p.add_argument(
+        "--interval",
+        metavar="S",
+        type=_positive_float,
+        default=0.1,
+        help="seconds between memory and host samples (default 0.1)",
+    )
+    p.add_argument(
+        "--nvml-interval",
+        metavar="S",
+        type=_positive_float,
+        default=0.5,
+        help="seconds between NVML reads (default 0.5)",
+    )
     p.add_argument("--no-nvml", action="store_true", help="do not read GPUs through NVML")
 
 
@@ -73,13 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run a script with the agent inside and watch it",
         description="Run an unchanged training script (or -m MODULE) with the agent inside.",
-        usage="torchtop run [options] SCRIPT [ARGS...]\n       torchtop run [options] -m MODULE [ARGS...]",
+        usage=(
+            "torchtop run [options] SCRIPT [ARGS...]\n"
+            "       torchtop run [options] -m MODULE [ARGS...]"
+        ),
     )
     _add_agent_options(run)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
     run.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]")
 
-    ps = sub.add_parser("ps", help="list running agents", description="List the running agents of this user.")
+    ps = sub.add_parser(
+        "ps", help="list running agents", description="List the running agents of this user."
+    )
     ps.add_argument("--json", action="store_true", help="print a JSON list")
 
     attach = sub.add_parser(
@@ -87,16 +113,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="watch a running agent",
         description="Attach the viewer (or a headless recorder) to a running agent.",
     )
-    attach.add_argument("pid", nargs="?", type=int, help="the job's pid (default: the only agent, or pick one)")
-    attach.add_argument("--headless", action="store_true", help="record without a viewer (needs --record)")
+    attach.add_argument(
+        "pid", nargs="?", type=int, help="the job's pid (default: the only agent, or pick one)"
+    )
+    attach.add_argument(
+        "--headless", action="store_true", help="record without a viewer (needs --record)"
+    )
     attach.add_argument("--record", metavar="FILE", type=Path, help="save the stream to FILE")
-    attach.add_argument("--duration", metavar="S", type=_positive_float, help="with --headless: stop after S seconds (default: until the job ends)")
+    attach.add_argument(
+        "--duration",
+        metavar="S",
+        type=_positive_float,
+        help="with --headless: stop after S seconds (default: until the job ends)",
+    )
 
-    replay = sub.add_parser("replay", help="view a recording", description="The viewer over a recording: space plays or pauses, e jumps to the end.")
+    replay = sub.add_parser(
+        "replay",
+        help="view a recording",
+        description="The viewer over a recording: space plays or pauses, e jumps to the end.",
+    )
     replay.add_argument("file", type=Path)
-    replay.add_argument("--speed", type=_positive_float, default=1.0, help="playback speed (default 1)")
+    replay.add_argument(
+        "--speed", type=_positive_float, default=1.0, help="playback speed (default 1)"
+    )
 
-    report = sub.add_parser("report", help="summarize a recording", description="Summarize a recording: duration, samples, peaks, phases, exit.")
+    report = sub.add_parser(
+        "report",
+        help="summarize a recording",
+        description="Summarize a recording: duration, samples, peaks, phases, exit.",
+    )
     report.add_argument("file", type=Path)
     report.add_argument("--json", action="store_true", help="print JSON (keys in the README)")
 
@@ -108,9 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("name", nargs="?", help="the demo to run (see --list)")
     demo.add_argument("--list", action="store_true", help="list the demos")
     demo.add_argument("--json", action="store_true", help="with --list: print JSON")
-    demo.add_argument("--source", action="store_true", help="print the demo's source instead of running it")
+    demo.add_argument(
+        "--source", action="store_true", help="print the demo's source instead of running it"
+    )
     demo.add_argument("--quick", action="store_true", help="a short run (for CI)")
-    demo.add_argument("--device", choices=("cpu", "cuda"), help="where to run (default: cuda when available)")
+    demo.add_argument(
+        "--device", choices=("cpu", "cuda"), help="where to run (default: cuda when available)"
+    )
     demo.add_argument("--headless", action="store_true", help="no viewer: print the measured table")
     demo.add_argument("--record", metavar="FILE", type=Path, help="save the stream to FILE")
     return parser
@@ -166,7 +215,12 @@ def _run_spec(spec: Any) -> int:
         from torchtop.tui.sources import RunSource
 
         source = RunSource(spec)
-        return _run_app(TorchtopApp(source, title=spec.description))
+        code = _run_app(TorchtopApp(source, title=spec.description))
+        source.wait_after_viewer()
+        note = source.after_exit_note()
+        if note:
+            print(note, file=sys.stderr)
+        return code
     except (RunError, RecordingError) as exc:
         raise CliError(str(exc), code=1) from None
 
@@ -278,7 +332,11 @@ def _record_headless(info: Any, path: Path, duration: float | None) -> int:
                 break
             if interactive:
                 limit = f"/{duration:.0f}" if duration else ""
-                print(f"\rrecording pid {info.pid}: {elapsed:5.1f}{limit} s, {feed.frames} frames", end="", file=sys.stderr)
+                print(
+                    f"\rrecording pid {info.pid}: {elapsed:5.1f}{limit} s, {feed.frames} frames",
+                    end="",
+                    file=sys.stderr,
+                )
             feed.ended.wait(0.5)
     except KeyboardInterrupt:
         pass
@@ -288,7 +346,11 @@ def _record_headless(info: Any, path: Path, duration: float | None) -> int:
         writer.close()
     if interactive:
         print(file=sys.stderr)
-    print(f"recorded {feed.frames} frames from pid {info.pid} to {path} ({feed.end_reason or 'stopped'})", file=sys.stderr)
+    print(
+        f"recorded {feed.frames} frames from pid {info.pid} to {path} "
+        f"({feed.end_reason or 'stopped'})",
+        file=sys.stderr,
+    )
     if feed.frames == 0:
         return 1
     return 0
@@ -338,7 +400,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.list or not args.name:
         demos = list_demos()
         if args.json:
-            print(json.dumps([{"name": d.name, "description": d.description} for d in demos], indent=2))
+            print(
+                json.dumps(
+                    [{"name": d.name, "description": d.description} for d in demos], indent=2
+                )
+            )
             return 0
         width = max(len(d.name) for d in demos) if demos else 0
         print("demos (run one with `torchtop demo NAME`, add --headless for a table):")

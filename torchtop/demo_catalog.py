@@ -45,7 +45,9 @@ def list_demos() -> list[Demo]:
             continue
         description = doc.strip().splitlines()[0] if doc.strip() else ""
         name = path.stem.replace("_", "-")
-        demos.append(Demo(name=name, module=f"{PACKAGE}.{path.stem}", path=path, description=description))
+        demos.append(
+            Demo(name=name, module=f"{PACKAGE}.{path.stem}", path=path, description=description)
+        )
     return demos
 
 

@@ -52,7 +52,7 @@ class DeviceInfo:
 
 @dataclass(frozen=True)
 class ClientHello(Message):
-    """First frame from a viewer to the agent. The agent closes a connection whose version differs."""
+    """First frame from a viewer. The agent closes a connection whose version differs."""
 
     KIND: ClassVar[str] = "client_hello"
     protocol: int
@@ -272,7 +272,7 @@ def encode(message: Message) -> bytes:
 
 
 def decode(frame: bytes | str) -> Message | None:
-    """Decode one frame. Returns ``None`` for a well-formed frame of a kind this reader doesn't know.
+    """Decode one frame; ``None`` for a well-formed frame of a kind this reader doesn't know.
 
     Raises :class:`ProtocolError` for anything malformed.
     """

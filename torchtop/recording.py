@@ -106,7 +106,9 @@ def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[bytes, bool]]:
     try:
         f = open(path, "rb")  # noqa: SIM115
     except FileNotFoundError:
-        raise RecordingError(f"no recording at {path}; record one with `torchtop run --record`") from None
+        raise RecordingError(
+            f"no recording at {path}; record one with `torchtop run --record`"
+        ) from None
     except OSError as exc:
         raise RecordingError(f"cannot read {path}: {exc.strerror}") from None
     with f:

@@ -189,9 +189,7 @@ def _to_json(s: _Summary) -> dict[str, Any]:
         "phases": phases,
         "devices": devices,
         "host": {"peak_rss_bytes": s.peak_rss},
-        "gpus": [
-            {"index": i, "peak_util_percent": u} for i, u in sorted(s.gpu_peak_util.items())
-        ],
+        "gpus": [{"index": i, "peak_util_percent": u} for i, u in sorted(s.gpu_peak_util.items())],
         "probes_unavailable": s.probes,
         "log_lines": s.log_lines,
     }

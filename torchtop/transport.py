@@ -34,7 +34,7 @@ class TransportError(Exception):
 
 
 def runtime_dir() -> Path:
-    """The per-user directory for sockets: ``$XDG_RUNTIME_DIR/torchtop`` or ``/tmp/torchtop-<uid>``."""
+    """The per-user socket directory: ``$XDG_RUNTIME_DIR/torchtop`` or ``/tmp/torchtop-<uid>``."""
     override = os.environ.get("TORCHTOP_RUNTIME_DIR")
     if override:
         return Path(override)
@@ -235,7 +235,7 @@ class AgentConnection:
 def wait_for_agent(
     pid: int, timeout: float, alive: Callable[[], bool] | None = None
 ) -> AgentInfo | None:
-    """Wait until the agent of ``pid`` is listening, or ``alive()`` turns false, or time runs out."""
+    """Wait until the agent of ``pid`` listens, ``alive()`` turns false, or time runs out."""
     deadline = time.monotonic() + timeout
     path = socket_path_for(pid)
     while time.monotonic() < deadline:

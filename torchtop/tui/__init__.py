@@ -1,0 +1,1 @@
+"""The Textual viewer. Never imports torch."""

@@ -1,0 +1,302 @@
+"""The torchtop viewer: a Textual app that shows a :class:`Source`'s messages as they arrive.
+
+The source feeds a thread-safe queue from its own thread; a timer drains the queue into a
+:class:`MonitorState` a few times a second and redraws the widgets only when the state changed,
+so an idle job costs the viewer next to no CPU. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from rich.table import Table
+from textual import log
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.timer import Timer
+from textual.widgets import Footer, Static
+
+from torchtop.protocol import Message
+from torchtop.tui.source import Source, SourceDisconnected
+from torchtop.tui.state import MonitorState
+from torchtop.tui.widgets.device import DevicePanel
+from torchtop.tui.widgets.header import JobHeader, Playback
+from torchtop.tui.widgets.host import HostPanel
+from torchtop.tui.widgets.log import LogPanel
+from torchtop.tui.widgets.memory import MemoryPanel
+
+#: How often the app drains the queue and redraws: fast enough for the eye, no faster.
+FRAME_INTERVAL_S = 0.2  # 5 frames a second: smooth to the eye, light on the CPU
+#: The most messages applied in one frame, so a burst (a replay's jump to the end) cannot
+#: freeze the screen; the rest wait for the next frame.
+MAX_MESSAGES_PER_FRAME = 50_000
+#: Playback speeds that ``+`` and ``-`` step through.
+SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+#: Actions that only apply to a seekable source (a recording).
+PLAYBACK_ACTIONS = frozenset({"toggle_pause", "jump_to_end", "faster", "slower"})
+
+HELP_KEYS = (
+    ("q", "quit (asks first if torchtop started the job and it still runs)"),
+    ("?", "this help"),
+    ("l", "the log alone, full height; l again to go back"),
+    ("↑↓ PgUp", "scroll the log"),
+    ("space", "recordings: play or pause"),
+    ("e End", "recordings: jump to the end"),
+    ("+ -", "recordings: faster, slower"),
+)
+HELP_PANELS = (
+    ("Header", "command, pid, uptime; ● live, ■ ended · exit N or ✕ connection lost"),
+    (
+        "Memory",
+        "the first GPU, else the CPU. [cyan]allocated[/]: tensors; [magenta]reserved[/]: "
+        "the caching allocator's hold; fragmentation: reserved minus allocated; retries, OOMs: "
+        "allocator failures. CPU: heap (or RSS) and RSS. The chart: the last 2 minutes "
+        "(all once the job ends), phases and ◆ marks beneath.",
+    ),
+    ("GPU", "from NVML: utilisation, memory, temperature, power, SM clock"),
+    ("Host", "the job's CPU, RSS, threads, children (DataLoader workers); system RAM"),
+    ("Log", "the job's output; stderr in yellow"),
+)
+
+
+def help_table() -> Table:
+    """Keys and panels in two columns, so long descriptions wrap under themselves."""
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    table.add_row("[b u]Keys[/]", "")
+    for key, what in HELP_KEYS:
+        table.add_row(key, what)
+    table.add_row("", "")
+    table.add_row("[b u]Panels[/]", "")
+    for panel, what in HELP_PANELS:
+        table.add_row(panel, what)
+    return table
+
+
+class HelpScreen(ModalScreen[None]):
+    """The keys and what each panel means."""
+
+    BINDINGS = [
+        Binding("escape,question_mark,q", "close", "Close"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="help-dialog") as dialog:
+            dialog.border_title = "torchtop help"
+            dialog.border_subtitle = "esc, ? or q to close"
+            yield Static(help_table(), id="help-text")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class QuitScreen(ModalScreen[str | None]):
+    """Asks whether quitting should stop the job torchtop started, or leave it running."""
+
+    BINDINGS = [
+        Binding("s", "choose('stop')", "Stop the job"),
+        Binding("d", "choose('detach')", "Leave it running"),
+        Binding("escape", "choose('')", "Cancel"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="quit-dialog"):
+            yield Static("[b]The job is still running.[/b]", id="quit-title")
+            yield Static(
+                "[b]s[/b]    stop the job, then quit\n"
+                "[b]d[/b]    leave it running and quit (detach)\n"
+                "[b]esc[/b]  cancel",
+                id="quit-choices",
+            )
+
+    def action_choose(self, choice: str) -> None:
+        self.dismiss(choice or None)
+
+
+class TorchtopApp(App[int]):
+    """Header, memory with its chart, GPU and host, and the log, fed by one :class:`Source`."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "torchtop"
+    ENABLE_COMMAND_PALETTE = False
+
+    BINDINGS = [
+        Binding("q", "request_quit", "Quit", priority=True),
+        # A monitor quits on ctrl+c like top does (Textual's default only hints at ctrl+q).
+        Binding("ctrl+c", "request_quit", "Quit", show=False, priority=True),
+        Binding("question_mark", "help", "Help", key_display="?", priority=True),
+        Binding("l", "toggle_log", "Log", priority=True),
+        Binding("space", "toggle_pause", "Pause", priority=True),
+        Binding("e", "jump_to_end", "End", priority=True),
+        Binding("end", "jump_to_end", "End", show=False, priority=True),
+        Binding("plus,equals_sign", "faster", "Faster", key_display="+", priority=True),
+        Binding("minus", "slower", "Slower", key_display="-", priority=True),
+    ]
+
+    def __init__(self, source: Source, *, title: str | None = None) -> None:
+        super().__init__()
+        self.source = source
+        self.state = MonitorState(mode=source.mode)
+        if title is not None:
+            self.title = title
+        # deque.append and popleft are atomic in CPython: the source's thread appends, the
+        # app's timer pops, and neither needs a lock.
+        self._pending: deque[Message] = deque()
+        self._shown_version = -1
+        self._shown_playback: Playback | None = None
+        self._shown_connection = self.state.connection
+        self._frame_timer: Timer | None = None
+
+    # -- layout --------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield JobHeader(id="header")
+        with Vertical(id="body"):
+            yield MemoryPanel(id="memory")
+            with Horizontal(id="panels"):
+                yield DevicePanel(id="device")
+                yield HostPanel(id="host")
+            yield LogPanel(id="log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._show()
+        try:
+            self.source.start(self.sink)
+        except Exception as exc:  # a source that cannot start is shown, never a traceback
+            self.sink(SourceDisconnected(time.time(), f"could not start: {exc}"))
+        self._frame_timer = self.set_interval(FRAME_INTERVAL_S, self.drain)
+
+    # -- feeding -------------------------------------------------------------------------------
+
+    def sink(self, message: Message) -> None:
+        """Queue a message; safe to call from any thread."""
+        self._pending.append(message)
+
+    def drain(self) -> None:
+        """Apply what arrived since the last frame and redraw if anything changed."""
+        pending = self._pending
+        for _ in range(min(len(pending), MAX_MESSAGES_PER_FRAME)):
+            message = pending.popleft()
+            try:
+                self.state.apply(message)
+            except Exception as exc:  # one odd message must not take the viewer down
+                log.error(f"skipped {type(message).__name__}: {exc!r}")
+        playback = self.playback
+        if self.state.version != self._shown_version or playback != self._shown_playback:
+            self._show()
+
+    @property
+    def playback(self) -> Playback | None:
+        """A recording's playback state; ``None`` for a live source."""
+        if not self.source.seekable:
+            return None
+        return Playback(self.source.paused, self.source.speed)
+
+    def _show(self) -> None:
+        state = self.state
+        playback = self.playback
+        self.query_one(JobHeader).show_state(state, playback)
+        self.query_one(MemoryPanel).show_state(state)
+        self.query_one(DevicePanel).show_state(state)
+        self.query_one(HostPanel).show_state(state)
+        self.query_one(LogPanel).show_state(state)
+        self._shown_version = state.version
+        self._shown_playback = playback
+        if state.connection != self._shown_connection:
+            self._shown_connection = state.connection
+            self._announce_connection()
+
+    def _announce_connection(self) -> None:
+        state = self.state
+        if state.connection in ("ended", "disconnected") and isinstance(self.screen, QuitScreen):
+            self.screen.dismiss(None)  # nothing left to stop: q now simply quits
+        if state.connection == "ended":
+            code = state.exit_code
+            ok = code == 0
+            words = "exit status unknown" if code is None else f"exit code {code}"
+            self.notify(
+                f"The job ended ({words}). Press q to quit.",
+                title="Job ended",
+                severity="information" if ok else "error",
+                timeout=8,
+            )
+        elif state.connection == "disconnected" and state.mode != "replay":
+            self.notify(
+                f"{state.disconnect_reason or 'The connection closed'} without an exit status; "
+                "the job may have been killed. The data stays on screen.",
+                title="Connection lost",
+                severity="error",
+                timeout=12,
+            )
+
+    # -- actions -------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Hide the playback keys unless the source is a recording."""
+        if action in PLAYBACK_ACTIONS:
+            return self.source.seekable
+        return True
+
+    def action_request_quit(self) -> None:
+        """Quit; if torchtop started the job and it still runs, ask what to do with it."""
+        if isinstance(self.screen, ModalScreen):
+            return
+        if self.source.owns_job and self.source.job_running():
+            self.push_screen(QuitScreen(), self._quit_chosen)
+        else:
+            self._leave(stop_job=False)
+
+    async def action_quit(self) -> None:
+        """ctrl+q quits the same way as q."""
+        self.action_request_quit()
+
+    def _quit_chosen(self, choice: str | None) -> None:
+        if choice == "stop":
+            self._leave(stop_job=True)
+        elif choice == "detach":
+            self._leave(stop_job=False)
+
+    def _leave(self, *, stop_job: bool) -> None:
+        if self._frame_timer is not None:
+            self._frame_timer.stop()
+        try:
+            if stop_job:
+                self.source.stop_job()
+            else:
+                self.source.close()
+        except Exception as exc:  # say what went wrong in one line, not a traceback
+            self.exit(1, return_code=1, message=f"torchtop: {exc}")
+            return
+        self.exit(0, return_code=0)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_toggle_log(self) -> None:
+        self.query_one("#body").toggle_class("log-only")
+
+    def action_toggle_pause(self) -> None:
+        self.source.set_paused(not self.source.paused)
+        self.drain()
+
+    def action_jump_to_end(self) -> None:
+        self.source.jump_to_end()
+        self.drain()
+
+    def action_faster(self) -> None:
+        faster = [s for s in SPEEDS if s > self.source.speed + 1e-9]
+        if faster:
+            self.source.set_speed(faster[0])
+        self.drain()
+
+    def action_slower(self) -> None:
+        slower = [s for s in SPEEDS if s < self.source.speed - 1e-9]
+        if slower:
+            self.source.set_speed(slower[-1])
+        self.drain()

@@ -1,0 +1,124 @@
+"""Human units for the viewer: bytes, durations, percentages.
+
+Pure functions with no Textual or Rich import, so the state, the widgets and the tests share
+one way of writing a number. A value that could not be read (``None``) shows as :data:`MISSING`.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: How a value that could not be read is shown.
+MISSING = "—"
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_SHORT_UNITS = ("B", "K", "M", "G", "T", "P")
+
+
+def _scale(n: float) -> tuple[float, int]:
+    """``n`` as a value below 1024 and the index of its binary unit."""
+    value = float(n)
+    unit = 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    return value, unit
+
+
+def format_bytes(n: int | float | None) -> str:
+    """Bytes in binary units with three significant digits: ``"1.23 GiB"``, ``"512 MiB"``."""
+    if n is None:
+        return MISSING
+    value, unit = _scale(n)
+    if unit == 0:
+        return f"{int(value)} B"
+    if abs(value) >= 100:
+        return f"{value:.0f} {_UNITS[unit]}"
+    if abs(value) >= 10:
+        return f"{value:.1f} {_UNITS[unit]}"
+    return f"{value:.2f} {_UNITS[unit]}"
+
+
+def format_bytes_short(n: int | float | None) -> str:
+    """Bytes in at most five cells, for axes and tight columns: ``"1.2G"``, ``"512M"``, ``"0"``."""
+    if n is None:
+        return MISSING
+    if n == 0:
+        return "0"
+    value, unit = _scale(n)
+    if unit == 0:
+        return f"{int(value)}B"
+    if abs(value) >= 10:
+        return f"{value:.0f}{_SHORT_UNITS[unit]}"
+    return f"{value:.1f}{_SHORT_UNITS[unit]}"
+
+
+def format_used_total(used: int | None, total: int | None) -> str:
+    """``"60.1/80.0 GiB"``: both in the unit of the total, so they read at a glance."""
+    if used is None and total is None:
+        return MISSING
+    if total is None or total <= 0:
+        return format_bytes(used)
+    if used is None:
+        return f"{MISSING}/{format_bytes(total)}"
+    _, unit = _scale(total)
+    divisor = 1024**unit
+    return f"{used / divisor:.1f}/{total / divisor:.1f} {_UNITS[unit]}"
+
+
+def nice_ceiling(n: float) -> float:
+    """A round number of bytes at or above ``n`` (two significant digits in its binary unit).
+
+    Used for a chart's y axis so its top label reads "1.8G" rather than "1.73G".
+    """
+    if n <= 0:
+        return 0.0
+    value, unit = _scale(n)
+    digits = 10.0 ** (math.floor(math.log10(value)) - 1)
+    rounded = math.ceil(value / digits - 1e-9) * digits
+    return float(rounded * 1024**unit)
+
+
+def format_duration(seconds: float | None) -> str:
+    """A duration in its two largest units: ``"850 ms"``, ``"12.3 s"``, ``"4m 05s"``, ``"2h 03m"``.
+
+    Used where precision matters less than a glance (phase lengths, waits).
+    """
+    if seconds is None or math.isnan(seconds):
+        return MISSING
+    if seconds < 0:
+        return "-" + format_duration(-seconds)
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    total = int(seconds)
+    if total < 3600:
+        return f"{total // 60}m {total % 60:02d}s"
+    if total < 86400:
+        return f"{total // 3600}h {total % 3600 // 60:02d}m"
+    return f"{total // 86400}d {total % 86400 // 3600:02d}h"
+
+
+def format_clock(seconds: float | None) -> str:
+    """An elapsed time as a clock: ``"0:01:23"``, ``"27:00:05"``. Used for uptime."""
+    if seconds is None or math.isnan(seconds):
+        return MISSING
+    total = max(0, int(seconds))
+    return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
+
+
+def format_span(seconds: float) -> str:
+    """A chart window's length in a few cells: ``"45s"``, ``"2m"``, ``"1.5h"``."""
+    if seconds < 120.5:
+        return f"{seconds:.0f}s"
+    if seconds < 100 * 60:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def format_percent(p: float | None) -> str:
+    """``"98%"``; ``"—"`` when unknown."""
+    if p is None or math.isnan(p):
+        return MISSING
+    return f"{p:.0f}%"

@@ -1,0 +1,43 @@
+"""A small picker for ``torchtop attach`` when several agents are running."""
+
+from __future__ import annotations
+
+import time
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.widgets import Footer, Header, OptionList
+from textual.widgets.option_list import Option
+
+from torchtop.transport import AgentInfo, list_agents
+
+
+class AgentPicker(App[AgentInfo | None]):
+    """Lists the running agents; enter attaches to the highlighted one, q cancels."""
+
+    TITLE = "torchtop: choose a job to attach to"
+    BINDINGS = [Binding("q,escape", "cancel", "cancel")]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.agents = list_agents()
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        options = [
+            Option(
+                f"{a.pid:>8}  {time.strftime('%H:%M:%S', time.localtime(a.started_at))}"
+                f"  {a.command}",
+                id=str(a.pid),
+            )
+            for a in self.agents
+        ]
+        yield OptionList(*options)
+        yield Footer()
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        chosen = next(a for a in self.agents if str(a.pid) == event.option.id)
+        self.exit(chosen)
+
+    def action_cancel(self) -> None:
+        self.exit(None)

@@ -1,0 +1,88 @@
+"""Where the viewer's messages come from: a live agent, a job torchtop runs, or a recording.
+
+A source feeds :mod:`torchtop.protocol` messages, plus the viewer-local messages below, to a
+thread-safe ``sink`` from its own background thread. The app drains what arrived at a steady
+frame rate into :class:`torchtop.tui.state.MonitorState`. Tests use a fake source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torchtop.protocol import Message
+
+Sink = Callable[[Message], None]
+
+
+@dataclass(frozen=True)
+class SourceConnected(Message):
+    """The viewer reached the agent (viewer-local; never on the wire)."""
+
+    KIND: ClassVar[str] = "x-source-connected"
+    t: float
+    address: str
+
+
+@dataclass(frozen=True)
+class SourceDisconnected(Message):
+    """The connection to the agent ended: the job exited, was killed, or we detached."""
+
+    KIND: ClassVar[str] = "x-source-disconnected"
+    t: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class SourceStatus(Message):
+    """A line of what the source is doing ("starting the job", "waiting for the agent")."""
+
+    KIND: ClassVar[str] = "x-source-status"
+    t: float
+    text: str
+
+
+class Source:
+    """Base class. Subclasses override :meth:`start` and :meth:`close` and any capability."""
+
+    #: Shown in the header: "live", "run", "replay".
+    mode: ClassVar[str] = "live"
+    #: True when quitting should ask whether to stop the job or leave it running.
+    owns_job: ClassVar[bool] = False
+    #: True for recordings: play, pause and jump to the end apply.
+    seekable: ClassVar[bool] = False
+
+    def start(self, sink: Sink) -> None:
+        """Begin feeding ``sink`` from a background thread. Returns at once."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop feeding and release the connection. Leaves the job running."""
+
+    # -- owned jobs ---------------------------------------------------------------------------
+
+    def job_running(self) -> bool:
+        return False
+
+    def stop_job(self) -> None:
+        """Ask the job to stop (SIGINT, then SIGTERM, then SIGKILL if it will not)."""
+
+    # -- recordings ---------------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return False
+
+    def set_paused(self, paused: bool) -> None:
+        """Pause or resume playback."""
+
+    def jump_to_end(self) -> None:
+        """Deliver everything that is left at once."""
+
+    def set_speed(self, speed: float) -> None:
+        """Playback speed as a multiple of real time."""
+
+    @property
+    def speed(self) -> float:
+        return 1.0

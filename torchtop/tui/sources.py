@@ -1,0 +1,246 @@
+"""The concrete sources: a job torchtop runs, a running agent, and a recording."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from torchtop.feed import AgentFeed
+from torchtop.protocol import JobExited, LogLine, Message
+from torchtop.recording import RecordingWriter
+from torchtop.runner import Job, RunSpec, exit_status
+from torchtop.transport import AgentInfo
+from torchtop.tui.source import (
+    Sink,
+    Source,
+    SourceConnected,
+    SourceDisconnected,
+    SourceStatus,
+)
+
+#: How much of the job's log file to show when the job died before its agent started.
+EARLY_LOG_BYTES = 64 * 1024
+
+
+class LiveSource(Source):
+    """A running agent, optionally recorded to a file."""
+
+    mode = "live"
+
+    def __init__(self, address: str, writer: RecordingWriter | None = None) -> None:
+        self.address = address
+        self.writer = writer
+        self._feed: AgentFeed | None = None
+
+    def start(self, sink: Sink) -> None:
+        def connected(address: object) -> None:
+            sink(SourceConnected(t=time.time(), address=str(address)))
+
+        def ended(reason: str) -> None:
+            if self.writer is not None:
+                self.writer.close()
+            sink(SourceDisconnected(t=time.time(), reason=reason))
+
+        self._feed = AgentFeed(
+            address=self.address,
+            writer=self.writer,
+            on_message=sink,
+            on_connect=connected,
+            on_end=ended,
+        ).start()
+
+    def close(self) -> None:
+        if self._feed is not None:
+            self._feed.close()
+            self._feed.join(2.0)
+        if self.writer is not None:
+            self.writer.close()
+
+
+class RunSource(Source):
+    """A job started by ``torchtop run``: the viewer owns it, so quitting asks what to do."""
+
+    mode = "run"
+    owns_job = True
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.job = Job(spec)
+        self.writer = RecordingWriter(spec.record) if spec.record is not None else None
+        self._feed: AgentFeed | None = None
+        self._sink: Sink | None = None
+        self.detached = False
+        self.stopping = False
+
+    def start(self, sink: Sink) -> None:
+        self._sink = sink
+        self.job.start()
+        sink(SourceStatus(t=time.time(), text=f"started pid {self.job.pid}; waiting for its agent"))
+
+        def connected(address: object) -> None:
+            sink(SourceConnected(t=time.time(), address=str(address)))
+
+        self._feed = AgentFeed(
+            pid=self.job.pid,
+            alive=self.job.running,
+            writer=self.writer,
+            on_message=sink,
+            on_connect=connected,
+            on_end=self._ended,
+        ).start()
+
+    def _ended(self, reason: str) -> None:
+        sink = self._sink
+        assert sink is not None and self._feed is not None
+        if not self.detached:
+            returncode = self.job.wait(timeout=10.0)
+            if self._feed.frames == 0:
+                self._replay_log_file(sink)
+            if returncode is not None and self._feed.saw_exit is None:
+                _code, why = exit_status(returncode)
+                exited = JobExited(t=time.time(), exit_code=returncode, reason=why)
+                if self.writer is not None:
+                    self.writer.write(exited)
+                sink(exited)
+        if self.writer is not None:
+            self.writer.close()
+        sink(SourceDisconnected(t=time.time(), reason=reason))
+
+    def _replay_log_file(self, sink: Sink) -> None:
+        """The job died before its agent could stream: show what it printed from its log file."""
+        path = self.job.log_path
+        if path is None:
+            return
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, 2)
+                size = f.tell()
+                f.seek(max(0, size - EARLY_LOG_BYTES))
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return
+        now = time.time()
+        for line in text.splitlines():
+            message = LogLine(t=now, stream="stdout", text=line)
+            if self.writer is not None:
+                self.writer.write(message)
+            sink(message)
+
+    def job_running(self) -> bool:
+        return self.job.running()
+
+    def stop_job(self) -> None:
+        self.stopping = True
+        self.job.stop()
+
+    def wait_after_viewer(self) -> None:
+        """After the viewer has gone: let a stopping job end and the recording be finished."""
+        if self.stopping:
+            print(f"torchtop: stopping job pid {self.job.pid}…", file=sys.stderr)
+            self.job.wait()
+        if self._feed is not None:
+            self._feed.join(10.0)
+        self.close()
+
+    def close(self) -> None:
+        if self.job.running():
+            self.detached = True
+        if self._feed is not None:
+            self._feed.close()
+            self._feed.join(2.0)
+        if self.writer is not None:
+            self.writer.close()
+
+    def after_exit_note(self) -> str | None:
+        """What to tell the user once the viewer is gone and the job runs on."""
+        if not self.job.running():
+            return None
+        where = f"; its output goes to {self.job.log_path}" if self.job.log_path else ""
+        return (
+            f"torchtop: left job pid {self.job.pid} running{where}. "
+            f"Watch it again with `torchtop attach {self.job.pid}`."
+        )
+
+
+class RecordingSource(Source):
+    """A recording played back at its own pace (times ``speed``), pausable and seekable."""
+
+    mode = "replay"
+    seekable = True
+
+    def __init__(self, messages: list[Message], speed: float = 1.0) -> None:
+        self._messages = messages
+        self._speed = speed
+        self._paused = False
+        self._to_end = False
+        self._closed = False
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.delivered = 0
+
+    def start(self, sink: Sink) -> None:
+        self._thread = threading.Thread(
+            target=self._play, args=(sink,), name="torchtop-replay", daemon=True
+        )
+        self._thread.start()
+
+    def _play(self, sink: Sink) -> None:
+        sink(SourceConnected(t=time.time(), address="recording"))
+        record_start: float | None = None
+        position = 0.0  # seconds into the recording that playback has reached
+        last = time.monotonic()
+        for message in self._messages:
+            t = getattr(message, "t", None)
+            if isinstance(t, float):
+                if record_start is None:
+                    record_start = t
+                while True:
+                    with self._changed:
+                        if self._closed:
+                            return
+                        now = time.monotonic()
+                        if not self._paused:
+                            position += (now - last) * self._speed
+                        last = now
+                        if self._to_end or position >= t - record_start:
+                            break
+                        wait = 0.5 if self._paused else (t - record_start - position) / self._speed
+                        self._changed.wait(min(wait, 0.25))
+            sink(message)
+            self.delivered += 1
+        sink(SourceDisconnected(t=time.time(), reason="end of recording"))
+
+    def _update(self, **changes: object) -> None:
+        with self._changed:
+            for name, value in changes.items():
+                setattr(self, name, value)
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        self._update(_closed=True)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def set_paused(self, paused: bool) -> None:
+        self._update(_paused=paused)
+
+    def jump_to_end(self) -> None:
+        self._update(_to_end=True)
+
+    def set_speed(self, speed: float) -> None:
+        self._update(_speed=max(0.1, min(speed, 1000.0)))
+
+    @property
+    def speed(self) -> float:
+        return self._speed
+
+
+def pick_agent_interactively() -> AgentInfo | None:
+    """Offer the running agents in a small picker; None if the user cancels."""
+    from torchtop.tui.picker import AgentPicker
+
+    result = AgentPicker().run()
+    return result if isinstance(result, AgentInfo) else None

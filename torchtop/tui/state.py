@@ -1,0 +1,397 @@
+"""What the viewer knows about the job: current values, bounded time series and events.
+
+Pure Python (no Textual, no Rich, no torch), so every rule about what a message means is unit
+tested without an app. A :class:`torchtop.tui.source.Source` delivers messages, the app feeds
+them to :meth:`MonitorState.apply`, and widgets read the state. ``version`` goes up on every
+change, so the app redraws only when something changed. Time comes from the messages, never from
+the wall clock, so a replay shows the times it recorded.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torchtop.protocol import (
+    DeviceInfo,
+    Dropped,
+    GpuSample,
+    GpuStats,
+    Hello,
+    HostStats,
+    JobExited,
+    LogLine,
+    Marked,
+    MemoryStats,
+    Message,
+    PhaseBegan,
+    PhaseEnded,
+    ProbeStatus,
+    Sample,
+)
+from torchtop.tui.source import SourceConnected, SourceDisconnected, SourceStatus
+
+#: Points kept per series: ten minutes at the agent's default 10 Hz.
+DEFAULT_HISTORY_POINTS = 6000
+#: Log lines kept for the log panel.
+DEFAULT_LOG_LINES = 5000
+#: Phases and marks kept (a script may open a phase per step).
+DEFAULT_EVENTS = 2000
+
+ConnectionState = Literal["connecting", "live", "disconnected", "ended"]
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """One sample of a device's memory on the time axis."""
+
+    t: float
+    allocated: int | None
+    reserved: int | None
+
+
+@dataclass
+class DeviceMemory:
+    """One device's memory: the latest reading, its history and its running peaks."""
+
+    device: str
+    latest: MemoryStats
+    series: deque[MemoryPoint]
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def fragmentation(self) -> int | None:
+        """Reserved but not allocated: the caching allocator's cache (or RSS above the heap)."""
+        allocated = self.latest.allocated_bytes
+        reserved = self.latest.reserved_bytes
+        if allocated is None or reserved is None:
+            return None
+        return reserved - allocated
+
+    @property
+    def allocated_label(self) -> str:
+        """What ``allocated`` means on this device: "allocated", "heap" or "RSS"."""
+        if self.latest.source == "cpu-heap":
+            return "heap"
+        if self.latest.source == "cpu-rss":
+            return "RSS"
+        return "allocated"
+
+    @property
+    def reserved_label(self) -> str:
+        """What ``reserved`` means on this device: "reserved" on CUDA, "RSS" on the CPU."""
+        if self.latest.source.startswith("cpu"):
+            return "RSS"
+        return "reserved"
+
+
+@dataclass
+class Phase:
+    """A labelled span of the job. ``start`` is ``None`` when it began before our history."""
+
+    id: int
+    name: str
+    start: float | None
+    end: float | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.end is None
+
+
+@dataclass(frozen=True)
+class Mark:
+    t: float
+    name: str
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """A line of the job's output as shown: after a progress bar's last ``\\r``."""
+
+    t: float
+    stream: str
+    text: str
+
+
+def _max(*values: int | None) -> int | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def _device_order(device: str) -> tuple[int, int, str]:
+    """CUDA devices first, by index; then anything else by name."""
+    kind, _, index = device.partition(":")
+    if kind == "cuda":
+        return (0, int(index) if index.isdigit() else 0, device)
+    return (1, 0, device)
+
+
+def visible_text(text: str) -> str:
+    """The text a terminal would show for a line that redraws itself with ``\\r``.
+
+    A progress bar writes ``"10%\\r20%\\r30%"``; the reader saw ``"30%"``. A trailing ``\\r`` (or
+    ``\\r\\n`` line ending) is not a redraw.
+    """
+    text = text.rstrip("\r\n")
+    if "\r" in text:
+        text = text.rsplit("\r", 1)[1]
+    return text
+
+
+@dataclass
+class MonitorState:
+    """Everything the viewer shows, built only from messages.
+
+    Bounded: series, logs, phases and marks keep their most recent items only.
+    """
+
+    mode: str = "live"
+    history_points: int = DEFAULT_HISTORY_POINTS
+    log_lines: int = DEFAULT_LOG_LINES
+    max_events: int = DEFAULT_EVENTS
+
+    #: Goes up by one on every change; the app redraws when it differs from what it drew.
+    version: int = 0
+    hello: Hello | None = None
+    #: The latest time any message carried; ``None`` before the first.
+    now: float | None = None
+    #: The earliest time any message carried.
+    first_t: float | None = None
+
+    memory: dict[str, DeviceMemory] = field(default_factory=dict)
+    host: HostStats | None = None
+    rss_series: deque[tuple[float, int | None]] = field(init=False)
+    gpus: dict[int, GpuStats] = field(default_factory=dict)
+    gpu_t: float | None = None
+    probes: dict[str, ProbeStatus] = field(default_factory=dict)
+
+    phases: deque[Phase] = field(init=False)
+    marks: deque[Mark] = field(init=False)
+    logs: deque[LogEntry] = field(init=False)
+    #: Every log line ever applied, including those the bounded deque has let go.
+    log_total: int = 0
+
+    dropped: int = 0
+    job_ended: bool = False
+    exit_code: int | None = None
+    exit_reason: str = ""
+    connection: ConnectionState = "connecting"
+    disconnect_reason: str = ""
+    address: str = ""
+    status_text: str = ""
+
+    _open_phases: dict[int, Phase] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.rss_series = deque(maxlen=self.history_points)
+        self.phases = deque(maxlen=self.max_events)
+        self.marks = deque(maxlen=self.max_events)
+        self.logs = deque(maxlen=self.log_lines)
+
+    # -- applying messages -----------------------------------------------------------------------
+
+    def apply(self, message: Message) -> None:
+        """Fold one message into the state. Kinds this viewer does not know are ignored."""
+        changed = self._apply(message)
+        if changed:
+            self.version += 1
+
+    def apply_all(self, messages: Iterable[Message]) -> None:
+        for message in messages:
+            self.apply(message)
+
+    def _apply(self, message: Message) -> bool:
+        t = getattr(message, "t", None)
+        changed = self._advance_time(t) if isinstance(t, float | int) else False
+        if isinstance(message, Sample):
+            return self._apply_sample(message) or changed
+        if isinstance(message, GpuSample):
+            self.gpus = {gpu.index: gpu for gpu in message.gpus}
+            self.gpu_t = message.t
+            return True
+        if isinstance(message, Hello):
+            return self._apply_hello(message) or changed
+        if isinstance(message, ProbeStatus):
+            if self.probes.get(message.probe) == message:
+                return changed
+            self.probes[message.probe] = message
+            return True
+        if isinstance(message, PhaseBegan):
+            phase = Phase(message.id, message.name, message.t)
+            self.phases.append(phase)
+            self._open_phases[message.id] = phase
+            return True
+        if isinstance(message, PhaseEnded):
+            return self._apply_phase_ended(message) or changed
+        if isinstance(message, Marked):
+            self.marks.append(Mark(message.t, message.name))
+            return True
+        if isinstance(message, LogLine):
+            self.logs.append(LogEntry(message.t, message.stream, visible_text(message.text)))
+            self.log_total += 1
+            return True
+        if isinstance(message, Dropped):
+            if message.count == self.dropped:
+                return changed
+            self.dropped = message.count
+            return True
+        if isinstance(message, JobExited):
+            return self._apply_exit(message) or changed
+        if isinstance(message, SourceConnected):
+            before = (self.connection, self.address)
+            if not self.job_ended:
+                self.connection = "live"
+                self.disconnect_reason = ""
+            self.address = message.address
+            return (self.connection, self.address) != before or changed
+        if isinstance(message, SourceDisconnected):
+            before_state = (self.connection, self.disconnect_reason)
+            if self.job_ended:
+                self.connection = "ended"
+            else:
+                self.connection = "disconnected"
+                self.disconnect_reason = message.reason
+            return (self.connection, self.disconnect_reason) != before_state or changed
+        if isinstance(message, SourceStatus):
+            if message.text == self.status_text:
+                return changed
+            self.status_text = message.text
+            return True
+        return changed
+
+    def _advance_time(self, t: float) -> bool:
+        changed = False
+        if self.first_t is None or t < self.first_t:
+            self.first_t = t
+            changed = True
+        if self.now is None or t > self.now:
+            self.now = t
+            changed = True
+        return changed
+
+    def _apply_hello(self, message: Hello) -> bool:
+        changed = False
+        if message != self.hello:
+            self.hello = message
+            changed = True
+        if self.now is None:
+            self.now = message.started_at
+            changed = True
+        if self.connection == "connecting" or (
+            self.connection == "disconnected" and not self.job_ended
+        ):
+            # A hello means the agent is talking to us, whether or not the source said so.
+            self.connection = "live"
+            self.disconnect_reason = ""
+            changed = True
+        return changed
+
+    def _apply_sample(self, message: Sample) -> bool:
+        if message.host is not None:
+            self.host = message.host
+            self.rss_series.append((message.t, message.host.rss_bytes))
+        for stats in message.memory:
+            device = self.memory.get(stats.device)
+            if device is None:
+                device = DeviceMemory(stats.device, stats, deque(maxlen=self.history_points))
+                self.memory[stats.device] = device
+            device.latest = stats
+            device.series.append(
+                MemoryPoint(message.t, stats.allocated_bytes, stats.reserved_bytes)
+            )
+            device.peak_allocated = _max(
+                device.peak_allocated, stats.peak_allocated_bytes, stats.allocated_bytes
+            )
+            device.peak_reserved = _max(
+                device.peak_reserved, stats.peak_reserved_bytes, stats.reserved_bytes
+            )
+        return True
+
+    def _apply_phase_ended(self, message: PhaseEnded) -> bool:
+        phase = self._open_phases.pop(message.id, None)
+        if phase is None:
+            # It began before the history this viewer received.
+            phase = Phase(message.id, message.name, None, message.t)
+            self.phases.append(phase)
+        else:
+            phase.end = message.t
+        return True
+
+    def _apply_exit(self, message: JobExited) -> bool:
+        before = (self.job_ended, self.exit_code, self.exit_reason, self.connection)
+        self.job_ended = True
+        self.exit_code = message.exit_code
+        self.exit_reason = message.reason
+        self.connection = "ended"
+        return (self.job_ended, self.exit_code, self.exit_reason, self.connection) != before
+
+    # -- derived values --------------------------------------------------------------------------
+
+    @property
+    def devices(self) -> list[DeviceInfo]:
+        return list(self.hello.devices) if self.hello is not None else []
+
+    @property
+    def device_ids(self) -> list[str]:
+        """Every device seen in the hello or in memory samples, CUDA first."""
+        ids = {d.id for d in self.devices} | set(self.memory)
+        return sorted(ids, key=_device_order)
+
+    @property
+    def primary_device(self) -> str:
+        """The device the memory panel shows: the first CUDA device if any, else ``"cpu"``."""
+        for device in self.device_ids:
+            if device.startswith("cuda"):
+                return device
+        return "cpu"
+
+    @property
+    def primary_memory(self) -> DeviceMemory | None:
+        return self.memory.get(self.primary_device)
+
+    @property
+    def nvml(self) -> ProbeStatus | None:
+        """The NVML probe's latest status, whatever the agent named it ("nvml", "NVML …")."""
+        for name, status in self.probes.items():
+            if name.lower().startswith("nvml"):
+                return status
+        return None
+
+    @property
+    def uptime(self) -> float | None:
+        if self.hello is None or self.now is None:
+            return None
+        return max(0.0, self.now - self.hello.started_at)
+
+    @property
+    def lost(self) -> bool:
+        """The connection ended without the job's exit: it was killed, or the agent went away."""
+        return self.connection == "disconnected"
+
+    @property
+    def status_label(self) -> str:
+        """The connection in words: "connecting", "live", "ended (exit 0)", "lost: <reason>"."""
+        if self.connection == "ended":
+            return f"ended (exit {self.exit_code if self.exit_code is not None else '?'})"
+        if self.connection == "disconnected":
+            return f"lost: {self.disconnect_reason}" if self.disconnect_reason else "lost"
+        return self.connection
+
+    def phases_between(self, start: float, end: float) -> list[Phase]:
+        """Phases that overlap ``[start, end]`` (a phase without a start overlaps the past)."""
+        return [
+            p
+            for p in self.phases
+            if (p.start is None or p.start <= end) and (p.end is None or p.end >= start)
+        ]
+
+    def marks_between(self, start: float, end: float) -> list[Mark]:
+        return [m for m in self.marks if start <= m.t <= end]

@@ -1,0 +1,73 @@
+"""The device panel: one compact line per NVIDIA GPU as NVML sees it, or why there is none."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from torchtop.protocol import GpuStats
+from torchtop.tui.format import MISSING, format_percent, format_used_total
+from torchtop.tui.state import MonitorState
+
+
+def gpu_line(gpu: GpuStats) -> Text:
+    """``GPU0  98%  60.1/80.0 GiB  65°C  410 W  1980 MHz``: utilisation first; units say the
+    rest, so the line needs no column headings."""
+    line = Text(no_wrap=True, overflow="ellipsis")
+    line.append(f"GPU{gpu.index:<2}", "bold")
+    if gpu.lost:
+        line.append(" lost: NVML reports the GPU gone", "bold red")
+        return line
+    util = gpu.util_gpu_percent
+    util_style = "bold green" if util is not None and util >= 70 else ""
+    line.append(f"{format_percent(util):>4}", util_style)
+    line.append(f"  {format_used_total(gpu.memory_used_bytes, gpu.memory_total_bytes):>13}")
+    temp = MISSING if gpu.temperature_c is None else f"{gpu.temperature_c:.0f}°C"
+    hot = gpu.temperature_c is not None and gpu.temperature_c >= 85
+    line.append(f"  {temp:>4}", "bold red" if hot else "")
+    power = MISSING if gpu.power_w is None else f"{gpu.power_w:.0f} W"
+    line.append(f"  {power:>5}")
+    clock = MISSING if gpu.clock_sm_mhz is None else f"{gpu.clock_sm_mhz} MHz"
+    line.append(f"  {clock:>8}", "dim")
+    return line
+
+
+def nvml_unavailable_line(detail: str) -> Text:
+    """``no NVIDIA GPU: NVML not available: <reason>``."""
+    reason = detail if detail.lower().startswith("nvml") else f"NVML not available: {detail}"
+    return Text.assemble(("no NVIDIA GPU: ", "bold yellow"), (reason, "yellow"))
+
+
+def device_text(state: MonitorState) -> Text:
+    """The panel's lines: GPUs first, then any probe that is not available and why."""
+    lines: list[Text] = [gpu_line(gpu) for _, gpu in sorted(state.gpus.items())]
+    nvml = state.nvml
+    if not lines:
+        if nvml is not None and not nvml.available:
+            lines.append(nvml_unavailable_line(nvml.detail))
+        elif nvml is not None:
+            lines.append(Text("NVML: waiting for the first reading…", "dim"))
+        elif state.connection in ("connecting", "live"):
+            lines.append(Text("GPU: no NVML reading yet", "dim"))
+        else:
+            lines.append(Text("GPU: no NVML readings", "dim"))
+    for name, status in state.probes.items():
+        if status is nvml or status.available:
+            continue
+        lines.append(Text(f"{name}: {status.detail}", "dim"))
+    return Text("\n", no_wrap=True, overflow="ellipsis").join(lines)
+
+
+class DevicePanel(Static):
+    """Utilisation, memory, temperature, power and clock of each GPU, one line each."""
+
+    DEFAULT_CSS = """
+    DevicePanel {
+        height: auto;
+    }
+    """
+
+    def show_state(self, state: MonitorState) -> None:
+        """Redraw from ``state``."""
+        self.border_title = " GPU · NVML "
+        self.update(device_text(state))

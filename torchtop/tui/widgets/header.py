@@ -1,0 +1,144 @@
+"""The job header: what runs, where, for how long, and whether the viewer still hears it."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.widgets import Static
+
+from torchtop.tui.format import format_clock
+from torchtop.tui.state import MonitorState
+
+
+@dataclass(frozen=True)
+class Playback:
+    """A recording's playback, for the header: paused or playing, and how fast."""
+
+    paused: bool
+    speed: float
+
+
+#: The multiplication sign, for speeds ("x2") and counts of identical GPUs ("4x H100").
+TIMES = "\u00d7"
+
+
+def _speed(speed: float) -> str:
+    return f"{TIMES}{speed:g}"
+
+
+def connection_badge(state: MonitorState, playback: Playback | None = None) -> Text:
+    """``● live``, ``■ ended · exit 0``, ``✕ connection lost``, ``⏸ replay paused x2``."""
+    if state.connection == "ended":
+        code = state.exit_code
+        if code is None:
+            return Text("■ ended · exit ?", "bold yellow")
+        if code < 0:
+            return Text(f"■ ended · killed (signal {-code})", "bold red")
+        return Text(f"■ ended · exit {code}", "bold green" if code == 0 else "bold red")
+    if state.connection == "disconnected":
+        if state.mode == "replay":
+            return Text("■ recording ends", "bold yellow")
+        return Text("✕ connection lost", "bold red")
+    if playback is not None:
+        if playback.paused:
+            return Text(f"⏸ replay paused {_speed(playback.speed)}", "bold yellow")
+        return Text(f"▶ replay {_speed(playback.speed)}", "bold green")
+    if state.connection == "connecting":
+        return Text("◌ connecting", "bold yellow")
+    return Text("● running" if state.mode == "run" else "● live", "bold green")
+
+
+def connection_detail(state: MonitorState) -> Text | None:
+    """A second-row line that matters more than the job's versions: why the connection ended."""
+    if state.connection == "disconnected":
+        reason = state.disconnect_reason or "the connection closed"
+        if state.mode == "replay":
+            return Text(f"no exit status recorded ({reason})", "yellow")
+        return Text(f"{reason}, no exit status: job killed?", "bold red")
+    if state.connection == "ended" and state.exit_reason:
+        return Text(state.exit_reason, "bold" if state.exit_code == 0 else "bold red")
+    return None
+
+
+def devices_summary(state: MonitorState) -> str:
+    """``cuda:0 NVIDIA H200``, ``4x NVIDIA H100``, or ``cpu``."""
+    devices = [d for d in state.devices if d.id != "cpu"]
+    if not devices:
+        return "cpu"
+    names = {d.name for d in devices}
+    if len(devices) > 1 and len(names) == 1:
+        return f"{len(devices)}{TIMES} {devices[0].name}"
+    return ", ".join(f"{d.id} {d.name}" for d in devices)
+
+
+def header_rows(state: MonitorState, playback: Playback | None = None) -> list[tuple[Text, Text]]:
+    """The header's two rows, each a left part (may be cut) and a right part (kept whole)."""
+    hello = state.hello
+    command = Text()
+    command.append_text(connection_badge(state, playback))
+    command.append("  ")
+    if hello is not None:
+        command.append(shlex.join(hello.argv) if hello.argv else "?", "bold")
+    right = Text()
+    if hello is not None:
+        right.append("pid ", "dim")
+        right.append(str(hello.pid))
+        right.append("  up ", "dim")
+        right.append(format_clock(state.uptime))
+
+    about = Text()
+    detail = connection_detail(state)
+    if detail is not None:
+        about.append_text(detail)
+    elif hello is not None:
+        about.append(devices_summary(state))
+        about.append(" · torch ", "dim")
+        about.append(hello.torch or "—")
+        about.append(" · python ", "dim")
+        about.append(hello.python.split()[0] if hello.python else "—")
+        if hello.hostname:
+            about.append(" · ", "dim")
+            about.append(hello.hostname)
+    if state.status_text and state.connection == "connecting":
+        if about:
+            about.append(" · ", "dim")
+        about.append(state.status_text, "italic")
+    elif hello is None and state.connection == "connecting":
+        about.append("waiting for the agent…", "dim italic")
+    drops = Text()
+    if state.dropped > 0:
+        drops.append(f"⚠ {state.dropped} dropped", "bold yellow")
+    return [(command, right), (about, drops)]
+
+
+def header_renderable(state: MonitorState, playback: Playback | None = None) -> Group:
+    """The header's rows, each a grid whose left part shrinks with an ellipsis and whose right
+    part stays whole (one grid per row, so a wide right part in one row costs the other none)."""
+    grids = []
+    for left, right in header_rows(state, playback):
+        grid = Table.grid(expand=True, padding=(0, 0, 0, 1))
+        grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
+        grid.add_column(justify="right", no_wrap=True)
+        grid.add_row(left, right)
+        grids.append(grid)
+    return Group(*grids)
+
+
+class JobHeader(Static):
+    """Two rows: connection state and command, pid and uptime; devices, versions and drops."""
+
+    DEFAULT_CSS = """
+    JobHeader {
+        height: 2;
+        padding: 0 1;
+        background: $panel;
+    }
+    """
+
+    def show_state(self, state: MonitorState, playback: Playback | None = None) -> None:
+        """Redraw from ``state`` and, for a recording, its playback."""
+        self.update(header_renderable(state, playback))

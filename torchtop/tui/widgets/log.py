@@ -1,0 +1,63 @@
+"""The log panel: the job's own stdout and stderr, appended as they arrive."""
+
+from __future__ import annotations
+
+from itertools import islice
+
+from rich.text import Text
+from textual.widgets import RichLog
+
+from torchtop.tui.state import DEFAULT_LOG_LINES, LogEntry, MonitorState
+
+STDERR_STYLE = "yellow"
+
+
+def log_line(entry: LogEntry) -> Text:
+    """One line as shown: stderr in its own colour so warnings and tracebacks stand out."""
+    return Text(entry.text, STDERR_STYLE if entry.stream == "stderr" else "")
+
+
+class LogPanel(RichLog):
+    """Appends only the lines it has not shown yet, and follows the end unless scrolled up."""
+
+    DEFAULT_CSS = """
+    LogPanel {
+        height: 1fr;
+        background: $surface;
+    }
+    """
+
+    def __init__(
+        self,
+        *,
+        max_lines: int = DEFAULT_LOG_LINES,
+        name: str | None = None,
+        id: str | None = None,
+        classes: str | None = None,
+    ) -> None:
+        super().__init__(
+            max_lines=max_lines,
+            wrap=True,
+            markup=False,
+            highlight=False,
+            auto_scroll=True,
+            name=name,
+            id=id,
+            classes=classes,
+        )
+        #: ``state.log_total`` when this panel last caught up.
+        self.shown_total = 0
+        self.border_title = " Log "
+
+    def show_state(self, state: MonitorState) -> None:
+        """Write the lines that arrived since the last call."""
+        new = state.log_total - self.shown_total
+        if new <= 0:
+            return
+        # Follow the end only if the reader has not scrolled up to read something.
+        follow = self.is_vertical_scroll_end
+        kept = len(state.logs)
+        for entry in islice(state.logs, max(0, kept - new), kept):
+            self.write(log_line(entry), scroll_end=follow)
+        self.shown_total = state.log_total
+        self.border_title = f" Log · {state.log_total} lines "
