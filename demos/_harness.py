@@ -1,0 +1,343 @@
+"""What every demo shares: its options, measuring a phase, and printing what was measured.
+
+Not a demo itself (the leading underscore keeps it out of ``torchtop demo --list``). A demo
+runs each variant of its topic through :func:`measure`, which marks it as a phase on the
+torchtop timeline and measures its time and its peak memory, then hands the results to
+:func:`print_results` with a conclusion built from the numbers by :func:`ratio_sentence`, and
+ends with :func:`emit_json_results` so tests can check the measured values.
+
+Demos run the same with or without the torchtop agent: ``torchtop.phase`` costs next to
+nothing when no agent listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+import torchtop
+from torchtop.agent.tensor_tracker import TensorTracker
+
+#: The prefix of the machine-readable result line (see :func:`emit_json_results`).
+RESULT_PREFIX = "TORCHTOP_DEMO_RESULT"
+#: Table width when the output is not a terminal: under the torchtop viewer each output line
+#: becomes a log line, and a wide table would wrap into noise there.
+PLAIN_WIDTH = 78
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """The options every demo takes."""
+
+    #: Small sizes and few repeats: the whole demo in at most 20 s on 2 CPU cores (for CI).
+    quick: bool
+    device: torch.device
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """One measured phase of a demo."""
+
+    name: str
+    #: Median wall time of one call of the phase's function.
+    seconds: float
+    #: Peak bytes of tensor memory the function allocated above what was live before it.
+    peak_bytes: int
+    #: Anything else the demo wants in the table and the result line (shapes, counts...).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# -- options -------------------------------------------------------------------------------
+
+
+def parse_args(description: str, argv: Sequence[str] | None = None) -> DemoOptions:
+    """Parse ``--quick`` and ``--device``; the default device is CUDA when there is one.
+
+    Also makes stdout line-buffered: under torchtop, stdout is a pipe, and each line should
+    reach the viewer's log when it is printed, not when a buffer fills.
+    """
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes and few repeats: a few seconds on a laptop CPU (used by CI)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the tensors live (default: cuda when available, else cpu)",
+    )
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: this PyTorch sees no CUDA GPU; use --device cpu\n")
+    return DemoOptions(quick=args.quick, device=torch.device(args.device))
+
+
+def section(title: str) -> None:
+    """A heading between the parts of a demo's output."""
+    print(f"\n== {title} ==")
+
+
+def pause(options: DemoOptions, seconds: float = 1.0) -> None:
+    """A gap between phases, so each shows as its own rise and fall on the live memory chart."""
+    time.sleep(seconds / 4 if options.quick else seconds)
+
+
+# -- measuring -----------------------------------------------------------------------------
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(
+    name: str,
+    fn: Callable[[], Any],
+    *,
+    device: torch.device | str,
+    repeat: int,
+    min_seconds: float = 0.0,
+    extra: dict[str, Any] | None = None,
+) -> PhaseResult:
+    """Run ``fn`` as the phase ``name`` and measure its time and peak memory.
+
+    Time and memory come from separate passes so that the memory tracker's per-op cost never
+    shows in the time: one warm-up call, then a timing pass (the median of ``repeat`` calls,
+    more if needed to keep the phase running for ``min_seconds`` so a viewer can watch it),
+    then one memory pass. On CPU the memory pass counts tensor storages with
+    :class:`TensorTracker`; on CUDA it reads the caching allocator's peak. Either way the
+    figure is the peak above what was allocated before the call, so inputs made beforehand
+    do not count, and what ``fn`` returns does.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with torchtop.phase(name):
+        result = fn()  # warm-up: first-call costs (allocator growth, kernel selection)
+        _synchronize(device)
+        del result
+
+        times: list[float] = []
+        phase_start = time.perf_counter()
+        while len(times) < max(1, repeat) or time.perf_counter() - phase_start < min_seconds:
+            start = time.perf_counter()
+            result = fn()
+            _synchronize(device)
+            times.append(time.perf_counter() - start)
+            del result
+
+        gc.collect()
+        peak = _peak_bytes(fn, device)
+    return PhaseResult(name, statistics.median(times), peak, dict(extra or {}))
+
+
+def _peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    if device.type == "cuda":
+        _synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        _synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        del result
+        return max(0, peak)
+    # A fresh tracker counts only what is allocated inside it: "above what was live before".
+    with TensorTracker() as tracker:
+        result = fn()
+        del result
+    return tracker.peak_bytes
+
+
+# -- reporting -----------------------------------------------------------------------------
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in binary units with three significant digits: ``"32.0 MiB"``."""
+    value = float(n)
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    unit = 0
+    while abs(value) >= 1024 and unit < len(units) - 1:
+        value /= 1024
+        unit += 1
+    if unit == 0:
+        return f"{int(value)} B"
+    digits = 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2
+    return f"{value:.{digits}f} {units[unit]}"
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration in the unit that keeps three significant digits: ``"12.3 ms"``."""
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if seconds >= scale or unit == "us":
+            value = seconds / scale
+            digits = 0 if value >= 100 else 1 if value >= 10 else 2
+            return f"{value:.{digits}f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _times_sign() -> str:
+    """:data:`TIMES` where stdout can write it, else ``x`` (a pipe with an ASCII locale)."""
+    encoding = getattr(sys.stdout, "encoding", None) or "ascii"
+    try:
+        TIMES.encode(encoding)
+    except (UnicodeEncodeError, LookupError):
+        return "x"
+    return TIMES
+
+
+def _ratio(bigger: float, smaller: float) -> str:
+    ratio = bigger / smaller
+    return f"{ratio:.0f}{_times_sign()}" if ratio >= 100 else f"{ratio:.1f}{_times_sign()}"
+
+
+#: The multiplication sign, where the output can carry it.
+TIMES = "\u00d7"
+
+#: Two figures within this factor of each other are reported as "about the same".
+SAME_WITHIN = 1.05
+
+
+def _compare(good: float, bad: float) -> int:
+    """-1 when ``good`` is clearly smaller than ``bad``, 1 when clearly larger, else 0."""
+    if good * SAME_WITHIN < bad:
+        return -1
+    if bad * SAME_WITHIN < good:
+        return 1
+    return 0
+
+
+def memory_phrase(good: PhaseResult, bad: PhaseResult) -> str:
+    """``"4.0x less peak memory"``, ``"1.2x more peak memory"`` or ``"about the same ..."``."""
+    direction = _compare(good.peak_bytes, bad.peak_bytes)
+    if direction == 0:
+        return "about the same peak memory"
+    if direction < 0:
+        if good.peak_bytes == 0:
+            return f"no tensor memory against {format_bytes(bad.peak_bytes)}"
+        return f"{_ratio(bad.peak_bytes, good.peak_bytes)} less peak memory"
+    if bad.peak_bytes == 0:
+        return f"{format_bytes(good.peak_bytes)} of tensor memory against none"
+    return f"{_ratio(good.peak_bytes, bad.peak_bytes)} more peak memory"
+
+
+def speed_phrase(good: PhaseResult, bad: PhaseResult) -> str:
+    """``"2.7x faster"``, ``"1.3x slower"`` or ``"about as fast"``."""
+    direction = _compare(good.seconds, bad.seconds)
+    if direction == 0 or min(good.seconds, bad.seconds) <= 0:
+        return "about as fast"
+    if direction < 0:
+        return f"{_ratio(bad.seconds, good.seconds)} faster"
+    return f"{_ratio(good.seconds, bad.seconds)} slower"
+
+
+def ratio_sentence(good: PhaseResult, *others: PhaseResult) -> str:
+    """How ``good`` compared with each of ``others``, in words, from the measured numbers.
+
+    ``"broadcasting used 4.0x less peak memory and ran 2.7x faster than repeat"``; with
+    several others, one clause each, joined.
+    """
+    if not others:
+        raise ValueError("ratio_sentence needs at least one phase to compare with")
+    clauses = []
+    for bad in others:
+        memory = memory_phrase(good, bad)
+        speed = speed_phrase(good, bad)
+        if memory.startswith("about the same"):
+            clause = f"used about the same peak memory as {bad.name} and ran {speed}"
+            if speed == "about as fast":
+                clause = f"used about the same peak memory and time as {bad.name}"
+        elif speed == "about as fast":
+            clause = f"used {memory} than {bad.name} and ran about as fast"
+        else:
+            clause = f"used {memory} and ran {speed} than {bad.name}"
+        clauses.append(clause)
+    return f"{good.name} " + ", and ".join(clauses)
+
+
+def _format_extra(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, (tuple, list, torch.Size)):
+        return _times_sign().join(str(v) for v in value)
+    return str(value)
+
+
+def print_results(title: str, results: Sequence[PhaseResult], conclusion: str) -> None:
+    """The measured table (phase, time, peak memory, extra columns) and the conclusion line.
+
+    On a terminal it is a normal rich table. Elsewhere (a pipe, a file, the torchtop viewer's
+    log) it is plain ASCII, no colour, at most 78 columns wide.
+    """
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    terminal = sys.stdout.isatty()
+    console = (
+        Console(highlight=False)
+        if terminal
+        else Console(
+            width=PLAIN_WIDTH,
+            color_system=None,
+            force_terminal=False,
+            highlight=False,
+            emoji=False,
+        )
+    )
+    table = Table(box=box.ROUNDED if terminal else box.ASCII, expand=False)
+    table.add_column("phase", overflow="fold")
+    table.add_column("time", justify="right", no_wrap=True)
+    table.add_column("peak memory", justify="right", no_wrap=True)
+    extra_keys: list[str] = []
+    for result in results:
+        extra_keys += [key for key in result.extra if key not in extra_keys]
+    for key in extra_keys:
+        table.add_column(key, justify="right", overflow="fold")
+    for result in results:
+        table.add_row(
+            result.name,
+            format_seconds(result.seconds),
+            format_bytes(result.peak_bytes),
+            *(
+                _format_extra(result.extra[key]) if key in result.extra else ""
+                for key in extra_keys
+            ),
+        )
+    console.print()
+    console.print(title, markup=False)
+    console.print(table)
+    # One line even when longer than the table: a log line, or a terminal's own wrapping.
+    console.print(conclusion, soft_wrap=True, markup=False)
+    sys.stdout.flush()
+
+
+def emit_json_results(results: Sequence[PhaseResult]) -> None:
+    """One line, ``TORCHTOP_DEMO_RESULT {json}``, with every measured value, for tests."""
+    payload = {"results": [asdict(result) for result in results]}
+    print(f"{RESULT_PREFIX} {json.dumps(payload, default=str)}", flush=True)
+
+
+def parse_result_line(output: str) -> list[PhaseResult]:
+    """The results from a demo's output (its last ``TORCHTOP_DEMO_RESULT`` line)."""
+    lines = [line for line in output.splitlines() if line.startswith(RESULT_PREFIX + " ")]
+    if not lines:
+        raise ValueError(f"no {RESULT_PREFIX} line in the output")
+    payload = json.loads(lines[-1][len(RESULT_PREFIX) + 1 :])
+    return [PhaseResult(**entry) for entry in payload["results"]]
