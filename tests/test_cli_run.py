@@ -250,3 +250,41 @@ def test_stalled_viewer_does_not_grow_the_agent() -> None:
             viewer.kill()
         job.send_signal(signal.SIGINT)
         job.wait(timeout=30)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_dataloader_workers_run_no_agent(tmp_path: Path, start_method: str) -> None:
+    rec = tmp_path / "r.ttr"
+    out = torchtop(
+        "run", "--headless", "--record", str(rec), str(SCRIPTS / "loader_fork.py"), start_method
+    )
+    assert out.returncode == 0, out.stderr
+    workers = [line for line in out.stdout.splitlines() if line.startswith("worker pid")]
+    assert workers and all(line.endswith("agent no") for line in workers)
+    assert "total 28 main agent yes" in out.stdout
+    # The workers' output went through the job's captured stdout into the recording.
+    logs = [m for m in read_recording(rec).messages if getattr(m, "stream", None) == "stdout"]
+    assert any("worker pid" in m.text for m in logs)  # type: ignore[attr-defined]
+    assert list_agents() == []
+
+
+def test_one_line_start_in_the_script_then_attach(tmp_path: Path) -> None:
+    job = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "inscript_start.py"), "4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        pid = _wait_for_agent()
+        assert pid == job.pid
+        rec = tmp_path / "a.ttr"
+        out = torchtop("attach", "--headless", "--record", str(rec), "--duration", "30")
+        assert out.returncode == 0, out.stderr
+        report = _report(rec)
+        assert report["job"]["pid"] == job.pid
+        assert [p["name"] for p in report["phases"]] == ["work"]
+        assert report["exit_reason"] == "interpreter exited"  # recorded until the job ended
+    finally:
+        job.communicate(timeout=30)
+    assert job.returncode == 0

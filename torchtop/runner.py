@@ -86,7 +86,13 @@ class Job:
 
     def start(self) -> None:
         spec = self.spec
-        options = {"capture_output": True, "linger_s": 5.0, **spec.agent_options}
+        # A viewer or recorder will attach: at exit the agent waits (briefly) until it has all.
+        expects_client = not spec.headless or spec.record is not None
+        options = {
+            "capture_output": True,
+            "linger_s": 5.0 if expects_client else 0.0,
+            **spec.agent_options,
+        }
         env = dict(os.environ)
         env[OPTIONS_ENV] = json.dumps(options)
         env.setdefault("PYTHONUNBUFFERED", "1")

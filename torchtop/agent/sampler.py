@@ -111,6 +111,8 @@ class Sampler:
             name: _Guarded(name, publish) for name in ("host", "cpu_memory", "cuda_memory", "nvml")
         }
         self._stop = threading.Event()
+        self._resumed = threading.Event()
+        self._resumed.set()
         self._thread = threading.Thread(target=self._run, name="torchtop-sampler", daemon=True)
         self._next_nvml = 0.0
         self.stats = SamplerStats()
@@ -118,8 +120,16 @@ class Sampler:
     def start(self) -> None:
         self._thread.start()
 
+    def pause(self) -> None:
+        """Stop sampling until :meth:`resume` (the thread stays, idle)."""
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self._resumed.set()
+
     def stop(self, timeout: float = 1.0) -> None:
         self._stop.set()
+        self._resumed.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -129,6 +139,11 @@ class Sampler:
         start = time.monotonic()
         k = 0
         while not self._stop.is_set():
+            if not self._resumed.is_set():
+                while not self._resumed.wait(0.2):
+                    if self._stop.is_set():
+                        return
+                start, k = time.monotonic(), 0
             began = time.monotonic()
             try:
                 self.tick()

@@ -1,0 +1,37 @@
+# Set-up, demo, tests and checks. Everything installs into .venv; nothing is installed globally.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# PyTorch to install when the venv has none. The default is the CPU build that CPU-only
+# machines carry; on a GPU machine use e.g. `make TORCH=torch demo` for the CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup demo test lint check bench clean
+
+$(BIN)/torchtop: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $@
+
+setup: $(BIN)/torchtop
+
+demo: setup
+	$(BIN)/torchtop demo broadcasting
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check torchtop demos tests benchmarks
+	$(BIN)/ruff format --check torchtop demos tests benchmarks
+	$(BIN)/mypy
+
+check: lint test
+
+bench: setup
+	$(BIN)/python -m benchmarks.agent_overhead
+	$(BIN)/python -m benchmarks.stalled_viewer
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

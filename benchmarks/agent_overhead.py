@@ -1,0 +1,143 @@
+"""The agent's cost on training step time: agent on against off, side by side in one run.
+
+Each model trains in one process through alternating one-second blocks: a block with the agent's
+sampler paused (off), then a block with the agent sampling at its default settings (on), and so
+on, with a viewer process attached and reading all along. Short alternating blocks spread machine
+noise evenly over both arms. The result is the ratio of the median step times (on / off), for a
+small MLP and for a model made of many tiny ops (where the per-step work is smallest and any cost
+of the agent shows most).
+
+    python -m benchmarks.agent_overhead            # about 3 minutes
+    python -m benchmarks.agent_overhead --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import torchtop
+from torchtop.agent import core
+
+
+def mlp() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    model = nn.Sequential(
+        nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+    return model, torch.randn(128, 512), torch.randint(0, 10, (128,))
+
+
+def tiny_ops() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    layers: list[nn.Module] = []
+    for _ in range(48):
+        layers += [nn.Linear(16, 16), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(16, 10))
+    return model, torch.randn(8, 16), torch.randint(0, 10, (8,))
+
+
+def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def block(step: Callable[[], None], seconds: float) -> list[float]:
+    times = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def attach_viewer(address: str) -> subprocess.Popen[bytes]:
+    """A separate process that reads everything the agent sends, as the viewer does."""
+    code = (
+        "from torchtop.transport import AgentConnection\n"
+        f"for m in AgentConnection({address!r}).messages(): pass\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def measure(
+    name: str,
+    build: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
+    rounds: int,
+    seconds: float,
+) -> dict[str, float]:
+    torch.manual_seed(0)
+    step = make_step(*build())
+    block(step, 1.0)  # warm up
+    # One agent and one viewer for the whole run; the "off" blocks pause the sampler, so the
+    # arms differ only by the agent's work (sampling, encoding, serving), not by process start-up.
+    agent = core.start()
+    viewer = attach_viewer(agent.info.address)
+    time.sleep(1.0)  # the viewer connects and takes the history replay
+    off: list[float] = []
+    on: list[float] = []
+    pair_ratios: list[float] = []
+    try:
+        for _ in range(rounds):
+            agent.sampler.pause()
+            off_block = block(step, seconds)
+            agent.sampler.resume()
+            on_block = block(step, seconds)
+            off += off_block
+            on += on_block
+            pair_ratios.append(statistics.median(on_block) / statistics.median(off_block))
+    finally:
+        viewer.kill()
+        viewer.wait()
+        torchtop.stop()
+    ratio = statistics.median(on) / statistics.median(off)
+    result = {
+        "model": name,
+        "median_step_off_ms": statistics.median(off) * 1e3,
+        "median_step_on_ms": statistics.median(on) * 1e3,
+        "steps_off": len(off),
+        "steps_on": len(on),
+        "ratio": ratio,
+        "median_pair_ratio": statistics.median(pair_ratios),
+    }
+    print(
+        f"{name:10s} off {result['median_step_off_ms']:8.3f} ms"
+        f"  on {result['median_step_on_ms']:8.3f} ms"
+        f"  ratio {ratio:.4f}  (median of {rounds} paired blocks {result['median_pair_ratio']:.4f};"
+        f" {len(off)} / {len(on)} steps)",
+        flush=True,
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON at the end")
+    args = parser.parse_args()
+    torch.set_num_threads(
+        1
+    )  # the sampler thread gets the other core, as on a busy machine it won't
+    rounds, seconds = (3, 0.5) if args.quick else (40, 1.0)
+    results = [measure("mlp", mlp, rounds, seconds), measure("tiny-ops", tiny_ops, rounds, seconds)]
+    if args.json:
+        print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The real viewer in a real terminal (tmux), driven as a user drives it."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.conftest import SCRIPTS
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+
+
+class Terminal:
+    def __init__(self, session: str) -> None:
+        self.session = session
+
+    def screen(self) -> str:
+        out = subprocess.run(
+            ["tmux", "capture-pane", "-p", "-t", self.session], capture_output=True, text=True
+        )
+        return out.stdout
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.session, *keys], check=True)
+
+    def wait_for(self, predicate: Callable[[str], bool], timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        screen = ""
+        while time.monotonic() < deadline:
+            screen = self.screen()
+            if predicate(screen):
+                return screen
+            time.sleep(0.2)
+        raise AssertionError(f"timed out; the screen shows:\n{screen}")
+
+
+@pytest.fixture
+def terminal(tmp_path: object) -> Iterator[Terminal]:
+    session = f"torchtop-test-{uuid.uuid4().hex[:8]}"
+    env = " ".join(
+        f"{k}={shlex.quote(v)}"
+        for k, v in os.environ.items()
+        if k in ("TORCHTOP_RUNTIME_DIR", "PATH", "PYTHONPATH", "HOME")
+    )
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24",
+         f"env {env} TERM=xterm-256color PYTHONWARNINGS=ignore bash --norc --noprofile"],
+        check=True,
+    )
+    try:
+        yield Terminal(session)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_live_viewer_shows_the_job_stays_open_and_quits(terminal: Terminal) -> None:
+    script = SCRIPTS / "train_mlp.py"
+    command = f"{sys.executable} -m torchtop run {script} --steps 60 --sleep 0.03; echo EXIT=$?"
+    terminal.keys(command, "Enter")
+    live = terminal.wait_for(lambda s: "running" in s and "heap" in s and "step 0 loss" in s)
+    assert "train_mlp.py" in live  # the header names the job
+    assert "RSS" in live and "Host" in live
+    ended = terminal.wait_for(lambda s: "ended · exit 0" in s)
+    assert "step 50 loss" in ended and "training done" in ended  # the job's output
+    time.sleep(1.0)
+    assert "ended · exit 0" in terminal.screen()  # still open after the job ended
+    terminal.keys("q")
+    assert "EXIT=0" in terminal.wait_for(lambda s: "EXIT=" in s, timeout=15)
+
+
+def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Terminal) -> None:
+    script = SCRIPTS / "train_mlp.py"
+    command = f"{sys.executable} -m torchtop run {script} --steps 100000 --sleep 0.02; echo EXIT=$?"
+    terminal.keys(command, "Enter")
+    terminal.wait_for(lambda s: "running" in s and "step 0 loss" in s)
+    terminal.keys("q")
+    terminal.wait_for(lambda s: "still running" in s)
+    terminal.keys("d")
+    screen = terminal.wait_for(lambda s: "EXIT=" in s, timeout=15)
+    assert "EXIT=0" in screen and "left job pid" in screen
+    from torchtop.transport import list_agents
+
+    (agent,) = list_agents()
+    os.kill(agent.pid, 9)
