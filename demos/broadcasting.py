@@ -19,6 +19,7 @@ Run it with ``torchtop demo broadcasting`` to watch each phase on the memory cha
 from __future__ import annotations
 
 import torch
+
 from torchtop.demos import _harness as harness
 
 

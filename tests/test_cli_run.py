@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import SCRIPTS, torchtop
 from torchtop.protocol import AgentStats
 from torchtop.recording import read_recording
