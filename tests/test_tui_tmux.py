@@ -51,8 +51,18 @@ def terminal(tmp_path: object) -> Iterator[Terminal]:
         if k in ("TORCHTOP_RUNTIME_DIR", "PATH", "PYTHONPATH", "HOME")
     )
     subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24",
-         f"env {env} TERM=xterm-256color PYTHONWARNINGS=ignore bash --norc --noprofile"],
+        [
+            "tmux",
+            "new-session",
+            "-d",
+            "-s",
+            session,
+            "-x",
+            "80",
+            "-y",
+            "24",
+            f"env {env} TERM=xterm-256color PYTHONWARNINGS=ignore bash --norc --noprofile",
+        ],
         check=True,
     )
     try:
