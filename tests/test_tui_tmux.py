@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -24,14 +25,14 @@ class Terminal:
 
     def screen(self) -> str:
         out = subprocess.run(
-            ["tmux", "capture-pane", "-p", "-t", self.session], capture_output=True, text=True
+            ["tmux", "capture-pane", "-p", "-J", "-t", self.session], capture_output=True, text=True
         )
         return out.stdout
 
     def keys(self, *keys: str) -> None:
         subprocess.run(["tmux", "send-keys", "-t", self.session, *keys], check=True)
 
-    def wait_for(self, predicate: Callable[[str], bool], timeout: float = 60) -> str:
+    def wait_for(self, predicate: Callable[[str], object], timeout: float = 60) -> str:
         deadline = time.monotonic() + timeout
         screen = ""
         while time.monotonic() < deadline:
@@ -83,7 +84,7 @@ def test_live_viewer_shows_the_job_stays_open_and_quits(terminal: Terminal) -> N
     time.sleep(1.0)
     assert "ended · exit 0" in terminal.screen()  # still open after the job ended
     terminal.keys("q")
-    assert "EXIT=0" in terminal.wait_for(lambda s: "EXIT=" in s, timeout=15)
+    assert "EXIT=0\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
 
 
 def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Terminal) -> None:
@@ -94,8 +95,8 @@ def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Term
     terminal.keys("q")
     terminal.wait_for(lambda s: "still running" in s)
     terminal.keys("d")
-    screen = terminal.wait_for(lambda s: "EXIT=" in s, timeout=15)
-    assert "EXIT=0" in screen and "left job pid" in screen
+    screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
+    assert "EXIT=0\n" in screen and "left job pid" in screen
     from torchtop.transport import list_agents
 
     (agent,) = list_agents()

@@ -246,7 +246,8 @@ class TorchtopApp(App[int]):
         """Quit; if torchtop started the job and it still runs, ask what to do with it."""
         if isinstance(self.screen, ModalScreen):
             return
-        if self.source.owns_job and self.source.job_running():
+        # Once the job's exit has arrived it is only tearing down: nothing is left to ask about.
+        if self.source.owns_job and self.source.job_running() and not self.state.job_ended:
             self.push_screen(QuitScreen(), self._quit_chosen)
         else:
             self._leave(stop_job=False)
