@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -329,7 +330,13 @@ def print_results(title: str, results: Sequence[PhaseResult], conclusion: str) -
 
 
 def emit_json_results(results: Sequence[PhaseResult]) -> None:
-    """One line, ``TORCHTOP_DEMO_RESULT {json}``, with every measured value, for tests."""
+    """One line, ``TORCHTOP_DEMO_RESULT {json}``, with every measured value, for tests.
+
+    Printed only when the environment variable of the same name is ``1``, so that people
+    watching a demo see the table, not machine-readable output.
+    """
+    if os.environ.get(RESULT_PREFIX) != "1":
+        return
     payload = {"results": [asdict(result) for result in results]}
     print(f"{RESULT_PREFIX} {json.dumps(payload, default=str)}", flush=True)
 

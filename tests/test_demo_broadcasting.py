@@ -16,7 +16,7 @@ RESULT_PREFIX = "TORCHTOP_DEMO_RESULT "
 
 @pytest.fixture(scope="module")
 def demo_output() -> str:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TORCHTOP_DEMO_RESULT": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torchtop", "demo", "broadcasting", "--headless", "--quick"],
         capture_output=True,

@@ -186,7 +186,11 @@ class RecordingSource(Source):
         self._thread.start()
 
     def _play(self, sink: Sink) -> None:
-        sink(SourceConnected(t=time.time(), address="recording"))
+        # Times come from the recording, never the wall clock: the viewer's "now" is the
+        # recording's.
+        times = [t for m in self._messages if isinstance(t := getattr(m, "t", None), float)]
+        first_t, last_t = (times[0], max(times)) if times else (time.time(), time.time())
+        sink(SourceConnected(t=first_t, address="recording"))
         record_start: float | None = None
         position = 0.0  # seconds into the recording that playback has reached
         last = time.monotonic()
@@ -209,7 +213,7 @@ class RecordingSource(Source):
                         self._changed.wait(min(wait, 0.25))
             sink(message)
             self.delivered += 1
-        sink(SourceDisconnected(t=time.time(), reason="end of recording"))
+        sink(SourceDisconnected(t=last_t, reason="end of recording"))
 
     def _update(self, **changes: object) -> None:
         with self._changed:
