@@ -49,7 +49,7 @@ def test_pause_holds_and_jump_to_end_delivers_the_rest() -> None:
 
 
 def test_speed_changes_the_pace_within_bounds() -> None:
-    source, sink = RecordingSource(_marks(20, 1.0), speed=1000.0), Collector()  # 19 s at 1000×
+    source, sink = RecordingSource(_marks(20, 1.0), speed=1000.0), Collector()  # 19 s at 1000x
     source.start(sink)
     assert sink.done.wait(5)  # 19 ms of playback
     source.set_speed(5000.0)
