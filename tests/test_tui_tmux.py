@@ -6,6 +6,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.conftest import SCRIPTS
+from torchtop.transport import list_agents
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 
@@ -91,13 +93,14 @@ def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Term
     script = SCRIPTS / "train_mlp.py"
     command = f"{sys.executable} -m torchtop run {script} --steps 100000 --sleep 0.02; echo EXIT=$?"
     terminal.keys(command, "Enter")
-    terminal.wait_for(lambda s: "running" in s and "step 0 loss" in s)
-    terminal.keys("q")
-    terminal.wait_for(lambda s: "still running" in s)
-    terminal.keys("d")
-    screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
-    assert "EXIT=0\n" in screen and "left job pid" in screen
-    from torchtop.transport import list_agents
-
-    (agent,) = list_agents()
-    os.kill(agent.pid, 9)
+    try:
+        terminal.wait_for(lambda s: "running" in s and "step 0 loss" in s)
+        terminal.keys("q")
+        terminal.wait_for(lambda s: "still running" in s)
+        terminal.keys("d")
+        screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
+        assert "EXIT=0\n" in screen and "left job pid" in screen
+        assert len(list_agents()) == 1  # the job runs on
+    finally:
+        for agent in list_agents():
+            os.kill(agent.pid, signal.SIGKILL)
