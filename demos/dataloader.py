@@ -1,0 +1,335 @@
+"""DataLoader workers: data wait, throughput, start-up and pinned batches.
+
+A training step can only start when its batch is ready. With ``num_workers=0`` the DataLoader
+reads and decodes every sample in the training process itself, between steps, so the model
+waits for the data and the data waits for the model. With ``num_workers=N`` that work moves to
+N worker processes that prepare the next batches while the current step runs.
+
+This demo uses a dataset whose ``__getitem__`` takes a few milliseconds per sample (a sleep
+standing in for reading and decoding an image) and a small classifier, and measures, for each
+way of loading:
+
+- throughput: samples per second over a whole epoch, start-up included;
+- the data wait: the time the training loop spends blocked in ``next()`` as a share of each
+  step, measured by the loop itself, after the first batch;
+- the first-batch latency: from ``iter(loader)`` to the first batch, which with workers
+  includes starting them. ``persistent_workers=True`` keeps them between epochs, so only the
+  first epoch pays it.
+
+On CUDA it also runs ``pin_memory=True``, which has the workers' batches copied into
+page-locked memory so the copy to the GPU is faster and can be asynchronous.
+
+Run it with ``torchtop demo dataloader`` to watch the loader's wait time live, or
+``--headless`` for the table only.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import multiprocessing
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from torchtop.demos import _harness as harness
+
+BATCH_SIZE = 8
+#: How long one sample takes to "read and decode".
+DECODE_SECONDS = 0.003
+
+
+class DecodingDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Small fake images that each take ``decode_seconds`` to produce.
+
+    It lives at module level so worker processes can find it: with the ``spawn`` start method
+    (the default on macOS and Windows) each worker imports this module and unpickles the
+    dataset; with ``fork`` (Linux) it inherits a copy.
+    """
+
+    def __init__(self, size: int, decode_seconds: float) -> None:
+        self.size = size
+        self.decode_seconds = decode_seconds
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Reading a file and decoding a JPEG, simulated: a sleep holds no CPU core, as disk
+        # and network reads don't, so the workers' gain here does not depend on how many
+        # cores are free. Real decoding burns CPU, and then workers help only as far as
+        # there are idle cores for them.
+        time.sleep(self.decode_seconds)
+        generator = torch.Generator().manual_seed(index)
+        image = torch.rand(3, 32, 32, generator=generator)
+        image = (image - 0.5) / 0.25  # the usual normalization
+        label = torch.tensor(index % 10)
+        return image, label
+
+
+class Classifier:
+    """A small MLP and its optimizer: a step takes about as long as a few samples to load."""
+
+    def __init__(self, device: torch.device) -> None:
+        torch.manual_seed(0)
+        self.device = device
+        self.model = nn.Sequential(
+            nn.Flatten(), nn.Linear(3 * 32 * 32, 1024), nn.ReLU(), nn.Linear(1024, 10)
+        ).to(device)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+
+    def step(self, images: torch.Tensor, labels: torch.Tensor, non_blocking: bool) -> None:
+        # non_blocking only helps from pinned memory; from pageable memory it is ignored.
+        images = images.to(self.device, non_blocking=non_blocking)
+        labels = labels.to(self.device, non_blocking=non_blocking)
+        loss = nn.functional.cross_entropy(self.model(images), labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        if self.device.type == "cuda":
+            # Wait for the GPU, so a step's time here is the GPU's time too (otherwise the CPU
+            # races ahead and the wait shows up later, wherever it next syncs).
+            torch.cuda.synchronize(self.device)
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    """One epoch, timed by the training loop itself."""
+
+    seconds: float
+    samples: int
+    #: From ``iter(loader)`` to the first batch (with workers: starting them, if needed).
+    first_batch: float
+    #: Time blocked in ``next()`` over all steps after the first.
+    waiting: float
+    #: Whole steps (``next()`` plus training) after the first, and how many there were.
+    stepping: float
+    steps_after_first: int
+    #: The last ``next()``, which raises StopIteration (without persistent workers it also
+    #: shuts them down and waits for them to exit).
+    ending: float
+
+    @property
+    def wait_fraction(self) -> float:
+        return self.waiting / self.stepping if self.stepping > 0 else 0.0
+
+    @property
+    def step_seconds(self) -> float:
+        """The average step after the first, waiting included."""
+        return self.stepping / max(1, self.steps_after_first)
+
+
+def run_epoch(
+    loader: DataLoader[tuple[torch.Tensor, torch.Tensor]], model: Classifier
+) -> EpochStats:
+    """One pass over the loader, timing each ``next()`` and each step."""
+    start = time.perf_counter()
+    batches = iter(loader)  # with workers, this starts them (unless they persist)
+    first_batch = waiting = stepping = ending = 0.0
+    samples = 0
+    while True:
+        before_next = time.perf_counter()
+        try:
+            images, labels = next(batches)
+        except StopIteration:  # without persistent workers, this also shuts them down
+            ending = time.perf_counter() - before_next
+            break
+        got_batch = time.perf_counter()
+        model.step(images, labels, non_blocking=loader.pin_memory)
+        done = time.perf_counter()
+        if samples == 0:
+            first_batch = got_batch - start
+        else:
+            waiting += got_batch - before_next
+            stepping += done - before_next
+        samples += len(labels)
+    seconds = time.perf_counter() - start
+    steps_after_first = max(0, len(loader) - 1)
+    return EpochStats(seconds, samples, first_batch, waiting, stepping, steps_after_first, ending)
+
+
+def show_the_balance(
+    options: harness.DemoOptions, dataset: DecodingDataset, model: Classifier
+) -> None:
+    """How long a batch takes to load, and a step to train: how many workers keep up."""
+    harness.section(
+        f"the data and the step: batches of {BATCH_SIZE}, "
+        f"{harness.format_seconds(DECODE_SECONDS)} to decode each sample"
+    )
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE)
+    batches = iter(loader)
+    start = time.perf_counter()
+    images, labels = next(batches)
+    load = time.perf_counter() - start
+    model.step(images, labels, non_blocking=False)  # warm-up
+    steps = []
+    for _ in range(5):
+        start = time.perf_counter()
+        model.step(images, labels, non_blocking=False)
+        steps.append(time.perf_counter() - start)
+    step = statistics.median(steps)
+    print(
+        f"loading a batch in this process: {harness.format_seconds(load)}; "
+        f"a training step on {options.device.type}: {harness.format_seconds(step)}"
+    )
+    # Each worker delivers a batch every `load` seconds; the loop consumes one every `step`.
+    print(
+        f"one worker delivers a batch every {harness.format_seconds(load)}, so keeping up "
+        f"with the step takes about {math.ceil(load / step)} workers "
+        f"({harness.format_seconds(load)} / {harness.format_seconds(step)}, rounded up); "
+        "the demo compares 0 and 2"
+    )
+
+
+def measure_loading(
+    name: str,
+    options: harness.DemoOptions,
+    model: Classifier,
+    loader: DataLoader[tuple[torch.Tensor, torch.Tensor]],
+    repeat: int,
+) -> tuple[harness.PhaseResult, EpochStats]:
+    """Train one epoch per call, as a measured phase; returns the result and the first epoch.
+
+    :func:`harness.measure` runs the epoch once to warm up, ``repeat`` times (or more) for
+    time, and once more for memory; the columns come from the timed epochs.
+    """
+    epochs: list[EpochStats] = []
+    result = harness.measure(
+        name,
+        lambda: epochs.append(run_epoch(loader, model)),
+        device=options.device,
+        repeat=repeat,
+    )
+    timed = epochs[1:-1]
+    samples_per_second = statistics.median(e.samples / e.seconds for e in timed)
+    wait = statistics.median(e.wait_fraction for e in timed)
+    first_batch = statistics.median(e.first_batch for e in timed)
+    ending = statistics.median(e.ending for e in timed)
+    step = statistics.median(e.step_seconds for e in timed)
+    result = replace(
+        result,
+        extra={
+            "samples/s": round(samples_per_second),
+            "wait %": round(100 * wait, 1),
+            "1st batch": harness.format_seconds(first_batch),
+        },
+    )
+    print(
+        f"{name}: {samples_per_second:.0f} samples/s; steps of {harness.format_seconds(step)}, "
+        f"{100 * wait:.0f}% of it waiting for data; first batch after "
+        f"{harness.format_seconds(first_batch)}, epoch end (StopIteration) after "
+        f"{harness.format_seconds(ending)}"
+    )
+    return result, epochs[0]
+
+
+def compare_workers(
+    options: harness.DemoOptions, dataset: DecodingDataset, model: Classifier
+) -> list[harness.PhaseResult]:
+    """0 workers, 2 workers, 2 persistent workers (and 2 with pinned memory on CUDA)."""
+    repeat = 2 if options.quick else 5
+    ways = "four" if options.cuda else "three"
+    harness.section(f"one epoch of {len(dataset)} samples, loaded {ways} ways")
+    results = []
+
+    # Every DataLoader uses the platform's default start method (multiprocessing_context=None).
+    no_workers = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True)
+    result, _ = measure_loading("0 workers", options, model, no_workers, repeat)
+    results.append(result)
+    harness.pause(options)
+
+    # New worker processes each epoch: started by iter(), shut down when the epoch ends.
+    two_workers = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=2)
+    result, _ = measure_loading("2 workers", options, model, two_workers, repeat)
+    results.append(result)
+    harness.pause(options)
+
+    # The same two processes for every epoch: only the first epoch starts them.
+    persistent = DataLoader(
+        dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=2, persistent_workers=True
+    )
+    result, first_epoch = measure_loading("2, persistent", options, model, persistent, repeat)
+    print(
+        f"  (its first epoch waited {harness.format_seconds(first_epoch.first_batch)} for its "
+        f"first batch, starting the workers; later epochs {result.extra['1st batch']})"
+    )
+    results.append(result)
+    # Persistent workers live as long as the DataLoader: dropping it shuts them down.
+    del persistent
+    harness.pause(options)
+
+    harness.section("pin_memory=True")
+    if options.cuda:
+        pinned = DataLoader(
+            dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=2, pin_memory=True
+        )
+        result, _ = measure_loading("2, pin_memory", options, model, pinned, repeat)
+        results.append(result)
+        harness.pause(options)
+    else:
+        print(
+            "skipped on CPU: pin_memory=True copies each batch into page-locked memory so the "
+            "copy to a GPU is faster and can overlap with compute. With no GPU there is no "
+            "such copy (DataLoader only warns and ignores it)."
+        )
+    return results
+
+
+def check_no_workers_left(timeout: float = 10.0) -> None:
+    """Wait for the workers of every DataLoader that is gone to exit, and count those left.
+
+    A DataLoader shuts its workers down when its iterator is freed, which can be a moment
+    after the last name for it goes: when a reference cycle holds it until the garbage
+    collector runs, or another thread (a monitoring one, say) briefly holds it.
+    """
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    # active_children() also reaps the processes that have exited.
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(f"worker processes left running: {len(multiprocessing.active_children())}")
+
+
+def conclusion(results: list[harness.PhaseResult]) -> str:
+    no_workers, two, persistent = results[:3]
+    wait_before, wait_after = no_workers.extra["wait %"], two.extra["wait %"]
+    verb = "cut" if wait_after < wait_before else "raised"
+    text = (
+        f"2 workers {verb} the data wait from {wait_before:.0f}% to {wait_after:.0f}% of each "
+        f"step and {harness.speed_clause(two, no_workers, '0 workers')} "
+        f"({no_workers.extra['samples/s']} to {two.extra['samples/s']} samples/s); "
+        f"persistent workers brought each later epoch's first batch from "
+        f"{two.extra['1st batch']} to {persistent.extra['1st batch']}"
+    )
+    if len(results) > 3:
+        pinned = results[3]
+        text += (
+            f"; pin_memory gave {pinned.extra['samples/s']} samples/s against "
+            f"{two.extra['samples/s']}"
+        )
+    return text + "."
+
+
+def main() -> None:
+    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "dataloader")
+    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    batches = 12 if options.quick else 40
+    dataset = DecodingDataset(batches * BATCH_SIZE, DECODE_SECONDS)
+    model = Classifier(options.device)
+    show_the_balance(options, dataset, model)
+    results = compare_workers(options, dataset, model)
+    check_no_workers_left()
+    harness.print_results(
+        f"DataLoader on {options.device}: time per epoch of {len(dataset)} samples",
+        results,
+        conclusion(results),
+    )
+    harness.emit_json_results(results)
+
+
+if __name__ == "__main__":
+    main()

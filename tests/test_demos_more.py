@@ -1,0 +1,150 @@
+"""The device, dataloader and profiling demos run under the agent with ``--headless --quick``,
+print their conclusion, and measure their effect the right way round.
+
+As in ``test_demos.py`` the checks are directions and counts, never figures. Where a direction
+is not robust on a CPU it is not asserted there: ``x.to("cpu")`` is a no-op and ``.item()``
+syncs with nothing on a CPU, so the device demo is checked by what it counted (``to()`` calls,
+copies and host reads per step, from torch.profiler), and its copies' speed only on CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+RESULT_PREFIX = "TORCHTOP_DEMO_RESULT "
+
+Results = dict[str, dict[str, Any]]
+
+
+def run_demo(name: str, tmp_path: Path) -> str:
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "TORCHTOP_DEMO_RESULT": "1",
+        # One OpenMP thread per op: on a busy 2-core machine two spin-wait on each other.
+        "OMP_NUM_THREADS": "1",
+        # The profiling demo leaves its Chrome trace in the temporary directory.
+        "TMPDIR": str(tmp_path),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtop", "demo", name, "--headless", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def results_of(output: str) -> Results:
+    lines = [line for line in output.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert len(lines) == 1, output
+    payload = json.loads(lines[0][len(RESULT_PREFIX) :])
+    return {entry["name"]: entry for entry in payload["results"]}
+
+
+def seconds(results: Results, name: str) -> float:
+    return float(results[name]["seconds"])
+
+
+# -- what each demo must show ----------------------------------------------------------------
+
+
+def check_device(r: Results, output: str) -> None:
+    every, once = r["to() every step"]["extra"], r["to() once"]["extra"]
+    # model.to() each step visits every parameter (and gradient); once before the loop, none.
+    assert every["to()"] > 2
+    assert once["to()"] == 0
+    # Three host reads a step (loss, accuracy, a NaN check), against three per loop.
+    each_step, at_end = r[".item() every step"]["extra"], r[".item() at the end"]["extra"]
+    assert each_step[".item()"] == 3
+    assert 0 < at_end[".item()"] < 1
+    if output.startswith("device: cpu"):
+        # to("cpu") on a CPU tensor returns it: nothing is copied, and the GPU paragraph shows.
+        assert every["copies"] == 0
+        assert "On a GPU this would differ:" in output
+        assert "torch.empty(4).pin_memory()" in output  # it failed, or said it did not
+    else:
+        assert every["copies"] >= 2  # the batch's two tensors, each step
+        assert once["copies"] == 0
+        # Two copies a step (and model.to()) against none. Whether fewer syncs make the loop
+        # faster depends on how the GPU's time compares with the CPU's: not asserted.
+        assert seconds(r, "to() once") < seconds(r, "to() every step")
+        assert seconds(r, "pinned, non_blocking") < seconds(r, "pageable .to(cuda)")
+
+
+def check_dataloader(r: Results, output: str) -> None:
+    none, two = r["0 workers"]["extra"], r["2 workers"]["extra"]
+    persistent = r["2, persistent"]["extra"]
+    table = "\n".join(line for line in output.splitlines() if line.startswith(("|", "+")))
+    assert two["wait %"] < none["wait %"], table
+    assert persistent["wait %"] < none["wait %"], table
+    assert two["samples/s"] > none["samples/s"], table
+    assert persistent["samples/s"] > none["samples/s"], table
+    # Every DataLoader's workers were shut down before the demo ended.
+    assert "worker processes left running: 0" in output.splitlines(), output
+
+
+def check_profiling(r: Results, output: str) -> None:
+    assert seconds(r, "torch.profiler") > seconds(r, "no profiler")
+    assert r["torch.profiler"]["extra"]["overhead"] > 1
+    events = int(r["torch.profiler"]["extra"]["detail"].split()[0])
+    assert events > 0
+    # The trace the demo wrote is valid JSON with that many events.
+    paths = re.findall(r"^Chrome trace: (.+)$", output, flags=re.MULTILINE)
+    assert len(paths) == 1, output
+    trace = json.loads(Path(paths[0]).read_text())
+    assert len(trace["traceEvents"]) == events
+    # The shape error was caught and traced to a line of the demo's own file.
+    assert "mat1 and mat2 shapes cannot be multiplied (32x100 and 128x64)" in output
+    assert re.fullmatch(r"profiling\.py:\d+", r["wrong shape (caught)"]["extra"]["detail"])
+    assert "model.encoder.0 = Linear(in_features=128, out_features=64" in output
+
+
+#: demo name -> (the start of its conclusion line, the checks on its measured values)
+DEMOS: dict[str, tuple[str, Callable[[Results, str], None]]] = {
+    "device": ("to(device) once ran ", check_device),
+    "dataloader": ("2 workers ", check_dataloader),
+    "profiling": ("with torch.profiler the steps ran ", check_profiling),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DEMOS))
+def test_demo_runs_and_measures_the_effect(name: str, tmp_path: Path) -> None:
+    output = run_demo(name, tmp_path)
+    conclusion_start, check = DEMOS[name]
+    conclusions = [line for line in output.splitlines() if line.startswith(conclusion_start)]
+    assert len(conclusions) == 1, output
+    assert "peak memory" in output  # the table's header
+    table = [line for line in output.splitlines() if line.startswith(("|", "+"))]
+    assert table and max(len(line) for line in table) <= 78, output
+    results = results_of(output)
+    for entry in results.values():
+        assert entry["seconds"] > 0
+    check(results, output)
+
+
+def test_the_demos_are_listed_with_short_descriptions() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtop", "demo", "--list", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    listed = {demo["name"]: demo["description"] for demo in json.loads(proc.stdout)}
+    for name in DEMOS:
+        assert name in listed, listed
+        assert 0 < len(listed[name].strip()) <= 72, f"{name}: {listed[name]!r}"
