@@ -32,6 +32,7 @@ check: lint test
 bench: setup
 	$(BIN)/python -m benchmarks.agent_overhead
 	$(BIN)/python -m benchmarks.stalled_viewer
+	$(BIN)/python -m benchmarks.tracker_overhead
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,14 +1,18 @@
 """The agent's cost on training step time: agent on against off, side by side in one run.
 
 Each model trains in one process through alternating one-second blocks: a block with the agent's
-sampler paused (off), then a block with the agent sampling at its default settings (on), and so
-on, with a viewer process attached and reading all along. Short alternating blocks spread machine
-noise evenly over both arms. The result is the ratio of the median step times (on / off), for a
-small MLP and for a model made of many tiny ops (where the per-step work is smallest and any cost
-of the agent shows most).
+sampler paused and its step and DataLoader hooks removed (off), then a block with the agent
+sampling at its default settings and the hooks in (on), and so on, with a viewer process attached
+and reading all along. Short alternating blocks spread machine noise evenly over both arms. Each
+step takes its batch from a DataLoader and ends in ``optimizer.step()``, so the hooks run every
+step. The result is the ratio of the median step times (on / off), for a small MLP and for a
+model made of many tiny ops (where the per-step work is smallest and any cost of the agent shows
+most).
 
     python -m benchmarks.agent_overhead            # about 3 minutes
     python -m benchmarks.agent_overhead --quick    # a smoke run
+    python -m benchmarks.agent_overhead --hooks-only  # the sampler on in both arms: the
+                                                     # step and DataLoader hooks' share alone
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
 
 import torchtop
 from torchtop.agent import core
@@ -43,12 +48,36 @@ def tiny_ops() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, torch.randn(8, 16), torch.randint(0, 10, (8,))
 
 
+class Batches(Dataset):
+    """``x`` and ``y`` repeated, indexed a whole batch at a time (no per-sample collation)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, repeats: int = 64) -> None:
+        self.x = x.repeat(repeats, *([1] * (x.dim() - 1)))
+        self.y = y.repeat(repeats)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
+
+
 def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = Batches(x, y)
+    sampler = BatchSampler(SequentialSampler(data), batch_size=len(y), drop_last=True)
+    loader = DataLoader(data, sampler=sampler, batch_size=None)
+    batches = iter(loader)
 
     def step() -> None:
+        nonlocal batches
+        try:
+            bx, by = next(batches)
+        except StopIteration:  # a new epoch
+            batches = iter(loader)
+            bx, by = next(batches)
         opt.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
+        nn.functional.cross_entropy(model(bx), by).backward()
         opt.step()
 
     return step
@@ -78,12 +107,14 @@ def measure(
     build: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
     rounds: int,
     seconds: float,
+    hooks_only: bool = False,
 ) -> dict[str, float]:
     torch.manual_seed(0)
     step = make_step(*build())
     block(step, 1.0)  # warm up
-    # One agent and one viewer for the whole run; the "off" blocks pause the sampler, so the
-    # arms differ only by the agent's work (sampling, encoding, serving), not by process start-up.
+    # One agent and one viewer for the whole run; the "off" blocks pause the sampler and remove
+    # the hooks, so the arms differ only by the agent's work (hooks, sampling, encoding,
+    # serving), not by process start-up.
     agent = core.start()
     viewer = attach_viewer(agent.info.address)
     time.sleep(1.0)  # the viewer connects and takes the history replay
@@ -92,8 +123,11 @@ def measure(
     pair_ratios: list[float] = []
     try:
         for _ in range(rounds):
-            agent.sampler.pause()
+            if not hooks_only:
+                agent.sampler.pause()
+            agent.training.uninstall()
             off_block = block(step, seconds)
+            agent.training.reinstall()
             agent.sampler.resume()
             on_block = block(step, seconds)
             off += off_block
@@ -129,12 +163,20 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the results as JSON at the end")
+    parser.add_argument(
+        "--hooks-only",
+        action="store_true",
+        help="keep the sampler running in both arms: measure the step and DataLoader hooks",
+    )
     args = parser.parse_args()
     torch.set_num_threads(
         1
     )  # the sampler thread gets the other core, as on a busy machine it won't
     rounds, seconds = (3, 0.5) if args.quick else (40, 1.0)
-    results = [measure("mlp", mlp, rounds, seconds), measure("tiny-ops", tiny_ops, rounds, seconds)]
+    results = [
+        measure(name, build, rounds, seconds, args.hooks_only)
+        for name, build in (("mlp", mlp), ("tiny-ops", tiny_ops))
+    ]
     if args.json:
         print(json.dumps(results, indent=2))
 

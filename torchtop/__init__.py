@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchtop.agent.events import mark, phase
+from torchtop.agent.steps import step
 
 __version__ = "0.1.0"
 
@@ -33,4 +34,4 @@ def stop() -> None:
     _stop()
 
 
-__all__ = ["__version__", "mark", "phase", "start", "stop"]
+__all__ = ["__version__", "mark", "phase", "start", "step", "stop"]

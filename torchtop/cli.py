@@ -81,6 +81,78 @@ def _add_agent_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-nvml", action="store_true", help="do not read GPUs through NVML")
 
 
+def _size(text: str) -> int:
+    from torchtop.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_oom_options(p: argparse.ArgumentParser) -> None:
+    """Out-of-memory capture and the CPU memory-limit emulation (README: "Out of memory")."""
+    p.add_argument(
+        "--memory-limit",
+        metavar="SIZE",
+        type=_size,
+        help="emulate a device of SIZE (e.g. 256MiB, 2GiB) for a CPU job: tensors past it "
+        "raise torch.OutOfMemoryError (emulated), captured like a CUDA OOM",
+    )
+    p.add_argument(
+        "--pause-on-oom",
+        action="store_true",
+        help="hold the job at an OOM until the OOM screen is dismissed (or --pause-timeout)",
+    )
+    p.add_argument(
+        "--pause-timeout",
+        metavar="S",
+        type=_positive_float,
+        default=300.0,
+        help="with --pause-on-oom: resume after S seconds (default 300)",
+    )
+    p.add_argument(
+        "--no-oom-capture",
+        action="store_true",
+        help="do not record CUDA allocator history or capture OOMs",
+    )
+    p.add_argument(
+        "--oom-history",
+        metavar="N",
+        type=_count,
+        default=10_000,
+        help="allocator history entries kept for OOM snapshots (default 10000; 0: live only)",
+    )
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+def _oom_agent_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The agent options of the OOM flags. Snapshots go next to the recording, named after it
+    (``r.ttr`` → ``r.oom-1.pickle``); without one, to the agent's runtime directory
+    (``<pid>-oom-1.pickle``)."""
+    options: dict[str, Any] = {
+        "oom_capture": not args.no_oom_capture,
+        "oom_history_entries": args.oom_history,
+        "memory_limit_bytes": args.memory_limit,
+        "pause_on_oom": args.pause_on_oom,
+        "pause_timeout_s": args.pause_timeout,
+    }
+    if args.record is not None:
+        record = Path(args.record).resolve()
+        options["snapshot_dir"] = str(record.parent)
+        options["snapshot_prefix"] = f"{record.stem}."
+    return options
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="torchtop",
@@ -100,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     _add_agent_options(run)
+    _add_oom_options(run)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
     run.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]")
 
@@ -162,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--headless", action="store_true", help="no viewer: print the measured table")
     demo.add_argument("--record", metavar="FILE", type=Path, help="save the stream to FILE")
+    _add_oom_options(demo)
     return parser
 
 
@@ -192,6 +266,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "interval_s": args.interval,
             "nvml_interval_s": args.nvml_interval,
             "nvml": not args.no_nvml,
+            **_oom_agent_options(args),
         },
         headless=args.headless,
         record=args.record,
@@ -427,6 +502,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         demo_args += ["--device", args.device]
     spec = RunSpec(
         target=["-m", demo.module, *demo_args],
+        agent_options=_oom_agent_options(args),
         headless=args.headless,
         record=args.record,
     )

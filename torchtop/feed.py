@@ -60,6 +60,13 @@ class AgentFeed:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def send(self, message: Message) -> bool:
+        """Send a ``request`` to the agent; False when not connected (yet, or any more)."""
+        conn = self._conn
+        if conn is None or not self.connected.is_set() or self.ended.is_set():
+            return False
+        return conn.send(message)
+
     def close(self) -> None:
         self._closed.set()
         conn = self._conn

@@ -253,14 +253,259 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 
 
 # --------------------------------------------------------------------------------------------
+# Out of memory, memory snapshots and viewer requests
+# --------------------------------------------------------------------------------------------
+
+#: The most allocation sites an ``oom`` or ``memory_snapshot`` message carries, and the most
+#: frames of each site's stack: together they keep such a frame far below MAX_FRAME_BYTES.
+MAX_SITES = 20
+MAX_STACK_FRAMES = 8
+#: ``Request.action`` values. An agent ignores actions it does not know.
+REQUEST_SNAPSHOT = "snapshot"
+REQUEST_RESUME = "resume"
+
+
+@dataclass(frozen=True)
+class StackFrame:
+    """One Python frame of an allocation's stack."""
+
+    file: str
+    line: int
+    function: str
+
+
+@dataclass(frozen=True)
+class AllocationSite:
+    """Live memory grouped by the line of the job's code that allocated it.
+
+    ``file``/``line``/``function`` are the innermost frame outside torch and torchtop;
+    ``stack`` is the allocation's stack, innermost first, cut to ``MAX_STACK_FRAMES``.
+    """
+
+    file: str
+    line: int
+    function: str
+    bytes: int
+    count: int
+    stack: list[StackFrame] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MemoryCapture(Message):
+    """What held one device's memory at one moment: the body of ``oom`` and ``memory_snapshot``.
+
+    ``largest_free_block_bytes`` is the largest free block inside the allocator's reserved
+    segments. ``fragmented`` is the verdict: enough memory free in total, but no block big
+    enough (``None`` when it cannot be told, as for a snapshot that requested nothing).
+    ``emulated`` marks a CPU job under ``--memory-limit``. ``snapshot_path`` is a pickle that
+    PyTorch's memory_viz opens, or ``None`` with ``snapshot_error`` saying why.
+    """
+
+    t: float
+    id: int
+    device: str
+    emulated: bool
+    requested_bytes: int | None
+    free_bytes: int | None
+    total_bytes: int | None
+    reserved_bytes: int | None
+    allocated_bytes: int | None
+    largest_free_block_bytes: int | None
+    fragmented: bool | None
+    top_sites: list[AllocationSite]
+    snapshot_path: str | None
+    snapshot_error: str = ""
+    #: ``torch.is_grad_enabled()`` in the thread that allocated (``None`` for snapshots).
+    grad_enabled: bool | None = None
+    #: Live allocations in all, of which ``top_sites`` shows the largest groups.
+    live_count: int | None = None
+    #: The stack of the allocation that failed, innermost first (empty when unknown).
+    requested_stack: list[StackFrame] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class OutOfMemory(MemoryCapture):
+    """The job failed to allocate; sent before its ``OutOfMemoryError`` unwinds.
+
+    ``paused``: the agent holds the job at the failure until a viewer sends ``resume`` or
+    ``pause_timeout_s`` passes (``--pause-on-oom``).
+    """
+
+    KIND: ClassVar[str] = "oom"
+    message: str = ""
+    paused: bool = False
+    pause_timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class MemorySnapshotTaken(MemoryCapture):
+    """A snapshot a viewer asked for with a ``snapshot`` request."""
+
+    KIND: ClassVar[str] = "memory_snapshot"
+    request_id: int = 0
+
+
+@dataclass(frozen=True)
+class OomResumed(Message):
+    """A job held at an out-of-memory failure goes on (``reason``: dismissed, timeout)."""
+
+    KIND: ClassVar[str] = "oom_resumed"
+    t: float
+    id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Request(Message):
+    """A viewer's request to the agent, sent after its hello (``REQUEST_*`` actions)."""
+
+    KIND: ClassVar[str] = "request"
+    action: str
+    id: int = 0
+
+
+MESSAGE_TYPES.update(
+    {cls.KIND: cls for cls in (OutOfMemory, MemorySnapshotTaken, OomResumed, Request)}
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Training steps and DataLoaders
+# --------------------------------------------------------------------------------------------
+
+#: The most steps a ``steps`` frame lists one by one; more are sampled evenly (counts and sums
+#: stay exact), which keeps the frame a few KiB at any step rate.
+MAX_STEP_DETAIL = 64
+
+
+@dataclass(frozen=True)
+class StepStats(Message):
+    """Training steps that ended since the previous ``steps`` frame (sent on ticks with any).
+
+    A step ends when the step clock's ``optimizer.step()`` returns (or a ``GradScaler`` skips
+    it, or ``torchtop.step()`` is called) and lasts from the end of the previous step, so the
+    job's first step has no duration. ``timed`` counts the steps with one; the sums cover those.
+    ``wait_s`` is the time the training thread blocked in ``DataLoader`` ``__next__`` (each
+    iterator's first batch excluded: that is ``startup_s``, worker start-up); compute is the
+    step's time less both, and ``optimizer_s`` is inside compute.
+
+    The lists describe up to :data:`MAX_STEP_DETAIL` of the ``count`` steps: all of them, or
+    evenly spaced ones where entry ``j`` stands for the steps ``⌊j·count/n⌋`` up to
+    ``⌊(j+1)·count/n⌋`` (``n`` entries). ``ends`` are wall-clock times; a ``None`` duration is
+    the job's first step.
+    """
+
+    KIND: ClassVar[str] = "steps"
+    t: float
+    #: Steps so far in the job, skipped ones included.
+    total: int
+    #: Steps a GradScaler skipped so far (inf or NaN gradients): no optimizer step ran.
+    skipped_total: int
+    count: int
+    skipped: int
+    timed: int
+    time_s: float
+    wait_s: float
+    startup_s: float
+    optimizer_s: float
+    #: Samples in the timed steps (leading dimension of each batch's first tensor); 0: unknown.
+    samples: int
+    ends: list[float] = field(default_factory=list)
+    durations: list[float | None] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    startups: list[float] = field(default_factory=list)
+    optimizer: list[float] = field(default_factory=list)
+    batch_samples: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A DataLoader worker process, read with psutil."""
+
+    pid: int
+    alive: bool
+    cpu_percent: float | None = None
+    rss_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """One DataLoader: its settings, its totals so far and its current iterator's workers.
+
+    ``index`` numbers loaders in the order the job first iterated them, and stays the same
+    across epochs (``name`` is ``"loader N"``); ``dataset`` is the dataset's class name.
+    ``start_method`` is the workers' (``fork``, ``spawn``, ``forkserver``), once known.
+    ``wait_s`` excludes each new iterator's first batch (worker start-up), which
+    ``first_batch_s`` sums; ``epochs`` counts passes over the loader.
+    """
+
+    index: int
+    name: str
+    dataset: str
+    batch_size: int | None
+    num_workers: int
+    pin_memory: bool
+    prefetch_factor: int | None
+    persistent_workers: bool
+    start_method: str | None = None
+    batches: int = 0
+    samples: int = 0
+    wait_s: float = 0.0
+    epochs: int = 0
+    first_batch_s: float = 0.0
+    last_first_batch_s: float | None = None
+    workers: list[WorkerStats] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LoaderInfo(Message):
+    """Every DataLoader the job has iterated, about once a second while any is in use."""
+
+    KIND: ClassVar[str] = "loaders"
+    t: float
+    loaders: list[LoaderStats]
+
+
+MESSAGE_TYPES.update({cls.KIND: cls for cls in (StepStats, LoaderInfo)})
+
+
+def step_detail_weights(count: int, listed: int) -> list[int]:
+    """How many steps each of the ``listed`` entries of a ``steps`` frame stands for."""
+    if listed <= 0:
+        return []
+    if listed >= count:
+        return [1] * listed
+    return [(j + 1) * count // listed - j * count // listed for j in range(listed)]
+
+
+# --------------------------------------------------------------------------------------------
 # Encoding and decoding
 # --------------------------------------------------------------------------------------------
 
 
 def to_dict(message: Message) -> dict[str, Any]:
     """The JSON-ready dict of a message, with its ``kind``."""
-    body = dataclasses.asdict(message)
+    body = _plain(message)
     return {"kind": message.KIND, **body}
+
+
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def _plain(value: Any) -> Any:
+    """``dataclasses.asdict`` for message fields, several times faster on lists of numbers
+    (a ``steps`` frame carries a few hundred): those are copied whole, not item by item."""
+    if isinstance(value, list):
+        if all(type(v) in _SCALARS for v in value):
+            return list(value)
+        return [_plain(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def encode(message: Message) -> bytes:

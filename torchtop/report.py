@@ -11,18 +11,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtop.oom_report import CaptureCollector, capture_parts
 from torchtop.protocol import (
     Dropped,
     GpuSample,
     Hello,
     JobExited,
+    LoaderInfo,
     LogLine,
     Message,
     PhaseBegan,
     PhaseEnded,
     ProbeStatus,
     Sample,
+    StepStats,
 )
+from torchtop.steps_summary import TrainingSummary, training_parts
 
 
 def _max(a: int | None, b: int | None) -> int | None:
@@ -71,6 +75,9 @@ class _Summary:
     probes: dict[str, str] = field(default_factory=dict)
     log_lines: int = 0
     gpu_peak_util: dict[int, float] = field(default_factory=dict)
+    training: TrainingSummary = field(default_factory=TrainingSummary)
+    #: Out-of-memory failures and snapshots, with their evidence (``events``).
+    captures: CaptureCollector = field(default_factory=CaptureCollector)
 
 
 def summarize(messages: Iterable[Message]) -> dict[str, Any]:
@@ -81,6 +88,7 @@ def summarize(messages: Iterable[Message]) -> dict[str, Any]:
         if isinstance(t, float):
             s.first_t = t if s.first_t is None else min(s.first_t, t)
             s.last_t = t if s.last_t is None else max(s.last_t, t)
+        s.captures.observe(message)
         if isinstance(message, Hello):
             s.hello = message
         elif isinstance(message, Sample):
@@ -108,6 +116,8 @@ def summarize(messages: Iterable[Message]) -> dict[str, Any]:
             s.probes[message.probe] = message.detail
         elif isinstance(message, LogLine):
             s.log_lines += 1
+        elif isinstance(message, (StepStats, LoaderInfo)):
+            s.training.add(message)
     return _to_json(s)
 
 
@@ -169,6 +179,7 @@ def _to_json(s: _Summary) -> dict[str, Any]:
             "peak_allocated_bytes": p.peak_allocated,
             "peak_reserved_bytes": p.peak_reserved,
             "peak_rss_bytes": p.peak_rss,
+            **s.training.phase(p.start, p.end),
         }
         for p in s.phases
     ]
@@ -192,6 +203,8 @@ def _to_json(s: _Summary) -> dict[str, Any]:
         "gpus": [{"index": i, "peak_util_percent": u} for i, u in sorted(s.gpu_peak_util.items())],
         "probes_unavailable": s.probes,
         "log_lines": s.log_lines,
+        "events": s.captures.events(start),
+        **s.training.to_json(),
     }
 
 
@@ -252,6 +265,8 @@ def render_text(report: dict[str, Any]) -> Any:
                 human_bytes(p["peak_rss_bytes"]),
             )
         parts.append(phases)
+    parts.extend(training_parts(report))
+    parts.extend(capture_parts(report.get("events", [])))
     for probe, detail in report["probes_unavailable"].items():
         parts.append(Text(f"{probe}: {detail}", style="dim"))
     return Group(*parts)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtop.feed import AgentFeed
-from torchtop.protocol import JobExited
+from torchtop.protocol import JobExited, OutOfMemory
 from torchtop.recording import RecordingWriter
 from torchtop.transport import ensure_runtime_dir
 
@@ -162,9 +162,16 @@ def run_headless(spec: RunSpec) -> int:
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     previous_term = signal.signal(signal.SIGTERM, lambda signum, frame: job.signal(signum))
     feed = None
+    ooms: list[OutOfMemory] = []
     try:
         if writer is not None:
-            feed = AgentFeed(pid=job.pid, alive=job.running, writer=writer, client="recorder")
+            feed = AgentFeed(
+                pid=job.pid,
+                alive=job.running,
+                writer=writer,
+                client="recorder",
+                on_message=lambda m: ooms.append(m) if isinstance(m, OutOfMemory) else None,
+            )
             feed.start()
         returncode = job.wait()
         assert returncode is not None
@@ -181,6 +188,13 @@ def run_headless(spec: RunSpec) -> int:
         if feed.frames == 0:
             print(
                 f"torchtop: nothing was recorded: {feed.end_reason or 'no agent'}",
+                file=sys.stderr,
+            )
+        for oom in ooms:
+            where = oom.snapshot_path or oom.snapshot_error or "no snapshot"
+            print(
+                f"torchtop: out of memory on {oom.device} captured; snapshot: {where}; "
+                f"`torchtop report {spec.record}` explains it",
                 file=sys.stderr,
             )
     return code

@@ -13,6 +13,7 @@ import socket
 import stat
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -206,6 +207,7 @@ class AgentConnection:
             ) from None
         self.sock.settimeout(None)
         self._splitter = FrameSplitter()
+        self._send_lock = threading.Lock()
 
     def frames(self) -> Iterator[bytes]:
         """Raw frames as they arrive (for recording), each without its newline."""
@@ -223,6 +225,19 @@ class AgentConnection:
             message = decode(frame)
             if message is not None:
                 yield message
+
+    def send(self, message: Message) -> bool:
+        """Send a frame to the agent (a ``request``) from any thread; False if it is gone.
+
+        Another thread may be reading meanwhile: a socket sends and receives independently.
+        """
+        data = encode(message)
+        with self._send_lock:
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                return False
+        return True
 
     def close(self) -> None:
         try:

@@ -18,9 +18,11 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
+from torchtop.agent.oom import OomController
 from torchtop.agent.output import OutputCapture
 from torchtop.agent.sampler import Sampler, SamplerStats, torch_imported
 from torchtop.agent.server import EVENTS, LOGS, SAMPLES, AgentServer
+from torchtop.agent.training import TrainingMonitor
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     AgentStats,
@@ -28,12 +30,14 @@ from torchtop.protocol import (
     GpuSample,
     Hello,
     JobExited,
+    LoaderInfo,
     LogLine,
     Message,
     Sample,
+    StepStats,
     encode,
 )
-from torchtop.transport import bind_server, remove_server_files
+from torchtop.transport import bind_server, remove_server_files, runtime_dir
 
 
 @dataclass
@@ -55,6 +59,27 @@ class AgentConfig:
     #: At exit, wait up to this long for a viewer that is expected to attach to get everything.
     linger_s: float = 0.0
 
+    # -- out of memory (torchtop.agent.oom) --------------------------------------------------
+    #: Record CUDA allocator history and capture out-of-memory failures (``--no-oom-capture``).
+    oom_capture: bool = True
+    #: Allocator history entries kept (``_record_memory_history(max_entries=...)``), and the
+    #: emulation's alloc/free ring; 0 keeps the stacks of live blocks only.
+    oom_history_entries: int = 10_000
+    #: Emulate a device of this many bytes on the CPU (``--memory-limit``); off when ``None``.
+    memory_limit_bytes: int | None = None
+    #: Hold the job at an OOM until a viewer dismisses it or ``pause_timeout_s`` passes.
+    pause_on_oom: bool = False
+    pause_timeout_s: float = 300.0
+    #: Where snapshots go (default: the runtime directory) and how their names begin
+    #: (default ``<pid>-``): ``<prefix>oom-1.pickle``, ``<prefix>snapshot-2.pickle``.
+    snapshot_dir: str | None = None
+    snapshot_prefix: str | None = None
+    #: History entries kept in a saved snapshot, and its size bound (traces go first).
+    snapshot_trace_entries: int = 2000
+    snapshot_max_bytes: int = 64 << 20
+    #: Failures captured in full per run; later ones are reported without a snapshot.
+    max_captures: int = 5
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> AgentConfig:
         known = {f.name for f in fields(cls)}
@@ -64,6 +89,10 @@ class AgentConfig:
         config = cls(**options)
         if config.interval_s <= 0 or config.nvml_interval_s <= 0:
             raise ValueError("sampling intervals must be positive")
+        if config.pause_timeout_s <= 0:
+            raise ValueError("the pause timeout must be positive")
+        if config.memory_limit_bytes is not None and config.memory_limit_bytes < 1:
+            raise ValueError("the memory limit must be at least one byte")
         return config
 
 
@@ -87,21 +116,33 @@ class Agent:
 
             nvml = NvmlProbe()
         self._nvml = nvml
+        # Out-of-memory capture, the --memory-limit emulation and snapshot requests.
+        self.oom = OomController(
+            config,
+            self.publish,
+            pid=self.pid,
+            snapshot_dir=runtime_dir(),
+            flush_events=lambda: self.sampler.drain_events(),
+        )
 
         listener, self.info = bind_server(self.pid, sys.argv, self.started_at)
         samples_ring = int(config.history_s / config.interval_s) + int(
             config.history_s / config.nvml_interval_s
         )
+        # Steps and DataLoaders: a ``steps`` frame per tick with steps, ``loaders`` at 1 Hz.
+        samples_ring += int(config.history_s / config.interval_s) + int(config.history_s)
+        self.training = TrainingMonitor()
         self.server = AgentServer(
             listener,
             self._hello_frame,
             ring_sizes={SAMPLES: samples_ring, EVENTS: 10_000, LOGS: 2_000},
             client_queue=config.client_queue,
         )
+        self.server.on_request = self.oom.handle_request
         self.sampler = Sampler(
             self.publish,
             host=HostProbe(),
-            cpu_memory=CpuMemoryProbe(),
+            cpu_memory=self.oom.cpu_probe(CpuMemoryProbe()),
             cuda_memory=self._cuda,
             nvml=nvml,
             interval_s=config.interval_s,
@@ -110,6 +151,7 @@ class Agent:
             on_torch_imported=lambda: self.server.publish(self._hello_frame(), EVENTS),
             stats_every=max(1, round(1.0 / config.interval_s)),
             agent_stats=self._agent_stats,
+            training=self.training,
         )
 
     def _devices(self) -> list[DeviceInfo]:
@@ -155,7 +197,7 @@ class Agent:
             frame = encode(message)
         except Exception:
             return
-        if isinstance(message, (Sample, GpuSample, AgentStats)):
+        if isinstance(message, (Sample, GpuSample, AgentStats, StepStats, LoaderInfo)):
             ring = SAMPLES
         elif isinstance(message, LogLine):
             ring = LOGS
@@ -170,6 +212,8 @@ class Agent:
                 lambda stream, text: self.publish(LogLine(t=time.time(), stream=stream, text=text))
             )
             self._capture.start()
+        self.training.start()  # the step and DataLoader hooks, as soon as torch is loaded
+        self.oom.start()  # in the job's thread: the --memory-limit dispatch mode is per thread
         self.sampler.start()
 
     def finish(self, exit_code: int | None, reason: str = "") -> None:
@@ -178,9 +222,13 @@ class Agent:
             if self.finished or os.getpid() != self.pid:
                 return
             self.finished = True
+        self.oom.stop()
         self.sampler.stop()
         with contextlib.suppress(Exception):
             self.sampler.tick()  # one last sample: the state at the end
+        with contextlib.suppress(Exception):
+            for message in self.training.stop(time.time()):  # hooks out; the last steps
+                self.publish(message)
         if self._capture is not None:
             self._capture.stop()
         self.publish(JobExited(t=time.time(), exit_code=exit_code, reason=reason))

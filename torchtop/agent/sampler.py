@@ -95,9 +95,13 @@ class Sampler:
         on_torch_imported: Callable[[], None] | None = None,
         stats_every: int = 10,
         agent_stats: Callable[[SamplerStats], Message | None] | None = None,
+        training: Any | None = None,
     ) -> None:
         self._stats_every = stats_every
         self._agent_stats = agent_stats
+        #: Steps and DataLoaders (:class:`torchtop.agent.training.TrainingMonitor`): its
+        #: ``tick(now)`` drains the training thread's hooks and returns frames to publish.
+        self._training = training
         self._publish = publish
         self._on_torch_imported = on_torch_imported
         self._torch_seen = False
@@ -110,6 +114,7 @@ class Sampler:
         self._guards = {
             name: _Guarded(name, publish) for name in ("host", "cpu_memory", "cuda_memory", "nvml")
         }
+        self._guards["training"] = _Guarded("training", publish)
         self._stop = threading.Event()
         self._resumed = threading.Event()
         self._resumed.set()
@@ -206,3 +211,6 @@ class Sampler:
             gpus = self._guards["nvml"].call(self._nvml.read)
             if gpus is not None:
                 self._publish(GpuSample(t=now, gpus=gpus))
+        if self._training is not None:
+            for message in self._guards["training"].call(self._training.tick, now) or ():
+                self._publish(message)

@@ -27,6 +27,7 @@ from torchtop.protocol import (
     Dropped,
     FrameSplitter,
     ProtocolError,
+    Request,
     decode,
     encode,
 )
@@ -82,6 +83,8 @@ class AgentServer:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torchtop-server", daemon=True)
         self.clients_seen = 0
+        #: Called on the I/O thread with each viewer ``request``; must return at once.
+        self.on_request: Callable[[Request], None] = lambda _request: None
 
     # -- producers ----------------------------------------------------------------------------
 
@@ -225,7 +228,11 @@ class AgentServer:
                     if message.protocol != PROTOCOL_VERSION:
                         raise ProtocolError(f"unsupported protocol version {message.protocol}")
                     self._greet(client)
-                # Later frames (requests) of kinds we don't know are ignored.
+                elif isinstance(message, Request):
+                    # Handed over, never served here: this thread must keep moving frames.
+                    with contextlib.suppress(Exception):
+                        self.on_request(message)
+                # Later frames of kinds we don't know are ignored.
         except ProtocolError:
             self._drop_client(client)
 

@@ -52,12 +52,14 @@ _LIFT_OPS = frozenset({"lift_fresh", "lift_fresh_copy", "lift"})
 class _Entry:
     """One counted storage: its current key and size, and a weak reference to it."""
 
-    __slots__ = ("__weakref__", "key", "nbytes", "ref")
+    __slots__ = ("__weakref__", "key", "nbytes", "ref", "site")
 
     def __init__(self, key: tuple[str, int], nbytes: int, ref: weakref.ref[Any]) -> None:
         self.key: tuple[str, int] | None = key
         self.nbytes = nbytes
         self.ref = ref
+        #: Where the job allocated it, for subclasses that record sites (see ``_site``).
+        self.site: Any = None
 
 
 def _leaves(tree: Any, found: list[Any] | None = None) -> list[Any]:
@@ -159,6 +161,7 @@ class TensorTracker(TorchDispatchMode):
         outputs = _leaves(out)
         if not outputs:
             return out
+        fresh: list[tuple[Any, tuple[str, int], int]] = []
         with self._lock:
             for moved_entry in moved:
                 self._refresh(moved_entry)
@@ -184,8 +187,24 @@ class TensorTracker(TorchDispatchMode):
                         existing = before
                     if key in existing:
                         continue  # a pre-existing storage (a view of it, or changed in place)
-                self._add(storage, key, nbytes)
+                if any(key == seen for _, seen, _ in fresh):
+                    continue  # two outputs of this op on one new storage
+                fresh.append((storage, key, nbytes))
+        if fresh:
+            # Outside the lock: a subclass may refuse the allocation here (and take its time).
+            self._admit(sum(nbytes for _, _, nbytes in fresh), func)
+            with self._lock:
+                for storage, key, nbytes in fresh:
+                    self._add(storage, key, nbytes)
         return out
+
+    def _admit(self, nbytes: int, func: Any) -> None:
+        """Called with the bytes an op's new storages take, before they are counted. A
+        subclass may raise here to refuse them (the memory-limit emulation does)."""
+
+    def _site(self) -> Any:
+        """What to remember of where a new storage was allocated; ``None`` here."""
+        return None
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -230,6 +249,7 @@ class TensorTracker(TorchDispatchMode):
             self._refresh(existing)  # a counted storage that moved (defensive; see _refresh)
             return
         entry = _Entry(key, nbytes, weakref.ref(storage))
+        entry.site = self._site()
         self._entries[key] = entry
         self._by_object[id(storage)] = entry
         self._live += nbytes

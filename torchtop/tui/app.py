@@ -19,14 +19,18 @@ from textual.screen import ModalScreen
 from textual.timer import Timer
 from textual.widgets import Footer, Static
 
-from torchtop.protocol import Message
+from torchtop.protocol import REQUEST_RESUME, REQUEST_SNAPSHOT, Message
+from torchtop.tui.captures import CaptureEntry
+from torchtop.tui.oom_screen import OomScreen
 from torchtop.tui.source import Source, SourceDisconnected
 from torchtop.tui.state import MonitorState
 from torchtop.tui.widgets.device import DevicePanel
 from torchtop.tui.widgets.header import JobHeader, Playback
 from torchtop.tui.widgets.host import HostPanel
+from torchtop.tui.widgets.loaders import LoaderPanel
 from torchtop.tui.widgets.log import LogPanel
 from torchtop.tui.widgets.memory import MemoryPanel
+from torchtop.tui.widgets.steps import StepPanel
 
 #: How often the app drains the queue and redraws: fast enough for the eye, no faster.
 FRAME_INTERVAL_S = 0.2  # 5 frames a second: smooth to the eye, light on the CPU
@@ -46,6 +50,8 @@ HELP_KEYS = (
     ("space", "recordings: play or pause"),
     ("e End", "recordings: jump to the end"),
     ("+ -", "recordings: faster, slower"),
+    ("o", "the OOM screen: the last out-of-memory failure or snapshot (opens by itself)"),
+    ("m", "take a memory snapshot now: the same summary, and a file for memory_viz"),
 )
 HELP_PANELS = (
     ("Header", "command, pid, uptime; ● live, ■ ended · exit N or ✕ connection lost"),
@@ -57,6 +63,19 @@ HELP_PANELS = (
         "(all once the job ends), phases and ◆ marks beneath.",
     ),
     ("GPU", "from NVML: utilisation, memory, temperature, power, SM clock"),
+    (
+        "Steps",
+        "shown once the job steps an optimizer (or calls torchtop.step()). Recent step time, "
+        "steps/s, samples/s; [yellow]wait[/]: blocked on the next batch (first batches, "
+        "worker start-up, in [magenta]magenta[/]); [green]compute[/]: the rest, with the "
+        "[blue]optimizer[/] in it. Bars: the last steps; chart: step time over time. "
+        "INPUT-BOUND: 30% or more of recent step time waits for data.",
+    ),
+    (
+        "Loaders",
+        "each DataLoader: batch size, workers and start method, pin, prefetch, persistent; "
+        "its workers alive (● running, ○ exited), their CPU and RSS; the last first-batch latency",
+    ),
     ("Host", "the job's CPU, RSS, threads, children (DataLoader workers); system RAM"),
     ("Log", "the job's output; stderr in yellow"),
 )
@@ -135,6 +154,8 @@ class TorchtopApp(App[int]):
         Binding("end", "jump_to_end", "End", show=False, priority=True),
         Binding("plus,equals_sign", "faster", "Faster", key_display="+", priority=True),
         Binding("minus", "slower", "Slower", key_display="-", priority=True),
+        Binding("o", "show_oom", "OOM"),
+        Binding("m", "snapshot", "Snapshot"),
     ]
 
     def __init__(self, source: Source, *, title: str | None = None) -> None:
@@ -150,6 +171,9 @@ class TorchtopApp(App[int]):
         self._shown_playback: Playback | None = None
         self._shown_connection = self.state.connection
         self._frame_timer: Timer | None = None
+        #: ``state.captures.opened`` when last shown, and whether we asked for a snapshot.
+        self._shown_captures = 0
+        self._snapshot_asked = False
 
     # -- layout --------------------------------------------------------------------------------
 
@@ -157,6 +181,9 @@ class TorchtopApp(App[int]):
         yield JobHeader(id="header")
         with Vertical(id="body"):
             yield MemoryPanel(id="memory")
+            with Horizontal(id="training"):  # steps and DataLoaders, once the job has any
+                yield StepPanel(id="steps")
+                yield LoaderPanel(id="loaders")
             with Horizontal(id="panels"):
                 yield DevicePanel(id="device")
                 yield HostPanel(id="host")
@@ -202,6 +229,7 @@ class TorchtopApp(App[int]):
         playback = self.playback
         self.query_one(JobHeader).show_state(state, playback)
         self.query_one(MemoryPanel).show_state(state)
+        self._show_training(state)
         self.query_one(DevicePanel).show_state(state)
         self.query_one(HostPanel).show_state(state)
         self.query_one(LogPanel).show_state(state)
@@ -210,6 +238,16 @@ class TorchtopApp(App[int]):
         if state.connection != self._shown_connection:
             self._shown_connection = state.connection
             self._announce_connection()
+        self._show_captures(state)
+
+    def _show_training(self, state: MonitorState) -> None:
+        """The step and loader row appears once the job has taken a step or iterated a loader."""
+        training = state.training
+        if not training.has_data:
+            return
+        self.query_one("#body").add_class("has-training")
+        self.query_one(StepPanel).show_state(state)
+        self.query_one(LoaderPanel).show_state(state)
 
     def _announce_connection(self) -> None:
         state = self.state
@@ -301,3 +339,65 @@ class TorchtopApp(App[int]):
         if slower:
             self.source.set_speed(slower[-1])
         self.drain()
+
+    # -- out of memory and snapshots (torchtop.tui.oom_screen) ---------------------------------
+
+    def _show_captures(self, state: MonitorState) -> None:
+        """Open the OOM screen on a new failure (or a snapshot this viewer asked for), and keep
+        an open one up to date."""
+        captures = state.captures
+        screen = self.screen
+        if captures.opened != self._shown_captures:
+            self._shown_captures = captures.opened
+            latest = captures.latest
+            if latest is not None and (latest.is_oom or self._snapshot_asked):
+                self._snapshot_asked = self._snapshot_asked and latest.is_oom
+                self._open_capture(latest)
+                return
+            if latest is not None:
+                where = latest.capture.snapshot_path or latest.capture.snapshot_error
+                self.notify(f"Memory snapshot: {where}. Press o to see it.", timeout=8)
+        if isinstance(screen, OomScreen):
+            screen.refresh_from(state)
+
+    def _open_capture(self, entry: CaptureEntry) -> None:
+        if isinstance(self.screen, OomScreen):
+            self.screen.show_entry(entry)
+            return
+        self.push_screen(
+            OomScreen(entry, self.state, on_close=self._capture_closed, on_resume=self._resume)
+        )
+
+    def _capture_closed(self, entry: CaptureEntry) -> None:
+        """Closing the OOM screen dismisses the failure: a job held at one goes on."""
+        held = self.state.captures.holding
+        if held is not None:
+            self._resume(held)
+
+    def _resume(self, entry: CaptureEntry) -> None:
+        """Let a job held at ``entry``'s failure go on (``--pause-on-oom``)."""
+        if self.source.send_request(REQUEST_RESUME):
+            self.notify("The job resumes: its OutOfMemoryError unwinds now.", timeout=6)
+        else:
+            self.notify("Cannot reach the agent to resume the job.", severity="warning")
+
+    def action_show_oom(self) -> None:
+        if isinstance(self.screen, OomScreen):
+            return
+        captures = self.state.captures
+        shown = captures.holding or captures.latest  # the failure the job is held at, first
+        if shown is None:
+            self.notify("No out-of-memory failure or snapshot yet (m takes a snapshot).")
+            return
+        self._open_capture(shown)
+
+    def action_snapshot(self) -> None:
+        """Ask the agent for a memory snapshot now; the screen opens when it arrives."""
+        if self.source.send_request(REQUEST_SNAPSHOT):
+            self._snapshot_asked = True
+            self.notify("Taking a memory snapshot…", timeout=4)
+        else:
+            self.notify(
+                "Snapshots need a running agent (not a recording, and still connected).",
+                severity="warning",
+            )

@@ -86,3 +86,11 @@ class Source:
     @property
     def speed(self) -> float:
         return 1.0
+
+    # -- requests to the agent ------------------------------------------------------------------
+
+    def send_request(self, action: str) -> bool:
+        """Ask the agent for something (``protocol.REQUEST_*``: a snapshot now, resume a job
+        held at an OOM). False when this source cannot reach an agent (a recording, or not
+        connected)."""
+        return False

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import time
 
 from torchtop.feed import AgentFeed
-from torchtop.protocol import JobExited, LogLine, Message
+from torchtop.protocol import JobExited, LogLine, Message, Request
 from torchtop.recording import RecordingWriter
 from torchtop.runner import Job, RunSpec, exit_status
 from torchtop.transport import AgentInfo
@@ -56,6 +57,9 @@ class LiveSource(Source):
             self._feed.join(2.0)
         if self.writer is not None:
             self.writer.close()
+
+    def send_request(self, action: str) -> bool:
+        return _request(self._feed, action)
 
 
 class RunSource(Source):
@@ -129,6 +133,9 @@ class RunSource(Source):
 
     def job_running(self) -> bool:
         return self.job.running()
+
+    def send_request(self, action: str) -> bool:
+        return _request(self._feed, action)
 
     def stop_job(self) -> None:
         self.stopping = True
@@ -240,6 +247,16 @@ class RecordingSource(Source):
     @property
     def speed(self) -> float:
         return self._speed
+
+
+_request_ids = itertools.count(1)
+
+
+def _request(feed: AgentFeed | None, action: str) -> bool:
+    """Send ``action`` to the agent behind ``feed``, numbered so its answer can be told."""
+    if feed is None:
+        return False
+    return feed.send(Request(action=action, id=next(_request_ids)))
 
 
 def pick_agent_interactively() -> AgentInfo | None:

@@ -22,16 +22,22 @@ from torchtop.protocol import (
     Hello,
     HostStats,
     JobExited,
+    LoaderInfo,
     LogLine,
     Marked,
+    MemoryCapture,
     MemoryStats,
     Message,
+    OomResumed,
     PhaseBegan,
     PhaseEnded,
     ProbeStatus,
     Sample,
+    StepStats,
 )
+from torchtop.tui.captures import MemoryCaptures
 from torchtop.tui.source import SourceConnected, SourceDisconnected, SourceStatus
+from torchtop.tui.training import TrainingState
 
 #: Points kept per series: ten minutes at the agent's default 10 Hz.
 DEFAULT_HISTORY_POINTS = 6000
@@ -187,6 +193,10 @@ class MonitorState:
     disconnect_reason: str = ""
     address: str = ""
     status_text: str = ""
+    #: Steps and DataLoaders (``steps`` and ``loaders`` messages).
+    training: TrainingState = field(default_factory=TrainingState)
+    #: Out-of-memory failures and snapshots (``oom``, ``memory_snapshot``, ``oom_resumed``).
+    captures: MemoryCaptures = field(default_factory=MemoryCaptures)
 
     _open_phases: dict[int, Phase] = field(default_factory=dict, init=False, repr=False)
 
@@ -245,6 +255,10 @@ class MonitorState:
             return True
         if isinstance(message, JobExited):
             return self._apply_exit(message) or changed
+        if isinstance(message, (StepStats, LoaderInfo)):
+            return self.training.apply(message) or changed
+        if isinstance(message, (MemoryCapture, OomResumed)):
+            return self.captures.apply(message) or changed
         if isinstance(message, SourceConnected):
             before = (self.connection, self.address)
             if not self.job_ended:

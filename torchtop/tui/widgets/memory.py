@@ -63,6 +63,15 @@ def _second_line(memory: DeviceMemory) -> Text:
                 used = stats.total_bytes - stats.free_bytes
             line.append("   device ", "dim")
             line.append(format_used_total(used, stats.total_bytes))
+    elif stats.source == "cpu-tensors" and stats.total_bytes is not None:
+        # ``torchtop run --memory-limit``: live tensor bytes against the emulated limit.
+        line.append("emulated limit ", "dim")
+        line.append(format_bytes(stats.total_bytes))
+        line.append("   free ", "dim")
+        line.append(format_bytes(stats.free_bytes))
+        line.append("   OOMs ", "dim")
+        ooms = stats.num_ooms
+        line.append(MISSING if ooms is None else str(ooms), "bold red" if ooms else "")
     else:
         line.append(f"RSS {MINUS} {memory.allocated_label} ", "dim")
         line.append(format_bytes(memory.fragmentation))

@@ -1,0 +1,457 @@
+"""The agent's OOM flow: CUDA from fixtures and fakes, the CPU emulation for real, requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.cuda import _memory_viz
+
+from torchtop.agent.core import AgentConfig
+from torchtop.agent.memory_limit import SOURCE_TENSORS, MemoryLimitTracker, oom_message
+from torchtop.agent.oom import OomController, _arm_after_import, _ArmAfterImport
+from torchtop.agent.server import EVENTS, SAMPLES, AgentServer
+from torchtop.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    REQUEST_RESUME,
+    REQUEST_SNAPSHOT,
+    Hello,
+    MemorySnapshotTaken,
+    MemoryStats,
+    Message,
+    OomResumed,
+    OutOfMemory,
+    ProbeStatus,
+    Request,
+    encode,
+)
+from torchtop.transport import AgentConnection, bind_server
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / f"cuda_snapshot_{name}.json").read_text())
+
+
+def make_controller(tmp_path: Path, **config: Any) -> tuple[OomController, list[Message]]:
+    messages: list[Message] = []
+    controller = OomController(
+        AgentConfig(**config), messages.append, pid=4242, snapshot_dir=tmp_path
+    )
+    return controller, messages
+
+
+def of_kind(messages: list[Message], kind: type) -> list[Any]:
+    return [m for m in messages if isinstance(m, kind)]
+
+
+def with_fixture(controller: OomController, data: dict[str, Any]) -> None:
+    controller.cuda_sources = {
+        "snapshot": lambda: data["snapshot"],
+        "stats": lambda device: data["memory_stats"],
+        "grad_enabled": lambda: True,
+    }
+
+
+def observe(controller: OomController, data: dict[str, Any], **change: int) -> None:
+    args = {**data["observer"], **change}
+    controller.observe_cuda_oom(
+        args["device"], args["alloc"], args["device_total"], args["device_free"]
+    )
+
+
+# -- CUDA, from fixtures ---------------------------------------------------------------------
+
+
+def test_cuda_observer_captures_the_failure(tmp_path: Path) -> None:
+    data = load("fragmented")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    observe(controller, data)
+    (event,) = of_kind(messages, OutOfMemory)
+    stats = data["memory_stats"]
+    assert event.device == "cuda:0" and not event.emulated
+    assert event.requested_bytes == 2 * GiB
+    assert event.free_bytes == data["observer"]["device_free"]
+    assert event.total_bytes == data["observer"]["device_total"]
+    assert event.reserved_bytes == stats["reserved_bytes.all.current"]
+    assert event.allocated_bytes == stats["allocated_bytes.all.current"]
+    assert event.largest_free_block_bytes == 1 * GiB + 512 * MiB
+    assert event.fragmented is True and event.grad_enabled is True
+    assert [(s.function, s.line) for s in event.top_sites[:2]] == [
+        ("train_step", 150),
+        ("forward", 88),
+    ]
+    assert [f.function for f in event.requested_stack][:2] == ["forward", "forward"]
+    assert event.requested_stack[1].line == 88  # the allocation that failed, from the trace
+    assert event.snapshot_path == str(tmp_path / "4242-oom-1.pickle")
+    with open(event.snapshot_path, "rb") as f:
+        assert "raise OutOfMemoryError" in _memory_viz.trace(pickle.load(f))
+    assert not event.paused and len(encode(event)) < MAX_FRAME_BYTES // 10
+
+
+def test_cuda_full_verdict(tmp_path: Path) -> None:
+    data = load("full")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    observe(controller, data)
+    (event,) = of_kind(messages, OutOfMemory)
+    assert event.fragmented is False and event.requested_bytes == 4 * GiB
+    assert event.top_sites[0].function == "forward" and event.top_sites[0].count == 8
+
+
+def test_the_observer_firing_twice_for_one_failure_captures_once(tmp_path: Path) -> None:
+    data = load("fragmented")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    observe(controller, data)
+    observe(controller, data)  # the same failure, reported again
+    assert len(of_kind(messages, OutOfMemory)) == 1 and controller.repeats == 1
+    observe(controller, data, alloc=3 * GiB)  # a different failure
+    assert len(of_kind(messages, OutOfMemory)) == 2
+
+
+def test_captures_per_run_are_bounded(tmp_path: Path) -> None:
+    data = load("full")
+    controller, messages = make_controller(tmp_path, max_captures=1)
+    with_fixture(controller, data)
+    observe(controller, data)
+    observe(controller, data, alloc=5 * GiB)
+    first, second = of_kind(messages, OutOfMemory)
+    assert first.snapshot_path and first.top_sites
+    assert second.snapshot_path is None and "at most 1 per run" in second.snapshot_error
+    assert second.requested_bytes == 5 * GiB and second.free_bytes is not None
+    assert sorted(os.listdir(tmp_path)) == ["4242-oom-1.pickle"]
+
+
+def test_the_observer_never_raises(tmp_path: Path) -> None:
+    data = load("full")
+    controller, messages = make_controller(tmp_path)
+
+    def broken() -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    controller.cuda_sources = {
+        "snapshot": broken,
+        "stats": lambda device: {},
+        "grad_enabled": lambda: False,
+    }
+    observe(controller, data)
+    (event,) = of_kind(messages, OutOfMemory)
+    assert "illegal memory access" in event.snapshot_error and event.snapshot_path is None
+    assert event.requested_bytes == 4 * GiB and event.top_sites == []
+
+    def failing_publish(message: Message) -> None:
+        raise OSError("gone")
+
+    controller._publish = failing_publish
+    observe(controller, data, alloc=1)  # must return normally
+
+
+def test_install_cuda_records_bounded_history_and_attaches_the_observer(tmp_path: Path) -> None:
+    controller, messages = make_controller(tmp_path, oom_history_entries=5000)
+    cuda, c_api = FakeCuda(), FakeC()
+    controller.install_cuda(cuda, c_api)
+    controller.install_cuda(cuda, c_api)  # once only
+    assert cuda.memory.calls == [
+        {"enabled": "all", "context": "alloc", "stacks": "python", "max_entries": 5000}
+    ]
+    assert c_api.observers == [controller.observe_cuda_oom]
+    assert messages == []
+
+
+def test_install_cuda_reports_instead_of_raising(tmp_path: Path) -> None:
+    controller, messages = make_controller(tmp_path, oom_history_entries=0)
+    cuda = FakeCuda()
+    cuda.memory.fail = True
+    controller.install_cuda(cuda, FakeC())
+    (status,) = of_kind(messages, ProbeStatus)
+    assert status.probe == "oom_capture" and "could not set up" in status.detail
+
+    controller, messages = make_controller(tmp_path, oom_history_entries=0)
+    cuda = FakeCuda()
+    controller.install_cuda(cuda, object())  # a PyTorch without the observer
+    assert cuda.memory.calls[0]["enabled"] == "state"  # 0 entries: live blocks' stacks only
+    assert "no out-of-memory observer" in of_kind(messages, ProbeStatus)[0].detail
+
+
+def test_cuda_capture_waits_for_the_jobs_cuda_init(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    controller, _ = make_controller(tmp_path)
+    cuda, c_api = FakeCuda(), FakeC()
+    monkeypatch.setattr(torch, "_C", c_api)
+    controller._arm_cuda_module(cuda)
+    controller._arm_cuda_module(cuda)
+    assert cuda.memory.calls == [] and len(cuda.queued) == 1  # nothing until the job inits
+    cuda.init()
+    assert len(cuda.memory.calls) == 1 and c_api.observers == [controller.observe_cuda_oom]
+
+
+class FakeMemory:
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.fail = False
+
+    def _record_memory_history(self, **kwargs: Any) -> None:
+        if self.fail:
+            raise RuntimeError("record_context_cpp is not supported on non-linux")
+        self.calls.append(kwargs)
+
+
+class FakeCuda:
+    """``torch.cuda``'s lazy initialization: queued calls run when the job initializes CUDA."""
+
+    def __init__(self) -> None:
+        self.memory = FakeMemory()
+        self.queued: list[Any] = []
+        self.initialized = False
+
+    def _lazy_call(self, fn: Any) -> None:
+        if self.initialized:
+            fn()
+        else:
+            self.queued.append(fn)
+
+    def init(self) -> None:
+        self.initialized = True
+        for fn in self.queued:
+            fn()
+
+
+class FakeC:
+    def __init__(self) -> None:
+        self.observers: list[Any] = []
+
+    def _cuda_attach_out_of_memory_observer(self, observer: Any) -> None:
+        self.observers.append(observer)
+
+
+def test_arm_after_import_runs_once_the_module_has_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "fakepkg_oom"
+    package.mkdir()
+    (package / "__init__.py").write_text("from . import cuda\n")
+    (package / "cuda.py").write_text("READY = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[bool] = []
+    _arm_after_import("fakepkg_oom.cuda", lambda module: seen.append(module.READY))
+    try:
+        import fakepkg_oom  # type: ignore[import-not-found]
+    finally:
+        sys.modules.pop("fakepkg_oom", None)
+        cuda = sys.modules.pop("fakepkg_oom.cuda", None)
+    assert seen == [True] and fakepkg_oom is not None
+    assert not any(isinstance(f, _ArmAfterImport) for f in sys.meta_path)
+    assert cuda is not None and "exec_module" not in vars(cuda.__loader__)
+
+
+# -- the CPU emulation, for real -------------------------------------------------------------
+
+
+def make_mib(n: int) -> torch.Tensor:
+    return torch.zeros(n, 1024, 256)  # n MiB of float32
+
+
+def limited(
+    tmp_path: Path, limit: int, **config: Any
+) -> tuple[OomController, list[Message], MemoryLimitTracker]:
+    controller, messages = make_controller(tmp_path, memory_limit_bytes=limit, **config)
+    tracker = MemoryLimitTracker(limit, on_oom=controller._emulated_oom)
+    controller.tracker = tracker  # entered with `with` here; install() enters it for good
+    return controller, messages, tracker
+
+
+def test_memory_limit_raises_an_emulated_oom_after_capturing(tmp_path: Path) -> None:
+    _, messages, tracker = limited(tmp_path, 8 * MiB)
+    kept = []
+    with tracker:
+        kept.append(make_mib(4))
+        with pytest.raises(torch.OutOfMemoryError) as raised:
+            kept.append(make_mib(6))
+        assert tracker.live_bytes == 4 * MiB  # the refused tensor was never counted
+    assert str(raised.value) == oom_message(6 * MiB, 8 * MiB, 4 * MiB)
+    assert "Emulated out of memory" in str(raised.value)
+    assert "Tried to allocate 6.00 MiB" in str(raised.value)
+    (event,) = of_kind(messages, OutOfMemory)
+    assert event.emulated and event.device == "cpu" and event.message == str(raised.value)
+    assert (event.requested_bytes, event.free_bytes, event.total_bytes) == (
+        6 * MiB,
+        4 * MiB,
+        8 * MiB,
+    )
+    assert event.allocated_bytes == 4 * MiB and event.fragmented is False
+    assert event.largest_free_block_bytes is None
+    (site,) = event.top_sites
+    assert (site.function, site.file, site.count, site.bytes) == ("make_mib", __file__, 1, 4 * MiB)
+    assert [f.function for f in site.stack][:2] == [
+        "make_mib",
+        "test_memory_limit_raises_an_emulated_oom_after_capturing",
+    ]
+    assert event.requested_stack[0].function == "make_mib"
+    assert tracker.num_ooms == 1 and len(kept) == 1
+    with open(event.snapshot_path, "rb") as f:
+        snap = pickle.load(f)
+    assert "raise OutOfMemoryError # 6.0MiB requested" in _memory_viz.trace(snap)
+    assert "segments: 1" in _memory_viz.segsum(snap)
+
+
+def test_the_emulated_device_reports_exact_live_bytes(tmp_path: Path) -> None:
+    controller, _, tracker = limited(tmp_path, 64 * MiB)
+
+    class Heap:
+        def read(self, rss: int | None) -> MemoryStats:
+            return MemoryStats("cpu", "cpu-heap", 123, rss)
+
+    probe = controller.cpu_probe(Heap())
+    with tracker:
+        x = make_mib(3)
+        y = x[:1]  # a view adds nothing
+        stats = probe.read(900 * MiB)
+    assert stats.source == SOURCE_TENSORS and stats.allocated_bytes == 3 * MiB
+    assert (stats.total_bytes, stats.free_bytes) == (64 * MiB, 61 * MiB)
+    assert stats.reserved_bytes == 900 * MiB and stats.num_ooms == 0
+    del x, y
+    assert probe.read(None).allocated_bytes == 0
+    plain, _ = make_controller(tmp_path)
+    heap = Heap()
+    assert plain.cpu_probe(heap) is heap  # without --memory-limit, nothing changes
+
+
+def test_sites_are_the_jobs_lines_and_backward_counts(tmp_path: Path) -> None:
+    _, _, tracker = limited(tmp_path, 1 << 40)
+    model = torch.nn.Linear(256, 256)
+
+    def forward(batch: torch.Tensor) -> torch.Tensor:
+        return model(batch).relu().sum()
+
+    with tracker:
+        loss = forward(torch.randn(64, 256))
+        loss.backward()
+        snap = tracker.snapshot()
+    from torchtop.agent.memory_snapshot import top_sites
+
+    sites, live = top_sites(snap)
+    names = {s.function for s in sites}
+    assert "forward" in names  # the activations saved for backward... were freed by it
+    assert any(s.function.startswith("test_sites") for s in sites)  # the gradients
+    forward_site = next(s for s in sites if s.function == "forward")
+    assert forward_site.stack[0].file.endswith("linear.py") or forward_site.stack[0].function in (
+        "forward",
+        "relu",
+    )
+    assert live == len(snap["segments"])
+    del loss
+
+
+def test_the_pause_ends_by_itself_after_its_timeout(tmp_path: Path) -> None:
+    _, messages, tracker = limited(tmp_path, 1 * MiB, pause_on_oom=True, pause_timeout_s=0.3)
+    start = time.monotonic()
+    with tracker, pytest.raises(torch.OutOfMemoryError):
+        make_mib(2)
+    assert time.monotonic() - start >= 0.3
+    event, resumed = [m for m in messages if isinstance(m, (OutOfMemory, OomResumed))]
+    assert event.paused and event.pause_timeout_s == 0.3
+    assert resumed == OomResumed(t=resumed.t, id=event.id, reason="timeout")
+
+
+def test_a_resume_request_ends_the_pause(tmp_path: Path) -> None:
+    controller, messages, tracker = limited(
+        tmp_path, 1 * MiB, pause_on_oom=True, pause_timeout_s=60
+    )
+    timer = threading.Timer(0.2, controller.handle_request, args=(Request(REQUEST_RESUME, 1),))
+    timer.start()
+    start = time.monotonic()
+    with tracker, pytest.raises(torch.OutOfMemoryError):
+        make_mib(2)
+    assert time.monotonic() - start < 10
+    (resumed,) = of_kind(messages, OomResumed)
+    assert resumed.reason == "dismissed"
+
+
+def test_snapshot_on_request(tmp_path: Path) -> None:
+    controller, messages, tracker = limited(tmp_path, 64 * MiB)
+    with tracker:
+        kept = make_mib(2)
+        taken = controller.snapshot_now(request_id=7)
+    assert of_kind(messages, MemorySnapshotTaken) == [taken]
+    assert taken.request_id == 7 and taken.requested_bytes is None and taken.fragmented is None
+    assert taken.allocated_bytes == 2 * MiB and taken.top_sites[0].function == "make_mib"
+    assert taken.snapshot_path == str(tmp_path / "4242-snapshot-1.pickle")
+    assert os.path.exists(taken.snapshot_path)
+    del kept
+
+
+def test_requests_go_to_the_worker_thread(tmp_path: Path) -> None:
+    controller, messages = make_controller(tmp_path, oom_capture=False)
+    controller.start()
+    try:
+        controller.handle_request(Request("frobnicate", 1))  # unknown: ignored
+        controller.handle_request(Request(REQUEST_SNAPSHOT, 2))
+        deadline = time.monotonic() + 5
+        while not of_kind(messages, MemorySnapshotTaken) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        controller.stop()
+    (taken,) = of_kind(messages, MemorySnapshotTaken)
+    assert taken.request_id == 2 and taken.snapshot_path is None
+    assert "nothing to snapshot" in taken.snapshot_error
+
+
+def test_the_server_hands_requests_over(tmp_path: Path) -> None:
+    hello = Hello(PROTOCOL_VERSION, 1, ["x"], "/", 0.0, "3", None, [], 0.1)
+    listener, info = bind_server(os.getpid(), ["test"], time.time())
+    server = AgentServer(listener, lambda: encode(hello), ring_sizes={SAMPLES: 5, EVENTS: 5})
+    received: list[Request] = []
+    server.on_request = received.append
+    server.start()
+    try:
+        conn = AgentConnection(info.address)
+        assert conn.send(Request(REQUEST_SNAPSHOT, 3))
+        assert conn.send(Request("from-a-newer-viewer", 4))
+        deadline = time.monotonic() + 5
+        while len(received) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert received == [Request(REQUEST_SNAPSHOT, 3), Request("from-a-newer-viewer", 4)]
+        conn.close()
+    finally:
+        server.stop(drain_s=0)
+
+
+def test_the_limit_is_off_in_forked_children() -> None:
+    """DataLoader workers forked from the job inherit the thread's dispatch mode: not its limit."""
+    import subprocess
+
+    code = (
+        "import os, torch\n"
+        "from torchtop.agent.memory_limit import MemoryLimitTracker\n"
+        "MemoryLimitTracker(1 << 20).install()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    from torch.utils._python_dispatch import _get_current_dispatch_mode\n"
+        "    torch.zeros(1 << 20)\n"  # 4 MiB, past the limit
+        "    os._exit(0 if _get_current_dispatch_mode() is None else 4)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('child', os.waitstatus_to_exitcode(status))\n"
+        "try:\n"
+        "    torch.zeros(1 << 20)\n"
+        "except torch.OutOfMemoryError:\n"
+        "    print('parent oom')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.split("\n")[:2] == ["child 0", "parent oom"], out.stderr

@@ -1,0 +1,473 @@
+"""The step and DataLoader hooks in the agent: what they record, and that they change nothing.
+
+Collector and tracker logic runs on scripted events; the hooks themselves run against the real
+torch of the test process, installed and removed by each test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import torchtop
+from torchtop.agent.loaders import LoaderTracker, batch_size_of, settings_of
+from torchtop.agent.steps import PENDING, StepCollector
+from torchtop.agent.training import TrainingMonitor, loaded
+from torchtop.protocol import MAX_STEP_DETAIL, LoaderInfo, StepStats, decode, encode
+
+# -- the collector on scripted events ----------------------------------------------------------
+
+
+def test_steps_run_from_the_end_of_one_optimizer_step_to_the_next() -> None:
+    c = StepCollector()
+    c.batch(0.5, first=True, loader=0, samples=8)  # worker start-up
+    c.optimizer_step(1.1, 7, 1.0)
+    c.batch(0.2, first=False, loader=0, samples=8)
+    c.optimizer_step(1.6, 7, 1.5)
+    first, second = c.take_records()
+    assert first.duration is None and first.startup == 0.5 and first.samples == 8
+    assert second.duration == pytest.approx(0.5)
+    assert second.wait == pytest.approx(0.2) and second.startup == 0.0
+    assert second.optimizer == pytest.approx(0.1)
+    assert second.samples == 8
+    assert c.total == 2
+
+
+def test_only_the_first_optimizer_to_step_is_the_clock() -> None:
+    c = StepCollector()
+    for t in (1.0, 2.0, 3.0):
+        c.optimizer_step(t + 0.1, 1, t)
+        c.optimizer_step(t + 0.3, 2, t + 0.2)  # a second optimizer (a GAN's discriminator)
+    records = c.take_records()
+    assert c.total == 3
+    # The other optimizer's time counts as optimizer time in the step that follows.
+    assert records[1].optimizer == pytest.approx(0.2)
+
+
+def test_a_scaler_step_without_an_optimizer_step_is_a_skipped_step() -> None:
+    c = StepCollector()
+    c.scaler_begin(1.0, 1)
+    c.optimizer_step(1.2, 1, 1.1)
+    c.scaler_end(1.3, 1)
+    c.scaler_begin(2.0, 1)  # inf gradients: no optimizer step inside
+    c.scaler_end(2.1, 1)
+    records = c.take_records()
+    assert [r.skipped for r in records] == [False, True]
+    assert records[1].duration == pytest.approx(0.9)
+    assert (c.total, c.skipped_total) == (2, 1)
+
+
+def test_explicit_steps_take_over_as_the_clock() -> None:
+    c = StepCollector()
+    c.explicit_step(1.0)
+    c.optimizer_step(1.3, 1, 1.2)
+    c.explicit_step(2.0)
+    records = c.take_records()
+    assert c.total == 2 and c.clock == "explicit"
+    assert records[1].optimizer == pytest.approx(0.1)
+
+
+def test_samples_come_from_the_loader_that_fed_the_step() -> None:
+    c = StepCollector()
+    c.explicit_step(0.0)
+    c.batch(0.1, first=True, loader=1, samples=64)  # validation between steps
+    c.batch(0.1, first=False, loader=1, samples=64)
+    c.batch(0.1, first=False, loader=0, samples=16)
+    c.explicit_step(1.0)
+    record = c.take_records()[1]
+    assert record.samples == 16
+    assert record.wait == pytest.approx(0.2) and record.startup == pytest.approx(0.1)
+
+
+def test_frames_list_every_step_or_an_even_sample_with_exact_sums() -> None:
+    c = StepCollector()
+    c.explicit_step(0.0)
+    for i in range(1, 201):
+        c.batch(0.001, first=False, loader=0, samples=4)
+        c.explicit_step(i * 0.01)
+    frame = c.frame(now=5.0, to_wall=1000.0)
+    assert frame is not None
+    assert frame.count == 201 and frame.timed == 200 and frame.total == 201
+    assert frame.time_s == pytest.approx(2.0) and frame.wait_s == pytest.approx(0.2)
+    assert frame.samples == 800
+    assert len(frame.ends) == MAX_STEP_DETAIL == len(frame.durations)
+    assert frame.ends[0] == pytest.approx(1000.0)
+    assert frame.durations[0] is None
+    assert decode(encode(frame)) == frame
+    assert c.frame(now=5.1, to_wall=1000.0) is None  # nothing new
+
+
+def test_restart_forgets_the_open_step() -> None:
+    c = StepCollector()
+    c.explicit_step(1.0)
+    c.restart()
+    c.explicit_step(9.0)
+    assert [r.duration for r in c.take_records()] == [None, None]
+
+
+# -- batches and loaders -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("batch", "size"),
+    [
+        (torch.zeros(5, 3), 5),
+        ((torch.zeros(4, 2), torch.zeros(4)), 4),
+        ([[torch.zeros(3)], torch.zeros(9)], 3),
+        ({"input_ids": torch.zeros(6, 2), "labels": torch.zeros(6)}, 6),
+        (torch.tensor(1.0), None),
+        ("text", None),
+        ([], None),
+    ],
+)
+def test_batch_size_is_the_leading_dimension_of_the_first_tensor(batch: Any, size: Any) -> None:
+    assert batch_size_of(batch) == size
+
+
+class _Loader:
+    def __init__(self, dataset: Any, **settings: Any) -> None:
+        self.dataset = dataset
+        self.batch_size = settings.get("batch_size", 4)
+        self.num_workers = settings.get("num_workers", 0)
+        self.pin_memory = False
+        self.prefetch_factor = 2 if self.num_workers else None
+        self.persistent_workers = False
+        self.multiprocessing_context = None
+
+
+class _Iterator:
+    _workers: list[Any] = []
+
+
+class _Data:
+    pass
+
+
+def register(tracker: LoaderTracker, it: Any, loader: Any) -> None:
+    """What the ``__init__`` wrapper leaves for a new iterator of ``loader``."""
+    import weakref
+
+    tracker.iterator_created(
+        id(it),
+        weakref.ref(it),
+        id(loader),
+        weakref.ref(loader),
+        settings_of(loader),
+        id(loader.dataset),
+    )
+
+
+def test_loaders_are_numbered_in_first_use_order_and_stable_across_epochs() -> None:
+
+    tracker = LoaderTracker()
+    train, val = _Loader(_Data(), batch_size=32), _Loader(_Data(), batch_size=64)
+    iterators = []
+    for _epoch in range(3):
+        for loader in (train, val):
+            it = _Iterator()
+            iterators.append(it)
+            register(tracker, it, loader)
+            assert tracker.batch(id(it), 0.5, 32) == (True, 0 if loader is train else 1)
+            assert tracker.batch(id(it), 0.1, 32) == (False, 0 if loader is train else 1)
+    frame = tracker.frame(1.0)
+    assert isinstance(frame, LoaderInfo)
+    assert [(x.name, x.dataset, x.batch_size, x.epochs) for x in frame.loaders] == [
+        ("loader 0", "_Data", 32, 3),
+        ("loader 1", "_Data", 64, 3),
+    ]
+    assert frame.loaders[0].first_batch_s == pytest.approx(1.5)
+    assert frame.loaders[0].wait_s == pytest.approx(0.3)
+    assert tracker.frame(2.0) is None  # nothing changed
+    # A DataLoader made anew over the same dataset is still loader 0.
+    dataset = train.dataset
+    del train
+    again = _Loader(dataset, batch_size=32)
+    it = _Iterator()
+    register(tracker, it, again)
+    assert tracker.batch(id(it), 0.1, 32)[1] == 0
+
+
+def test_worker_processes_are_read_by_pid() -> None:
+
+    class Process:
+        def __init__(self, pid: int) -> None:
+            self.pid = pid
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        tracker = LoaderTracker()
+        loader = _Loader(_Data(), num_workers=2)
+        it = _Iterator()
+        it._workers = [Process(child.pid), Process(2**22 + 12345)]
+        register(tracker, it, loader)
+        tracker.read_workers()
+        frame = tracker.frame(1.0)
+        assert frame is not None
+        alive, gone = frame.loaders[0].workers
+        assert alive.pid == child.pid and alive.alive and alive.rss_bytes
+        assert alive.cpu_percent is not None
+        assert not gone.alive and gone.rss_bytes is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+# -- the real hooks ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def monitor() -> Iterator[TrainingMonitor]:
+    PENDING.clear()
+    m = TrainingMonitor()
+    m.start()
+    assert m.installed
+    yield m
+    m.stop(0.0)
+    PENDING.clear()
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_hooks_count_optimizer_steps_and_time_next(monitor: TrainingMonitor) -> None:
+    model, opt = _model()
+    loader = DataLoader(TensorDataset(torch.randn(20, 4), torch.randn(20, 2)), batch_size=8)
+    for _epoch in range(2):
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    messages = monitor.tick(1.0)
+    (steps,) = [m for m in messages if isinstance(m, StepStats)]
+    assert steps.total == 6 and steps.timed == 5
+    assert steps.batch_samples == [8, 8, 4, 8, 8, 4]
+    assert steps.samples == 8 + 4 + 8 + 8 + 4
+    (info,) = [m for m in messages if isinstance(m, LoaderInfo)]
+    (stats,) = info.loaders
+    assert (stats.name, stats.dataset, stats.batch_size, stats.batches, stats.epochs) == (
+        "loader 0",
+        "TensorDataset",
+        8,
+        6,
+        2,
+    )
+
+
+def test_uninstall_puts_everything_back(monitor: TrainingMonitor) -> None:
+    from torch.optim import optimizer as optim_module
+    from torch.utils.data import dataloader as dl_module
+
+    cls = dl_module._BaseDataLoaderIter
+    assert getattr(cls.__next__, "_torchtop", False)
+    hooks = (
+        len(optim_module._global_optimizer_pre_hooks),
+        len(optim_module._global_optimizer_post_hooks),
+    )
+    monitor.uninstall()
+    assert not getattr(cls.__dict__["__next__"], "_torchtop", False)
+    assert not getattr(cls.__dict__["__init__"], "_torchtop", False)
+    assert not getattr(torch.amp.GradScaler.__dict__["step"], "_torchtop", False)
+    assert len(optim_module._global_optimizer_pre_hooks) == hooks[0] - 1
+    assert len(optim_module._global_optimizer_post_hooks) == hooks[1] - 1
+    PENDING.clear()
+    model, opt = _model()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    next(iter(DataLoader(TensorDataset(torch.randn(4, 4)), batch_size=2)))
+    assert not PENDING
+    monitor.reinstall()
+    assert getattr(cls.__dict__["__next__"], "_torchtop", False)
+
+
+class _Broken(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 2:
+            raise KeyError("bad record 2")
+        return torch.zeros(1)
+
+
+def test_the_wrapper_reraises_exactly_what_next_raised(monitor: TrainingMonitor) -> None:
+    it = iter(DataLoader(_Broken(), batch_size=2))
+    next(it)
+    with pytest.raises(KeyError, match="bad record 2") as caught:
+        next(it)
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    ours = [f for f in frames if "torchtop" in f.filename]
+    assert len(ours) == 1 and ours[0].name == "__next__"  # one pass-through frame, no more
+    short = iter(DataLoader(TensorDataset(torch.zeros(2, 1)), batch_size=2))
+    next(short)
+    with pytest.raises(StopIteration):
+        next(short)
+    assert list(DataLoader(TensorDataset(torch.zeros(3, 1)), batch_size=2)) != []
+
+
+def test_grad_scaler_skips_are_told_apart(monitor: TrainingMonitor) -> None:
+    model, opt = _model()
+    scaler = torch.amp.GradScaler("cpu")
+    for i in range(4):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+        if i == 2:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    (steps,) = [m for m in monitor.tick(1.0) if isinstance(m, StepStats)]
+    assert (steps.total, steps.skipped_total) == (4, 1)
+
+
+def test_torchtop_step_works_without_an_optimizer(monitor: TrainingMonitor) -> None:
+    for _ in range(5):
+        torchtop.step()
+    (steps,) = [m for m in monitor.tick(1.0) if isinstance(m, StepStats)]
+    assert steps.total == 5 and steps.timed == 4
+
+
+def test_steps_with_no_agent_cost_nothing_and_grow_nothing() -> None:
+    before = PENDING.maxlen
+    for _ in range(10):
+        torchtop.step()
+    assert PENDING.maxlen == before
+
+
+def test_forked_children_run_no_hooks(monitor: TrainingMonitor) -> None:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: as a DataLoader worker would be
+        from torch.utils.data import dataloader as dl_module
+
+        hooked = getattr(dl_module._BaseDataLoaderIter.__dict__["__next__"], "_torchtop", False)
+        os.write(w, b"1" if hooked else b"0")
+        os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"0"
+    os.waitpid(pid, 0)
+    from torch.utils.data import dataloader as dl_module
+
+    assert getattr(dl_module._BaseDataLoaderIter.__dict__["__next__"], "_torchtop", False)
+
+
+# -- installing at the right moment ------------------------------------------------------------
+
+
+def test_hooks_are_in_before_import_torch_returns() -> None:
+    """The agent starts before the job imports torch; the first step is already counted."""
+    code = (
+        "import json, sys\n"
+        "from torchtop.agent.training import TrainingMonitor\n"
+        "m = TrainingMonitor(); m.start()\n"
+        "before = 'torch' in sys.modules\n"
+        "import torch\n"
+        "installed = m.installed\n"
+        "model = torch.nn.Linear(2, 2); opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model(torch.ones(1, 2)).sum().backward(); opt.step()\n"
+        "frames = m.tick(0.0)\n"
+        "print(json.dumps([before, installed, frames[0].total, sys.meta_path.count(m._watcher)]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    before, installed, total, watchers = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not before and installed and total == 1 and watchers == 0
+
+
+def test_the_agent_never_imports_torch_first() -> None:
+    code = (
+        "import sys\n"
+        "from torchtop.agent.training import TrainingMonitor, loaded\n"
+        "m = TrainingMonitor(); m.start(); m.tick(0.0); m.stop(0.0)\n"
+        "import json, os\n"
+        "print('torch' in sys.modules, loaded('torch.optim.optimizer') is None)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == ["False", "True"]
+    assert loaded("no.such.module") is None
+
+
+def test_an_epoch_of_persistent_workers_reuses_the_iterator() -> None:
+
+    tracker = LoaderTracker()
+    loader = _Loader(_Data(), num_workers=2)
+    it = _Iterator()
+    register(tracker, it, loader)
+    assert tracker.batch(id(it), 1.0, 4) == (True, 0)  # worker start-up
+    tracker.exhausted(id(it), 0.01)
+    assert tracker.batch(id(it), 0.2, 4) == (False, 0)  # epoch 2: no start-up, a wait
+    (stats,) = tracker.loaders
+    assert stats.epochs == 2 and stats.first_batch_s == 1.0
+    assert stats.wait_s == pytest.approx(0.21)
+    # A new iterator at a spent one's address starts an epoch once, not twice.
+    tracker.exhausted(id(it), 0.0)
+    register(tracker, it, loader)
+    tracker.batch(id(it), 0.5, 4)
+    assert stats.epochs == 3
+
+
+def test_a_failing_tick_takes_the_hooks_out(monitor: TrainingMonitor) -> None:
+    from torch.utils.data import dataloader as dl_module
+
+    def broken() -> None:
+        raise RuntimeError("a bug")
+
+    monitor.drain = broken  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError):
+            monitor.tick(1.0)
+    finally:
+        del monitor.drain
+    assert not monitor.installed
+    assert not getattr(dl_module._BaseDataLoaderIter.__dict__["__next__"], "_torchtop", False)
+
+
+def test_a_part_that_cannot_install_is_reported_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchtop.protocol import ProbeStatus
+
+    def unexpected_torch() -> None:
+        raise AttributeError("no register_optimizer_step_pre_hook")
+
+    monkeypatch.setattr(TrainingMonitor, "_install_optimizer", staticmethod(unexpected_torch))
+    m = TrainingMonitor()
+    m.start()
+    try:
+        statuses = [x for x in m.tick(1.0) if isinstance(x, ProbeStatus)]
+        assert len(statuses) == 1 and not statuses[0].available
+        assert "optimizer hooks" in statuses[0].detail
+        assert not [x for x in m.tick(2.0) if isinstance(x, ProbeStatus)]
+    finally:
+        m.stop(0.0)
+
+
+def test_a_loader_gone_before_its_iterator_is_read_is_still_named() -> None:
+    """The job iterates a loader at its very end: the sampler reads the events after both the
+    iterator and the loader are freed."""
+    import weakref
+
+    tracker = LoaderTracker()
+    data = _Data()
+    loader = _Loader(data, batch_size=8)
+    it = _Iterator()
+    register(tracker, it, loader)
+    tracker.batch(id(it), 0.3, 8)
+    args = (id(it), weakref.ref(it), id(loader), weakref.ref(loader), settings_of(loader), id(data))
+    del it, loader
+    tracker.prune()
+    tracker.iterator_created(*args)  # the second epoch, read after the end
+    assert tracker.batch(args[0], 0.3, 8) == (True, 0)
+    (entry,) = tracker.loaders
+    assert entry.epochs == 2 and entry.batches == 2

@@ -1,0 +1,245 @@
+"""Training steps, seen from inside the job without changing its code.
+
+The training thread's side is a handful of hooks that each append one tuple to :data:`PENDING`:
+the global optimizer step pre/post hooks (every ``torch.optim`` optimizer, and so Lightning, the
+HF Trainer and ``GradScaler.step``), a wrapper around ``GradScaler.step`` that lets a skipped
+step (inf or NaN gradients) be told apart, and the DataLoader hooks of
+:mod:`torchtop.agent.loaders`. Each costs a timestamp and a ``deque.append``: about a
+microsecond (the pre hook only notes the time; the post hook sends one event per step).
+:class:`StepCollector`, in the sampler thread, turns the events into steps.
+
+A step ends when the *step clock* finishes a step: the first optimizer that steps in the job
+(other optimizers' time counts as optimizer time, not as steps), or ``torchtop.step()`` from its
+first call on, for loops without a torch optimizer. A step lasts from the end of the previous
+one, so the job's first step has no duration.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchtop.protocol import MAX_STEP_DETAIL, StepStats
+
+# Event kinds: the first item of each tuple in PENDING.
+OPT_STEP, SCALER_BEGIN, SCALER_END, EXPLICIT_STEP = range(4)
+ITERATOR, BATCH, EXHAUSTED = range(4, 7)
+#: The hooks were off for a while: the next step's start is unknown.
+GAP = 7
+
+#: Events from the training thread, drained by the sampler thread. Bounded, so that hooks left
+#: installed with no sampler draining (a forked child, a paused agent) cannot grow memory.
+PENDING: deque[tuple[Any, ...]] = deque(maxlen=1 << 16)
+
+_clock = time.perf_counter
+_append = PENDING.append
+#: When each optimizer's step began, from its pre hook to its post hook: one event per step.
+_began: dict[int, float] = {}
+
+
+def step() -> None:
+    """Mark the end of a training step, for loops without a torch optimizer.
+
+    From its first call on, these calls are the step clock; optimizer steps still count as
+    optimizer time. Costs one ``deque.append`` and works with no agent running.
+    """
+    _append((EXPLICIT_STEP, _clock(), 0))
+
+
+# -- hooks in the training thread ------------------------------------------------------------
+
+
+def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _began[id(optimizer)] = _clock()
+
+
+def optimizer_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    key = id(optimizer)
+    _append((OPT_STEP, _clock(), key, _began.pop(key, None)))
+
+
+def wrap_scaler_step(original: Any) -> Any:
+    """``GradScaler.step`` that leaves a begin and an end event around the original.
+
+    A step with no optimizer post hook between the two was skipped (inf/NaN gradients).
+    Whatever the original raises propagates untouched.
+    """
+
+    def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        _append((SCALER_BEGIN, _clock(), id(optimizer)))
+        result = original(self, optimizer, *args, **kwargs)
+        _append((SCALER_END, _clock(), id(optimizer)))
+        return result
+
+    step.__wrapped__ = original  # type: ignore[attr-defined]
+    step.__name__ = getattr(original, "__name__", "step")
+    step.__qualname__ = getattr(original, "__qualname__", "step")
+    step.__doc__ = getattr(original, "__doc__", None)
+    step._torchtop = True  # type: ignore[attr-defined]
+    return step
+
+
+# -- the sampler thread's side ---------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One step: its end (``perf_counter`` time) and what it spent its time on."""
+
+    end: float
+    duration: float | None
+    wait: float
+    startup: float
+    optimizer: float
+    samples: int
+    skipped: bool = False
+
+
+@dataclass(slots=True)
+class _Interval:
+    """What happened since the last step ended."""
+
+    wait: float = 0.0
+    startup: float = 0.0
+    optimizer: float = 0.0
+    samples: dict[int, int] = field(default_factory=dict)
+    last_loader: int | None = None
+
+
+class StepCollector:
+    """Folds optimizer, scaler and batch events into steps; builds ``steps`` frames."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.skipped_total = 0
+        #: ``"explicit"``, the id of the clock optimizer, or ``None`` before the first step.
+        self.clock: int | str | None = None
+        self._last_end: float | None = None
+        self._interval = _Interval()
+        self._scaler_open: dict[int, bool] = {}
+        self._records: list[StepRecord] = []
+
+    # -- events ----------------------------------------------------------------------------
+
+    def optimizer_step(self, t: float, optimizer: int, began: float | None) -> None:
+        """An ``optimizer.step()`` that ran from ``began`` to ``t``."""
+        if began is not None:
+            self._interval.optimizer += t - began
+        if optimizer in self._scaler_open:
+            self._scaler_open[optimizer] = True
+        if self.clock is None:
+            self.clock = optimizer
+        if self.clock == optimizer:
+            self._end_step(t, skipped=False)
+
+    def scaler_begin(self, t: float, optimizer: int) -> None:
+        self._scaler_open[optimizer] = False
+
+    def scaler_end(self, t: float, optimizer: int) -> None:
+        stepped = self._scaler_open.pop(optimizer, True)
+        if stepped:
+            return
+        # The scaler found inf/NaN gradients and skipped optimizer.step(): still an iteration.
+        if self.clock is None:
+            self.clock = optimizer
+        if self.clock == optimizer:
+            self._end_step(t, skipped=True)
+
+    def explicit_step(self, t: float) -> None:
+        self.clock = "explicit"
+        self._end_step(t, skipped=False)
+
+    def batch(self, wait: float, *, first: bool, loader: int | None, samples: int | None) -> None:
+        """A batch the training thread waited ``wait`` seconds for."""
+        interval = self._interval
+        if first:
+            interval.startup += wait
+        else:
+            interval.wait += wait
+        if loader is not None:
+            if samples:
+                interval.samples[loader] = interval.samples.get(loader, 0) + samples
+            interval.last_loader = loader
+
+    def exhausted(self, wait: float) -> None:
+        """A ``__next__`` that raised StopIteration (an epoch's end; may join the workers)."""
+        self._interval.wait += wait
+
+    def restart(self) -> None:
+        """The hooks were off: forget the open step, so the next one has no duration."""
+        self._last_end = None
+        self._interval = _Interval()
+        self._scaler_open.clear()
+
+    def _end_step(self, t: float, *, skipped: bool) -> None:
+        interval = self._interval
+        duration = t - self._last_end if self._last_end is not None else None
+        # Samples of the loader that fed the step: a validation loop that ran since the last
+        # step does not inflate the throughput.
+        samples = 0
+        if interval.last_loader is not None:
+            samples = interval.samples.get(interval.last_loader, 0)
+        self._records.append(
+            StepRecord(
+                end=t,
+                duration=duration,
+                wait=interval.wait,
+                startup=interval.startup,
+                optimizer=interval.optimizer,
+                samples=samples,
+                skipped=skipped,
+            )
+        )
+        self.total += 1
+        if skipped:
+            self.skipped_total += 1
+        self._last_end = t
+        self._interval = _Interval()
+
+    # -- frames ----------------------------------------------------------------------------
+
+    def take_records(self) -> list[StepRecord]:
+        records, self._records = self._records, []
+        return records
+
+    def frame(self, now: float, to_wall: float) -> StepStats | None:
+        """The ``steps`` frame for the steps that ended since the last call, or ``None``.
+
+        ``to_wall`` converts ``perf_counter`` times to wall-clock time by addition.
+        """
+        records = self.take_records()
+        if not records:
+            return None
+        timed = [r for r in records if r.duration is not None]
+        count = len(records)
+        if count <= MAX_STEP_DETAIL:
+            detail = records
+        else:
+            n = MAX_STEP_DETAIL
+            detail = [records[j * count // n] for j in range(n)]
+        return StepStats(
+            t=now,
+            total=self.total,
+            skipped_total=self.skipped_total,
+            count=count,
+            skipped=sum(1 for r in records if r.skipped),
+            timed=len(timed),
+            time_s=_round(sum(r.duration or 0.0 for r in timed)),
+            wait_s=_round(sum(r.wait for r in timed)),
+            startup_s=_round(sum(r.startup for r in timed)),
+            optimizer_s=_round(sum(r.optimizer for r in timed)),
+            samples=sum(r.samples for r in timed),
+            ends=[round(r.end + to_wall, 6) for r in detail],
+            durations=[None if r.duration is None else _round(r.duration) for r in detail],
+            waits=[_round(r.wait) for r in detail],
+            startups=[_round(r.startup) for r in detail],
+            optimizer=[_round(r.optimizer) for r in detail],
+            batch_samples=[r.samples for r in detail],
+        )
+
+
+def _round(seconds: float) -> float:
+    """Seconds to the nearest 100 ns: as precise as the clocks, and short on the wire."""
+    return round(seconds, 7)

@@ -1,0 +1,342 @@
+"""Installs the step and DataLoader hooks once the job has imported torch, and turns what they
+record into ``steps`` and ``loaders`` frames in the sampler thread.
+
+The agent never imports torch first, so the hooks go in once the job's own ``import torch`` has
+loaded the modules they patch. To be in place before the job's first step, a
+:class:`TorchImportWatcher` sits in ``sys.meta_path``: it finds nothing (every import goes on as
+before) and only looks, at each import, whether ``torch.optim.optimizer`` and
+``torch.utils.data.dataloader`` have finished loading. Both load early inside ``import torch``,
+which imports some 300 more modules after them, so the hooks are installed before
+``import torch`` returns. The sampler thread checks too, on every tick, as a fallback.
+
+Everything is undone by :meth:`TrainingMonitor.uninstall`: hook handles removed, the original
+methods put back (unless someone wrapped them again on top of ours, in which case ours stays and
+only costs its append). A forked child (a DataLoader worker) uninstalls at once: no agent runs
+there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torchtop.agent import loaders as loader_hooks
+from torchtop.agent import steps as step_hooks
+from torchtop.agent.loaders import LoaderTracker, read_safely
+from torchtop.agent.steps import (
+    BATCH,
+    EXHAUSTED,
+    EXPLICIT_STEP,
+    GAP,
+    ITERATOR,
+    OPT_STEP,
+    PENDING,
+    SCALER_BEGIN,
+    SCALER_END,
+    StepCollector,
+)
+from torchtop.protocol import Message, ProbeStatus
+
+OPTIMIZER_MODULE = "torch.optim.optimizer"
+DATALOADER_MODULE = "torch.utils.data.dataloader"
+#: ``torch.amp.GradScaler`` from torch 2.3; before, ``torch.cuda.amp.GradScaler``.
+SCALER_MODULES = ("torch.amp.grad_scaler", "torch.cuda.amp.grad_scaler")
+#: Seconds between reads of the DataLoader workers (psutil, a few per worker).
+WORKERS_INTERVAL_S = 1.0
+#: Seconds after a new iterator with workers before they are read.
+WORKERS_SOON_S = 0.05
+#: Seconds between ``steps`` frames. Events are drained every tick; a frame every few ticks
+#: costs the sampler thread (and so, through the GIL, the job) less at high step rates.
+STEPS_INTERVAL_S = 0.5
+
+
+def loaded(name: str) -> Any:
+    """The module ``name`` if it has finished loading; never imports anything."""
+    module = sys.modules.get(name)
+    if module is None:
+        return None
+    if getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return None
+    return module
+
+
+def _patch(cls: Any, name: str, wrap: Callable[[Any], Any]) -> Callable[[], None]:
+    """Replace ``cls.name`` by ``wrap(original)``; return the undo."""
+    original = cls.__dict__[name]
+    if getattr(original, "_torchtop", False):  # left by an agent that could not undo it
+        return lambda: None
+    wrapper = wrap(original)
+    setattr(cls, name, wrapper)
+
+    def undo() -> None:
+        if cls.__dict__.get(name) is wrapper:
+            setattr(cls, name, original)
+
+    return undo
+
+
+class TorchImportWatcher:
+    """A ``sys.meta_path`` entry that finds nothing; it installs the hooks once torch's modules
+    have loaded, from inside the job's ``import torch``."""
+
+    def __init__(self, monitor: TrainingMonitor) -> None:
+        self._monitor = weakref.ref(monitor)
+        self.active = True
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if self.active and DATALOADER_MODULE in sys.modules:
+            monitor = self._monitor()
+            # Never wait for the lock inside an import: if the sampler thread holds it, a later
+            # import (or the sampler's next tick) installs instead.
+            if monitor is None or monitor.try_install(blocking=False):
+                self.active = False
+        return None
+
+    def remove(self) -> None:
+        """Leave ``sys.meta_path``; rebound, never changed in place, since another thread may be
+        walking the list in an import at this moment."""
+        self.active = False
+        if self in sys.meta_path:
+            sys.meta_path = [finder for finder in sys.meta_path if finder is not self]
+
+
+class TrainingMonitor:
+    """The hooks' life cycle in the agent, and their events turned into frames."""
+
+    def __init__(self, *, workers_interval_s: float = WORKERS_INTERVAL_S) -> None:
+        self.steps = StepCollector()
+        self.loaders = LoaderTracker()
+        self.workers_interval_s = workers_interval_s
+        #: Why a part could not be installed, for a ``probe_status`` message; ``None`` if fine.
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._undo: dict[str, list[Callable[[], None]]] = {}
+        self._watcher: TorchImportWatcher | None = None
+        self._running = False
+        self._next_workers = 0.0
+        self._next_steps = 0.0
+        self._error_reported = False
+        #: One drain at a time: the agent's last tick may overlap a sampler tick that the
+        #: sampler thread has not finished (its join timed out on a busy machine).
+        self._tick_lock = threading.Lock()
+        self._stopped = False
+
+    # -- installing ------------------------------------------------------------------------
+
+    @property
+    def installed(self) -> bool:
+        """The optimizer and DataLoader hooks are in (the GradScaler one may follow later)."""
+        return "optimizer" in self._undo and "dataloader" in self._undo
+
+    def start(self) -> None:
+        """Install now if torch is loaded, else as soon as the job's ``import torch`` loads it."""
+        global _current
+        self._running = True
+        _current = self
+        if not self.try_install():
+            self._watcher = TorchImportWatcher(self)
+            sys.meta_path.insert(0, self._watcher)
+
+    def try_install(self, *, blocking: bool = True) -> bool:
+        """Install whatever part of the hooks can be; True once the core parts are in."""
+        if not self._running:
+            return True
+        if not self._lock.acquire(blocking):
+            return False
+        try:
+            if "optimizer" not in self._undo and loaded(OPTIMIZER_MODULE) is not None:
+                self._install_part("optimizer", self._install_optimizer)
+            if "dataloader" not in self._undo and loaded(DATALOADER_MODULE) is not None:
+                self._install_part("dataloader", self._install_dataloader)
+            if "scaler" not in self._undo:
+                self._install_part("scaler", self._install_scaler)
+            return self.installed
+        finally:
+            self._lock.release()
+
+    def _install_part(
+        self, part: str, install: Callable[[], list[Callable[[], None]] | None]
+    ) -> None:
+        try:
+            undo = install()
+        except Exception as exc:  # an unexpected torch: say so, and never fail the job
+            self.error = f"{part} hooks: {exc!r}"
+            self._undo[part] = []
+            return
+        if undo is not None:
+            self._undo[part] = undo
+
+    @staticmethod
+    def _install_optimizer() -> list[Callable[[], None]]:
+        optimizer = loaded(OPTIMIZER_MODULE)
+        pre = optimizer.register_optimizer_step_pre_hook(step_hooks.optimizer_pre_hook)
+        post = optimizer.register_optimizer_step_post_hook(step_hooks.optimizer_post_hook)
+        return [pre.remove, post.remove]
+
+    @staticmethod
+    def _install_dataloader() -> list[Callable[[], None]]:
+        cls = loaded(DATALOADER_MODULE)._BaseDataLoaderIter
+        undo_init = _patch(cls, "__init__", loader_hooks.wrap_init)
+        undo_next = _patch(cls, "__next__", loader_hooks.wrap_next)
+        return [undo_init, undo_next]
+
+    @staticmethod
+    def _install_scaler() -> list[Callable[[], None]] | None:
+        for name in SCALER_MODULES:
+            module = loaded(name)
+            cls = getattr(module, "GradScaler", None)
+            if cls is not None and "step" in cls.__dict__:
+                return [_patch(cls, "step", step_hooks.wrap_scaler_step)]
+        return None  # not loaded yet: tried again on the next tick
+
+    def uninstall(self) -> None:
+        """Remove every hook and put the original methods back."""
+        with self._lock:
+            if self._watcher is not None:
+                self._watcher.remove()
+                self._watcher = None
+            undo, self._undo = self._undo, {}
+        for actions in undo.values():
+            for action in actions:
+                try:
+                    action()
+                except Exception:
+                    pass
+
+    def reinstall(self) -> None:
+        """Install again after :meth:`uninstall` (the benchmark's on/off blocks)."""
+        # In order with the events: the next step must not span the time without hooks.
+        PENDING.append((GAP, time.perf_counter()))
+        self._running = True
+        self.try_install()
+
+    # -- the sampler thread ----------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Message]:
+        """Drain the hooks' events; the frames to publish (``steps`` on ticks with steps,
+        ``loaders`` about once a second while any is in use).
+
+        Should this ever fail, the hooks come out at once (nothing would drain their events)
+        and the error goes on to the sampler, which reports it.
+        """
+        try:
+            with self._tick_lock:
+                if self._stopped:
+                    return []
+                return self._tick(now)
+        except Exception:
+            self._running = False
+            self.uninstall()
+            PENDING.clear()
+            raise
+
+    def _tick(self, now: float) -> list[Message]:
+        if self._running and ("scaler" not in self._undo or not self.installed):
+            self.try_install()
+        watcher = self._watcher
+        if watcher is not None and not watcher.active:  # its work is done: leave meta_path
+            with self._lock:
+                watcher.remove()
+                self._watcher = None
+        self.drain()
+        messages: list[Message] = []
+        if self.error is not None and not self._error_reported:
+            self._error_reported = True
+            messages.append(ProbeStatus(t=now, probe="steps", available=False, detail=self.error))
+        if time.monotonic() >= self._next_steps:
+            frame = self.steps.frame(now, time.time() - time.perf_counter())
+            if frame is not None:
+                self._next_steps = time.monotonic() + STEPS_INTERVAL_S
+                messages.append(frame)
+        if self.loaders.workers_started:
+            # Workers start just after their iterator's event: read them on the next tick.
+            self._next_workers = min(self._next_workers, time.monotonic() + WORKERS_SOON_S)
+            self.loaders.workers_started = False
+        if time.monotonic() >= self._next_workers:
+            self._next_workers = time.monotonic() + self.workers_interval_s
+            read_safely(self.loaders)
+            info = self.loaders.frame(now)
+            if info is not None:
+                messages.append(info)
+        return messages
+
+    def stop(self, now: float) -> list[Message]:
+        """Uninstall, and the last frames: the steps not yet sent and every loader's totals."""
+        global _current
+        if _current is self:
+            _current = None
+        self._running = False
+        self.uninstall()
+        with self._tick_lock:
+            self._stopped = True
+            return self._last_frames(now)
+
+    def _last_frames(self, now: float) -> list[Message]:
+        self.drain()
+        messages: list[Message] = []
+        frame = self.steps.frame(now, time.time() - time.perf_counter())
+        if frame is not None:
+            messages.append(frame)
+        read_safely(self.loaders)
+        info = self.loaders.frame(now, force=True)
+        if info is not None:
+            messages.append(info)
+        return messages
+
+    def drain(self) -> None:
+        pending = PENDING
+        steps = self.steps
+        loaders = self.loaders
+        while pending:
+            try:
+                event = pending.popleft()
+            except IndexError:
+                return
+            kind = event[0]
+            if kind == BATCH:
+                _, began, ended, iterator, size = event
+                wait = ended - began
+                first, index = loaders.batch(iterator, wait, size)
+                steps.batch(wait, first=first, loader=index, samples=size)
+            elif kind == OPT_STEP:
+                steps.optimizer_step(event[1], event[2], event[3])
+            elif kind == ITERATOR:
+                loaders.iterator_created(*event[2:])
+            elif kind == EXHAUSTED:
+                _, began, ended, iterator = event
+                loaders.exhausted(iterator, ended - began)
+                steps.exhausted(ended - began)
+            elif kind == SCALER_BEGIN:
+                steps.scaler_begin(event[1], event[2])
+            elif kind == SCALER_END:
+                steps.scaler_end(event[1], event[2])
+            elif kind == EXPLICIT_STEP:
+                steps.explicit_step(event[1])
+            elif kind == GAP:
+                steps.restart()
+
+
+_current: TrainingMonitor | None = None
+
+
+def _uninstall_in_child() -> None:
+    """In a forked child (a DataLoader worker): no agent, so no hooks either."""
+    global _current
+    monitor, _current = _current, None
+    if monitor is not None:
+        monitor._running = False
+        # Another thread may have held the lock at the fork; in the child it never will again.
+        monitor._lock = threading.Lock()
+        try:
+            monitor.uninstall()
+        except Exception:
+            pass
+    PENDING.clear()
+
+
+os.register_at_fork(after_in_child=_uninstall_in_child)
