@@ -31,6 +31,7 @@ check: lint test
 
 bench: setup
 	$(BIN)/python -m benchmarks.agent_overhead
+	$(BIN)/python -m benchmarks.hook_cost
 	$(BIN)/python -m benchmarks.stalled_viewer
 	$(BIN)/python -m benchmarks.tracker_overhead
 

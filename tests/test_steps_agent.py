@@ -471,3 +471,15 @@ def test_a_loader_gone_before_its_iterator_is_read_is_still_named() -> None:
     assert tracker.batch(args[0], 0.3, 8) == (True, 0)
     (entry,) = tracker.loaders
     assert entry.epochs == 2 and entry.batches == 2
+
+
+def test_the_hooks_modules_import_neither_torch_nor_the_ui() -> None:
+    code = (
+        "import json, sys, torchtop.agent.training, torchtop.steps_summary\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    loaded_modules = set(json.loads(out.stdout))
+    assert not {"torch", "textual", "rich"} & loaded_modules
