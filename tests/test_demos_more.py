@@ -16,46 +16,9 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-
-RESULT_PREFIX = "TORCHTOP_DEMO_RESULT "
-
-Results = dict[str, dict[str, Any]]
-
-
-def run_demo(name: str, tmp_path: Path) -> str:
-    env = {
-        **os.environ,
-        "PYTHONWARNINGS": "ignore",
-        "TORCHTOP_DEMO_RESULT": "1",
-        # One OpenMP thread per op: on a busy 2-core machine two spin-wait on each other.
-        "OMP_NUM_THREADS": "1",
-        # The profiling demo leaves its Chrome trace in the temporary directory.
-        "TMPDIR": str(tmp_path),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchtop", "demo", name, "--headless", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
-
-
-def results_of(output: str) -> Results:
-    lines = [line for line in output.splitlines() if line.startswith(RESULT_PREFIX)]
-    assert len(lines) == 1, output
-    payload = json.loads(lines[0][len(RESULT_PREFIX) :])
-    return {entry["name"]: entry for entry in payload["results"]}
-
-
-def seconds(results: Results, name: str) -> float:
-    return float(results[name]["seconds"])
-
+from demo_runner import Results, results_of, run_demo, seconds
 
 # -- what each demo must show ----------------------------------------------------------------
 
