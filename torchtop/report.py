@@ -26,6 +26,7 @@ from torchtop.protocol import (
     Sample,
     StepStats,
 )
+from torchtop.sizes import format_bytes
 from torchtop.steps_summary import TrainingSummary, training_parts
 
 
@@ -208,17 +209,6 @@ def _to_json(s: _Summary) -> dict[str, Any]:
     }
 
 
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 def render_text(report: dict[str, Any]) -> Any:
     """A rich renderable of the report (imports rich; the JSON path never does)."""
     from rich.console import Group
@@ -244,13 +234,13 @@ def render_text(report: dict[str, Any]) -> Any:
         devices.add_row(
             f"{d['id']} {d['name']}",
             kind,
-            human_bytes(d["peak_allocated_bytes"]),
-            human_bytes(d["peak_reserved_bytes"]),
+            format_bytes(d["peak_allocated_bytes"]),
+            format_bytes(d["peak_reserved_bytes"]),
             str(d["num_ooms"] if d["num_ooms"] is not None else "-"),
             str(d["num_alloc_retries"] if d["num_alloc_retries"] is not None else "-"),
         )
     parts: list[Any] = [head, devices]
-    parts.append(Text(f"host peak RSS {human_bytes(report['host']['peak_rss_bytes'])}"))
+    parts.append(Text(f"host peak RSS {format_bytes(report['host']['peak_rss_bytes'])}"))
     if report["phases"]:
         phases = Table(title="phases", title_justify="left")
         for col in ("phase", "start", "duration", "peak allocated", "peak RSS"):
@@ -261,8 +251,8 @@ def render_text(report: dict[str, Any]) -> Any:
                 p["name"],
                 f"{p['start_s']:.2f} s",
                 duration,
-                human_bytes(p["peak_allocated_bytes"]),
-                human_bytes(p["peak_rss_bytes"]),
+                format_bytes(p["peak_allocated_bytes"]),
+                format_bytes(p["peak_rss_bytes"]),
             )
         parts.append(phases)
     parts.extend(training_parts(report))

@@ -60,3 +60,31 @@ def format_size(n: int | float | None) -> str:
             return f"{int(value)} bytes" if unit == "bytes" else f"{value:.2f} {unit}"
         value /= 1024
     return f"{n} bytes"  # pragma: no cover
+
+
+#: Binary units, smallest first, for :func:`format_bytes` and the viewer.
+BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def scale_binary(n: float) -> tuple[float, int]:
+    """``n`` as a value below 1024 and the index of its binary unit."""
+    value = float(n)
+    unit = 0
+    while abs(value) >= 1024 and unit < len(BINARY_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    return value, unit
+
+
+def format_bytes(n: int | float | None) -> str:
+    """Bytes in binary units with three significant digits: ``"1.23 GiB"``, ``"512 MiB"``."""
+    if n is None:
+        return "—"  # could not be read
+    value, unit = scale_binary(n)
+    if unit == 0:
+        return f"{int(value)} B"
+    if abs(value) >= 100:
+        return f"{value:.0f} {BINARY_UNITS[unit]}"
+    if abs(value) >= 10:
+        return f"{value:.1f} {BINARY_UNITS[unit]}"
+    return f"{value:.2f} {BINARY_UNITS[unit]}"

@@ -8,35 +8,14 @@ from __future__ import annotations
 
 import math
 
+from torchtop.sizes import BINARY_UNITS as _UNITS
+from torchtop.sizes import format_bytes
+from torchtop.sizes import scale_binary as _scale
+
 #: How a value that could not be read is shown.
 MISSING = "—"
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _SHORT_UNITS = ("B", "K", "M", "G", "T", "P")
-
-
-def _scale(n: float) -> tuple[float, int]:
-    """``n`` as a value below 1024 and the index of its binary unit."""
-    value = float(n)
-    unit = 0
-    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
-        value /= 1024
-        unit += 1
-    return value, unit
-
-
-def format_bytes(n: int | float | None) -> str:
-    """Bytes in binary units with three significant digits: ``"1.23 GiB"``, ``"512 MiB"``."""
-    if n is None:
-        return MISSING
-    value, unit = _scale(n)
-    if unit == 0:
-        return f"{int(value)} B"
-    if abs(value) >= 100:
-        return f"{value:.0f} {_UNITS[unit]}"
-    if abs(value) >= 10:
-        return f"{value:.1f} {_UNITS[unit]}"
-    return f"{value:.2f} {_UNITS[unit]}"
 
 
 def format_bytes_short(n: int | float | None) -> str:
