@@ -168,10 +168,14 @@ class ProbeStatus(Message):
 
 @dataclass(frozen=True)
 class PhaseBegan(Message):
+    """A phase began. ``description`` (optional) says in a few sentences what the phase does
+    and why: the demos use it for the viewer's side panel."""
+
     KIND: ClassVar[str] = "phase_began"
     t: float
     name: str
     id: int
+    description: str | None = None
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,8 @@ MAX_STACK_FRAMES = 8
 #: ``Request.action`` values. An agent ignores actions it does not know.
 REQUEST_SNAPSHOT = "snapshot"
 REQUEST_RESUME = "resume"
+#: Take an op-timing window now and keep its Chrome trace under its own name.
+REQUEST_PROFILE = "profile"
 
 
 @dataclass(frozen=True)
@@ -467,6 +473,82 @@ class LoaderInfo(Message):
 
 
 MESSAGE_TYPES.update({cls.KIND: cls for cls in (StepStats, LoaderInfo)})
+
+
+# --------------------------------------------------------------------------------------------
+# Op timings (sampled torch.profiler windows)
+# --------------------------------------------------------------------------------------------
+
+#: The most ops an ``ops`` message lists per table, by self time; the rest are summed in
+#: ``OpsWindow.other_*``.
+MAX_OPS = 40
+
+
+@dataclass(frozen=True)
+class OpStat:
+    """One op (or kernel) over a profiler window, or over all windows so far.
+
+    ``total`` includes the time of the ops it called; ``self`` excludes it. Device times are the
+    kernels the op launched (``None`` where no device activity was recorded: a CPU-only job).
+    ``shapes`` (``--profile-shapes``) and ``site`` (``--profile-stack``: the innermost frame of
+    the job's own code) split an op by input shapes and by call site when they are on.
+    """
+
+    name: str
+    calls: int
+    total_cpu_s: float
+    self_cpu_s: float
+    total_device_s: float | None = None
+    self_device_s: float | None = None
+    shapes: str | None = None
+    site: str | None = None
+
+
+@dataclass(frozen=True)
+class OpsWindow(Message):
+    """One torch.profiler window the agent took, and the running totals over all windows.
+
+    A window opens and closes at step boundaries (``steps`` steps; ``None`` for a time-based
+    window, when the job has no steps). ``cost_s`` is what the window cost the training thread
+    (starting and stopping the profiler, and the slowdown of the profiled steps); ``spacing_s``
+    the time to the next window, adapted so that the cost stays within the agent's budget.
+    ``sync_points`` counts host-device synchronizations (``aten::item``/``_local_scalar_dense``,
+    ``cuda*Synchronize``, ...) and ``copies`` host-device copies (memcpy HtoD/DtoH/DtoD), not
+    counting the ones nested inside another. ``trace_path`` is the window's Chrome trace.
+    """
+
+    KIND: ClassVar[str] = "ops"
+    t: float
+    #: Windows taken so far, this one included.
+    window: int
+    began: float
+    duration_s: float
+    steps: int | None
+    cost_s: float
+    spacing_s: float
+    #: Device (CUDA) activity was recorded in this window.
+    device: bool
+    sync_points: int
+    copies: int
+    ops: list[OpStat]
+    #: The same over every window so far.
+    total_steps: int
+    total_duration_s: float
+    total_sync_points: int
+    total_copies: int
+    cumulative: list[OpStat]
+    #: Self time of the ops past the first MAX_OPS (window, cumulative).
+    other_self_cpu_s: float = 0.0
+    cumulative_other_self_cpu_s: float = 0.0
+    trace_path: str | None = None
+    #: Taken on a viewer's request (its trace is kept under its own name).
+    requested: bool = False
+    #: The options it ran with.
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
+MESSAGE_TYPES.update({OpsWindow.KIND: OpsWindow})
 
 
 def step_detail_weights(count: int, listed: int) -> list[int]:

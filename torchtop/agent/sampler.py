@@ -178,12 +178,12 @@ class Sampler:
         pending = events.PENDING
         while pending:
             try:
-                kind, t, name, phase_id = pending.popleft()
+                kind, t, name, phase_id, description = pending.popleft()
             except IndexError:
                 return
             message: Message
             if kind == "phase_began":
-                message = PhaseBegan(t=t, name=name, id=phase_id)
+                message = PhaseBegan(t=t, name=name, id=phase_id, description=description)
             elif kind == "phase_ended":
                 message = PhaseEnded(t=t, name=name, id=phase_id)
             else:
