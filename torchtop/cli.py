@@ -125,6 +125,67 @@ def _add_oom_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_ops_options(p: argparse.ArgumentParser) -> None:
+    """Sampled torch.profiler windows (README: "Op timings")."""
+    p.add_argument(
+        "--no-ops",
+        action="store_true",
+        help="do not sample op timings (torch.profiler windows)",
+    )
+    p.add_argument(
+        "--profile-shapes",
+        action="store_true",
+        help="op windows record input shapes and split ops by them (costs more per window)",
+    )
+    p.add_argument(
+        "--profile-stack",
+        action="store_true",
+        help="op windows record the script's call site of each op (costs more per window)",
+    )
+    p.add_argument(
+        "--ops-budget",
+        metavar="PCT",
+        type=_percent,
+        default=2.0,
+        help="share of the job's time op windows may cost, in percent (default 2); "
+        "their spacing adapts to what they measured",
+    )
+    p.add_argument(
+        "--ops-window",
+        metavar="STEPS",
+        type=_positive_count,
+        default=2,
+        help="training steps per op window (default 2)",
+    )
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text.rstrip("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage, got {text!r}") from None
+    if not 0 < value <= 50:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 50, got {text}")
+    return value
+
+
+def _positive_count(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def _ops_agent_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "ops": not args.no_ops,
+        "profile_shapes": args.profile_shapes,
+        "profile_stack": args.profile_stack,
+        "ops_budget": args.ops_budget / 100.0,
+        "ops_window_steps": args.ops_window,
+    }
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -173,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_agent_options(run)
     _add_oom_options(run)
+    _add_ops_options(run)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
     run.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]")
 
@@ -236,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--headless", action="store_true", help="no viewer: print the measured table")
     demo.add_argument("--record", metavar="FILE", type=Path, help="save the stream to FILE")
     _add_oom_options(demo)
+    _add_ops_options(demo)
     return parser
 
 
@@ -267,6 +330,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "nvml_interval_s": args.nvml_interval,
             "nvml": not args.no_nvml,
             **_oom_agent_options(args),
+            **_ops_agent_options(args),
         },
         headless=args.headless,
         record=args.record,
@@ -502,7 +566,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         demo_args += ["--device", args.device]
     spec = RunSpec(
         target=["-m", demo.module, *demo_args],
-        agent_options=_oom_agent_options(args),
+        agent_options={**_oom_agent_options(args), **_ops_agent_options(args)},
         headless=args.headless,
         record=args.record,
     )

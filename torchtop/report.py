@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtop.oom_report import CaptureCollector, capture_parts
+from torchtop.ops_summary import OpsCollector, ops_parts
 from torchtop.protocol import (
     Dropped,
     GpuSample,
@@ -79,6 +80,8 @@ class _Summary:
     training: TrainingSummary = field(default_factory=TrainingSummary)
     #: Out-of-memory failures and snapshots, with their evidence (``events``).
     captures: CaptureCollector = field(default_factory=CaptureCollector)
+    #: Op-timing windows, and when they were unavailable.
+    ops: OpsCollector = field(default_factory=OpsCollector)
 
 
 def summarize(messages: Iterable[Message]) -> dict[str, Any]:
@@ -90,6 +93,7 @@ def summarize(messages: Iterable[Message]) -> dict[str, Any]:
             s.first_t = t if s.first_t is None else min(s.first_t, t)
             s.last_t = t if s.last_t is None else max(s.last_t, t)
         s.captures.observe(message)
+        s.ops.add(message)
         if isinstance(message, Hello):
             s.hello = message
         elif isinstance(message, Sample):
@@ -206,6 +210,7 @@ def _to_json(s: _Summary) -> dict[str, Any]:
         "log_lines": s.log_lines,
         "events": s.captures.events(start),
         **s.training.to_json(),
+        **s.ops.to_json(start),
     }
 
 
@@ -256,7 +261,9 @@ def render_text(report: dict[str, Any]) -> Any:
             )
         parts.append(phases)
     parts.extend(training_parts(report))
+    parts.extend(ops_parts(report))
     parts.extend(capture_parts(report.get("events", [])))
     for probe, detail in report["probes_unavailable"].items():
-        parts.append(Text(f"{probe}: {detail}", style="dim"))
+        if probe != "ops":  # given with its time span above
+            parts.append(Text(f"{probe}: {detail}", style="dim"))
     return Group(*parts)

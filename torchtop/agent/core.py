@@ -19,12 +19,15 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from torchtop.agent.oom import OomController
+from torchtop.agent.ops import PROBE as OPS_PROBE
+from torchtop.agent.ops import OpsSampler
 from torchtop.agent.output import OutputCapture
 from torchtop.agent.sampler import Sampler, SamplerStats, torch_imported
 from torchtop.agent.server import EVENTS, LOGS, SAMPLES, AgentServer
 from torchtop.agent.training import TrainingMonitor
 from torchtop.protocol import (
     PROTOCOL_VERSION,
+    REQUEST_PROFILE,
     AgentStats,
     DeviceInfo,
     GpuSample,
@@ -33,6 +36,8 @@ from torchtop.protocol import (
     LoaderInfo,
     LogLine,
     Message,
+    ProbeStatus,
+    Request,
     Sample,
     StepStats,
     encode,
@@ -80,6 +85,18 @@ class AgentConfig:
     #: Failures captured in full per run; later ones are reported without a snapshot.
     max_captures: int = 5
 
+    # -- op timings (torchtop.agent.ops) ----------------------------------------------------
+    #: Sample torch.profiler windows (``--no-ops`` turns this off).
+    ops: bool = True
+    #: Steps per window, and the share of the job's time the windows may cost.
+    ops_window_steps: int = 2
+    ops_budget: float = 0.02
+    #: The shortest time between two windows, whatever their cost.
+    ops_min_spacing_s: float = 5.0
+    #: Record input shapes / the job's call site of each op (``--profile-shapes/-stack``).
+    profile_shapes: bool = False
+    profile_stack: bool = False
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> AgentConfig:
         known = {f.name for f in fields(cls)}
@@ -93,6 +110,12 @@ class AgentConfig:
             raise ValueError("the pause timeout must be positive")
         if config.memory_limit_bytes is not None and config.memory_limit_bytes < 1:
             raise ValueError("the memory limit must be at least one byte")
+        if config.ops_window_steps < 1:
+            raise ValueError("an op window must span at least one step")
+        if not 0 < config.ops_budget <= 0.5:
+            raise ValueError("the op-sampling budget must be above 0 and at most 0.5 (50%)")
+        if config.ops_min_spacing_s < 0:
+            raise ValueError("the spacing between op windows cannot be negative")
         return config
 
 
@@ -131,14 +154,25 @@ class Agent:
         )
         # Steps and DataLoaders: a ``steps`` frame per tick with steps, ``loaders`` at 1 Hz.
         samples_ring += int(config.history_s / config.interval_s) + int(config.history_s)
-        self.training = TrainingMonitor()
+        self.ops: OpsSampler | None = None
+        if config.ops:
+            self.ops = OpsSampler(
+                trace_dir=self.oom.snapshot_dir,
+                trace_prefix=self.oom.snapshot_prefix,
+                window_steps=config.ops_window_steps,
+                budget=config.ops_budget,
+                min_spacing_s=config.ops_min_spacing_s,
+                record_shapes=config.profile_shapes,
+                with_stack=config.profile_stack,
+            )
+        self.training = TrainingMonitor(ops=self.ops)
         self.server = AgentServer(
             listener,
             self._hello_frame,
             ring_sizes={SAMPLES: samples_ring, EVENTS: 10_000, LOGS: 2_000},
             client_queue=config.client_queue,
         )
-        self.server.on_request = self.oom.handle_request
+        self.server.on_request = self._on_request
         self.sampler = Sampler(
             self.publish,
             host=HostProbe(),
@@ -153,6 +187,14 @@ class Agent:
             agent_stats=self._agent_stats,
             training=self.training,
         )
+
+    def _on_request(self, request: Request) -> None:
+        """A viewer's request, in the server's I/O thread: hand it over and return."""
+        if request.action == REQUEST_PROFILE:
+            if self.ops is not None:
+                self.ops.request_window()
+        else:
+            self.oom.handle_request(request)
 
     def _devices(self) -> list[DeviceInfo]:
         devices = [DeviceInfo(id="cpu", name=platform.processor() or platform.machine())]
@@ -212,6 +254,15 @@ class Agent:
                 lambda stream, text: self.publish(LogLine(t=time.time(), stream=stream, text=text))
             )
             self._capture.start()
+        if self.ops is None:
+            detail = "op sampling is off (--no-ops)"
+            self.publish(
+                ProbeStatus(t=time.time(), probe=OPS_PROBE, available=False, detail=detail)
+            )
+        else:
+            # Kineto prints two lines on stderr per window; this level keeps them (and only
+            # kineto's own messages) off the job's output, unless the job chose a level.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self.training.start()  # the step and DataLoader hooks, as soon as torch is loaded
         self.oom.start()  # in the job's thread: the --memory-limit dispatch mode is per thread
         self.sampler.start()

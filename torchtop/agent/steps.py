@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,10 @@ PENDING: deque[tuple[Any, ...]] = deque(maxlen=1 << 16)
 
 _clock = time.perf_counter
 _append = PENDING.append
+#: Called with the step's key (an optimizer's id, or ``"explicit"``) at each step's end while
+#: an op-timing window is armed or open (:mod:`torchtop.agent.ops`); ``None`` otherwise, so the
+#: hooks pay one list lookup.
+BOUNDARY: list[Callable[[int | str], None] | None] = [None]
 #: When each optimizer's step began, from its pre hook to its post hook: one event per step.
 _began: dict[int, float] = {}
 
@@ -46,6 +51,9 @@ def step() -> None:
     optimizer time. Costs one ``deque.append`` and works with no agent running.
     """
     _append((EXPLICIT_STEP, _clock(), 0))
+    boundary = BOUNDARY[0]
+    if boundary is not None:
+        boundary("explicit")
 
 
 # -- hooks in the training thread ------------------------------------------------------------
@@ -58,6 +66,9 @@ def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
 def optimizer_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     key = id(optimizer)
     _append((OPT_STEP, _clock(), key, _began.pop(key, None)))
+    boundary = BOUNDARY[0]
+    if boundary is not None:
+        boundary(key)
 
 
 def wrap_scaler_step(original: Any) -> Any:
@@ -120,6 +131,8 @@ class StepCollector:
         self._interval = _Interval()
         self._scaler_open: dict[int, bool] = {}
         self._records: list[StepRecord] = []
+        #: The latest step durations (the op sampler's yardstick for a window's slowdown).
+        self.recent: deque[float] = deque(maxlen=64)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -176,6 +189,8 @@ class StepCollector:
     def _end_step(self, t: float, *, skipped: bool) -> None:
         interval = self._interval
         duration = t - self._last_end if self._last_end is not None else None
+        if duration is not None:
+            self.recent.append(duration)
         # Samples of the loader that fed the step: a validation loop that ran since the last
         # step does not inflate the throughput.
         samples = 0

@@ -17,6 +17,7 @@ there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -28,6 +29,8 @@ from typing import Any
 from torchtop.agent import loaders as loader_hooks
 from torchtop.agent import steps as step_hooks
 from torchtop.agent.loaders import LoaderTracker, read_safely
+from torchtop.agent.ops import PROBE as OPS_PROBE
+from torchtop.agent.ops import OpsSampler
 from torchtop.agent.steps import (
     BATCH,
     EXHAUSTED,
@@ -43,6 +46,7 @@ from torchtop.agent.steps import (
 from torchtop.protocol import Message, ProbeStatus
 
 OPTIMIZER_MODULE = "torch.optim.optimizer"
+PROFILER_MODULE = "torch.autograd.profiler"
 DATALOADER_MODULE = "torch.utils.data.dataloader"
 #: ``torch.amp.GradScaler`` from torch 2.3; before, ``torch.cuda.amp.GradScaler``.
 SCALER_MODULES = ("torch.amp.grad_scaler", "torch.cuda.amp.grad_scaler")
@@ -63,6 +67,16 @@ def loaded(name: str) -> Any:
     if getattr(getattr(module, "__spec__", None), "_initializing", False):
         return None
     return module
+
+
+def _wrapper(wrapper: Any, original: Any) -> Any:
+    """``wrapper`` dressed as ``original`` and marked as ours."""
+    wrapper.__wrapped__ = original
+    for attribute in ("__name__", "__qualname__", "__doc__"):
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(wrapper, attribute, getattr(original, attribute))
+    wrapper._torchtop = True
+    return wrapper
 
 
 def _patch(cls: Any, name: str, wrap: Callable[[Any], Any]) -> Callable[[], None]:
@@ -108,8 +122,12 @@ class TorchImportWatcher:
 class TrainingMonitor:
     """The hooks' life cycle in the agent, and their events turned into frames."""
 
-    def __init__(self, *, workers_interval_s: float = WORKERS_INTERVAL_S) -> None:
+    def __init__(
+        self, *, workers_interval_s: float = WORKERS_INTERVAL_S, ops: OpsSampler | None = None
+    ) -> None:
         self.steps = StepCollector()
+        #: Op-timing windows (``None`` with ``--no-ops``), scheduled from :meth:`tick`.
+        self.ops = ops
         self.loaders = LoaderTracker()
         self.workers_interval_s = workers_interval_s
         #: Why a part could not be installed, for a ``probe_status`` message; ``None`` if fine.
@@ -155,6 +173,8 @@ class TrainingMonitor:
                 self._install_part("dataloader", self._install_dataloader)
             if "scaler" not in self._undo:
                 self._install_part("scaler", self._install_scaler)
+            if self.ops is not None and "profiler" not in self._undo:
+                self._install_part("profiler", self._install_profiler_guard)
             return self.installed
         finally:
             self._lock.release()
@@ -194,8 +214,46 @@ class TrainingMonitor:
                 return [_patch(cls, "step", step_hooks.wrap_scaler_step)]
         return None  # not loaded yet: tried again on the next tick
 
+    def _install_profiler_guard(self) -> list[Callable[[], None]] | None:
+        """Let the job's own profiler win: ours stops before the job's starts, and no window
+        opens until the job's has ended (``torch.profiler.profile`` and
+        ``torch.autograd.profiler.profile`` both start and stop through these methods)."""
+        profiler = loaded(PROFILER_MODULE)
+        ops = self.ops
+        if profiler is None or ops is None:
+            return None
+        cls = profiler.profile
+
+        def before(original: Any) -> Any:
+            def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+                ops.user_profiler_starting()
+                return original(self, *args, **kwargs)
+
+            return _wrapper(guarded, original)
+
+        def after(original: Any) -> Any:
+            def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    ops.user_profiler_stopped()
+
+            return _wrapper(guarded, original)
+
+        undo = []
+        for name, wrap in (
+            ("_prepare_trace", before),
+            ("_start_trace", before),
+            ("__exit__", after),
+        ):
+            if name in cls.__dict__:
+                undo.append(_patch(cls, name, wrap))
+        return undo
+
     def uninstall(self) -> None:
         """Remove every hook and put the original methods back."""
+        if self.ops is not None:
+            self.ops.close_now()  # a window open in this thread; an armed one is disarmed
         with self._lock:
             if self._watcher is not None:
                 self._watcher.remove()
@@ -263,7 +321,23 @@ class TrainingMonitor:
             info = self.loaders.frame(now)
             if info is not None:
                 messages.append(info)
+        if self.ops is not None and "profiler" in self._undo:
+            messages.extend(self._ops_call(self.ops.tick, now, self.steps))
         return messages
+
+    def _ops_call(self, fn: Callable[..., list[Message]], *args: Any) -> list[Message]:
+        """Op sampling failing in a way it did not foresee turns it off, never the steps."""
+        ops = self.ops
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.ops = None
+            step_hooks.BOUNDARY[0] = None
+            if ops is not None:
+                with contextlib.suppress(Exception):
+                    ops.close_now()
+            detail = f"op timings unavailable: op sampling failed: {exc!r}"
+            return [ProbeStatus(t=time.time(), probe=OPS_PROBE, available=False, detail=detail)]
 
     def stop(self, now: float) -> list[Message]:
         """Uninstall, and the last frames: the steps not yet sent and every loader's totals."""
@@ -271,10 +345,13 @@ class TrainingMonitor:
         if _current is self:
             _current = None
         self._running = False
+        ops_frames: list[Message] = []
+        if self.ops is not None:
+            ops_frames = self._ops_call(self.ops.stop, now)
         self.uninstall()
         with self._tick_lock:
             self._stopped = True
-            return self._last_frames(now)
+            return self._last_frames(now) + ops_frames
 
     def _last_frames(self, now: float) -> list[Message]:
         self.drain()
@@ -330,6 +407,7 @@ def _uninstall_in_child() -> None:
     monitor, _current = _current, None
     if monitor is not None:
         monitor._running = False
+        step_hooks.BOUNDARY[0] = None
         # Another thread may have held the lock at the fork; in the child it never will again.
         monitor._lock = threading.Lock()
         try:
@@ -339,4 +417,13 @@ def _uninstall_in_child() -> None:
     PENDING.clear()
 
 
-os.register_at_fork(after_in_child=_uninstall_in_child)
+def _close_window_before_fork() -> None:
+    """A child forked during an op window (a DataLoader worker) must not inherit a running
+    profiler: the window closes first, shorter."""
+    monitor = _current
+    if monitor is not None and monitor.ops is not None:
+        with contextlib.suppress(Exception):
+            monitor.ops.close_now()
+
+
+os.register_at_fork(before=_close_window_before_fork, after_in_child=_uninstall_in_child)

@@ -1,0 +1,360 @@
+"""Op-timing windows in the agent: the aggregation on made-up events, and the windows' life
+cycle with the real (CPU) profiler, driven step by step in this process."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchtop.agent import ops as ops_module
+from torchtop.agent import steps as step_hooks
+from torchtop.agent.ops import (
+    ARMED,
+    IDLE,
+    OPEN,
+    OWN_PROFILER,
+    Event,
+    OpsSampler,
+    aggregate,
+    merge,
+    ranked,
+    site_reader,
+)
+from torchtop.agent.training import TrainingMonitor
+from torchtop.protocol import OpsWindow, ProbeStatus, decode, encode
+
+US = 1000  # nanoseconds
+
+
+def ev(name: str, start: int, end: int, **kw: Any) -> Event:
+    return Event(name=name, start=start * US, end=end * US, **kw)
+
+
+# -- aggregation -------------------------------------------------------------------------------
+
+
+def test_self_time_is_duration_less_children_per_thread() -> None:
+    window = aggregate(
+        [
+            ev("aten::linear", 0, 100, correlation=1),
+            ev("aten::t", 5, 15, correlation=2),
+            ev("aten::addmm", 20, 90, correlation=3),
+            # Another thread at the same time: not a child of aten::linear.
+            ev("aten::mul", 10, 60, thread=2, correlation=4),
+        ]
+    )
+    ops = {key[0]: op for key, op in window.ops.items()}
+    assert ops["aten::linear"].total_cpu == 100 * US
+    assert ops["aten::linear"].self_cpu == (100 - 10 - 70) * US
+    assert ops["aten::addmm"].self_cpu == 70 * US
+    assert ops["aten::mul"].self_cpu == 50 * US
+    assert window.sync_points == 0 and window.copies == 0 and not window.device
+
+
+def test_item_counts_one_sync_point_however_deep() -> None:
+    events = []
+    for step in range(3):
+        base = step * 1000
+        events += [
+            ev("aten::item", base, base + 50),
+            ev("aten::_local_scalar_dense", base + 5, base + 45),
+            ev("cudaStreamSynchronize", base + 10, base + 40),
+        ]
+    events.append(ev("cudaDeviceSynchronize", 5000, 5010))  # on its own: a sync of its own
+    assert aggregate(events).sync_points == 4
+
+
+def test_kernels_count_for_the_op_that_launched_them_and_copies_are_counted() -> None:
+    window = aggregate(
+        [
+            ev("aten::linear", 0, 100, correlation=1),
+            ev("aten::addmm", 10, 90, correlation=2),
+            ev("cudaLaunchKernel", 20, 30, correlation=50, linked=2),
+            ev("gemm_kernel", 40, 240, device=True, correlation=50, linked=2),
+            ev("aten::copy_", 100, 150, correlation=3),
+            ev("Memcpy HtoD (Pageable -> Device)", 120, 170, device=True, linked=3),
+            ev("Memcpy DtoH (Device -> Pageable)", 300, 310, device=True, linked=0),
+        ]
+    )
+    ops = {key[0]: op for key, op in window.ops.items()}
+    assert window.device and window.copies == 2
+    assert ops["aten::addmm"].self_device == 200 * US  # its kernel
+    assert ops["aten::linear"].self_device == 0  # called it: total only
+    assert ops["aten::linear"].total_device == 200 * US
+    assert ops["gemm_kernel"].self_device == 200 * US and ops["gemm_kernel"].calls == 1
+    assert ops["aten::copy_"].self_device == 50 * US
+    assert ops["Memcpy DtoH (Device -> Pageable)"].calls == 1
+
+
+def test_python_frames_give_ops_their_call_site_and_are_not_listed(tmp_path: Path) -> None:
+    lib = tmp_path / "lib"
+    site_of = site_reader([str(lib)])
+    window = aggregate(
+        [
+            ev(f"{tmp_path}/train.py(12): step", 0, 100, python=True),
+            ev(f"{lib}/module.py(3): forward", 1, 99, python=True),
+            ev("aten::addmm", 10, 20, correlation=1),
+            ev(f"{tmp_path}/train.py(20): evaluate", 200, 300, python=True),
+            ev("aten::addmm", 210, 220, correlation=2),
+        ],
+        site_of=site_of,
+    )
+    assert set(window.ops) == {
+        ("aten::addmm", None, "train.py(12): step"),
+        ("aten::addmm", None, "train.py(20): evaluate"),
+    }
+
+
+def test_ranked_orders_by_self_time_limits_and_sums_the_rest() -> None:
+    window = aggregate(
+        [ev(f"op{i}", i * 100, i * 100 + i + 1, correlation=i + 1) for i in range(10)]
+    )
+    listed, other = ranked(window.ops, device=False, limit=3)
+    assert [op.name for op in listed] == ["op9", "op8", "op7"]
+    assert listed[0].self_device_s is None
+    assert other == pytest.approx(sum(i + 1 for i in range(7)) * US / 1e9)
+
+
+def test_cumulative_table_adds_windows_and_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops_module, "MAX_CUMULATIVE_KEYS", 3)
+    cumulative: dict[Any, Any] = {}
+    for _ in range(2):
+        merge(cumulative, aggregate([ev("a", 0, 10), ev("b", 20, 30)]).ops)
+    merge(cumulative, aggregate([ev("c", 0, 5), ev("d", 10, 15), ev("e", 20, 25)]).ops)
+    names = {key[0]: op for key, op in cumulative.items()}
+    assert names["a"].calls == 2 and names["a"].self_cpu == 20 * US
+    assert len(cumulative) == 3 + 1 and names["(other ops)"].calls == 2
+
+
+# -- windows with the real profiler --------------------------------------------------------------
+
+
+class FakeSteps:
+    """What the sampler reads from the StepCollector."""
+
+    def __init__(self, clock: int | str | None = 1, total: int = 10) -> None:
+        self.clock = clock
+        self.total = total
+        self.recent: deque[float] = deque([0.001] * 8)
+
+
+@pytest.fixture
+def sampler(tmp_path: Path):
+    s = OpsSampler(trace_dir=tmp_path, trace_prefix="job.", min_spacing_s=0.0)
+    yield s
+    s.close_now()
+    step_hooks.BOUNDARY[0] = None
+
+
+def _model() -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _train_steps(model: Any, opt: Any, n: int, *, item: bool = False) -> None:
+    x = torch.randn(8, 16)
+    for _ in range(n):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        if item:
+            loss.item()
+
+
+def _boundary(key: int | str = 1) -> None:
+    """What the optimizer post hook does at a step's end."""
+    hook = step_hooks.BOUNDARY[0]
+    if hook is not None:
+        hook(key)
+
+
+def _window(sampler: OpsSampler, steps: FakeSteps, *, item: bool = False) -> list[Any]:
+    model, opt = _model()
+    assert sampler.tick(time.time(), steps) == []
+    assert sampler._state == ARMED and step_hooks.BOUNDARY[0] is not None
+    _boundary()
+    assert sampler._state == OPEN
+    for _ in range(sampler.window_steps):
+        _train_steps(model, opt, 1, item=item)
+        _boundary()
+    assert sampler._state == IDLE and step_hooks.BOUNDARY[0] is None
+    return sampler.tick(time.time(), steps)
+
+
+def test_a_window_spans_two_steps_and_ranks_the_matmuls(sampler: OpsSampler) -> None:
+    (frame,) = _window(sampler, FakeSteps(), item=True)
+    assert isinstance(frame, OpsWindow) and frame.window == 1
+    assert frame.steps == 2 and frame.sync_points == 2  # one .item() per step
+    names = [op.name for op in frame.ops]
+    assert {"aten::addmm", "aten::mm"} & set(names[:10]) and len(names) >= 5
+    assert not frame.device and frame.ops[0].self_device_s is None
+    assert frame.cost_s > 0 and frame.spacing_s >= frame.cost_s / sampler.budget - 1e-9
+    assert frame.cumulative == frame.ops
+    # The frame goes over the wire unchanged.
+    assert decode(encode(frame)) == frame
+    trace = json.loads(Path(frame.trace_path or "").read_text())
+    assert any(e.get("name") == "aten::addmm" for e in trace["traceEvents"])
+
+
+def test_cumulative_adds_up_over_windows(sampler: OpsSampler) -> None:
+    steps = FakeSteps()
+    (first,) = _window(sampler, steps)
+    sampler._next_due = 0.0
+    (second,) = _window(sampler, steps)
+    assert second.window == 2 and second.total_steps == 4
+    calls = {op.name: op.calls for op in first.ops}
+    cumulative = {op.name: op.calls for op in second.cumulative}
+    assert cumulative["aten::addmm"] == 2 * calls["aten::addmm"]
+    assert second.trace_path == first.trace_path  # the last window replaces the file
+
+
+def test_only_the_step_clock_moves_the_window(sampler: OpsSampler) -> None:
+    steps = FakeSteps(clock=1)
+    sampler.tick(time.time(), steps)
+    _boundary(key=2)  # another optimizer
+    assert sampler._state == ARMED
+    _boundary(key=1)
+    assert sampler._state == OPEN
+
+
+def test_no_window_before_the_first_steps_or_before_it_is_due(sampler: OpsSampler) -> None:
+    sampler.tick(time.time(), FakeSteps(total=1))
+    assert sampler._state == IDLE
+    sampler._next_due = time.monotonic() + 60
+    sampler.tick(time.time(), FakeSteps(total=10))
+    assert sampler._state == IDLE
+
+
+def test_a_request_arms_a_window_at_once_and_keeps_its_trace(sampler: OpsSampler) -> None:
+    sampler._next_due = time.monotonic() + 60
+    sampler.request_window()
+    steps = FakeSteps(total=0)
+    sampler.tick(time.time(), steps)
+    assert sampler._state == ARMED
+    _boundary()
+    model, opt = _model()
+    for _ in range(2):
+        _train_steps(model, opt, 1)
+        _boundary()
+    (frame,) = sampler.tick(time.time(), steps)
+    assert frame.requested and frame.trace_path.endswith("job.ops-1.json")
+
+
+def test_the_jobs_own_profiler_wins(sampler: OpsSampler) -> None:
+    monitor = TrainingMonitor(ops=sampler)
+    undo = monitor._install_profiler_guard()
+    assert undo
+    try:
+        model, opt = _model()
+        steps = FakeSteps()
+        sampler.tick(time.time(), steps)
+        _boundary()
+        assert sampler._state == OPEN
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as own:
+            _train_steps(model, opt, 3)
+            # Ours stopped and was thrown away; none opens while the job's runs.
+            assert sampler._state == IDLE
+            messages = sampler.tick(time.time(), steps)
+            assert sampler._state == IDLE
+            _boundary()
+        names = [e.name for e in own.events()]
+        assert sum(1 for n in names if n.startswith("Optimizer.step#")) == 3
+        assert names.count("aten::addmm") == 6  # complete: 2 layers, 3 steps
+        (status,) = [m for m in messages if isinstance(m, ProbeStatus)]
+        assert not status.available and OWN_PROFILER in status.detail
+        assert not any(isinstance(m, OpsWindow) for m in messages)
+        # Once it has ended, windows resume.
+        (resumed,) = sampler.tick(time.time(), steps)
+        assert isinstance(resumed, ProbeStatus) and resumed.available
+        assert sampler._state == ARMED
+    finally:
+        for action in undo:
+            action()
+
+
+def test_a_profiler_already_running_blocks_the_window(sampler: OpsSampler) -> None:
+    steps = FakeSteps()
+    sampler.tick(time.time(), steps)
+    with torch.autograd.profiler.profile():
+        _boundary()  # due to open, but the job's profiler is on
+        assert sampler._state == IDLE
+        (status,) = sampler.tick(time.time(), steps)
+        assert not status.available
+    (status,) = [m for m in sampler.tick(time.time(), steps) if isinstance(m, ProbeStatus)]
+    assert status.available
+
+
+def test_three_failures_stop_sampling_and_say_why(
+    sampler: OpsSampler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: Any) -> bool:
+        raise RuntimeError("no profiler here")
+
+    monkeypatch.setattr(ops_module._Profiler, "start", broken)
+    steps = FakeSteps()
+    details = []
+    for _ in range(4):
+        sampler._next_due = 0.0
+        for message in sampler.tick(time.time(), steps):
+            details.append(message.detail)
+        _boundary()
+        assert sampler._state == IDLE
+    details += [m.detail for m in sampler.tick(time.time(), steps)]
+    assert details[0] == "op timings unavailable: the profiler failed: RuntimeError('no profiler here')"
+    assert details[-1].endswith("op sampling stopped after 3 failures")
+    assert sampler._state == IDLE and step_hooks.BOUNDARY[0] is None
+
+
+def test_a_window_left_open_past_its_steps_is_closed_in_the_main_thread(tmp_path: Path) -> None:
+    sampler = OpsSampler(trace_dir=tmp_path, trace_prefix="", min_spacing_s=0.0)
+    steps = FakeSteps()
+    steps.recent = deque([0.0001])
+    sampler.tick(time.time(), steps)
+    _boundary()
+    sampler._opened_at -= 5.0  # as if open 5 s: the job left its loop
+    _tick_from_another_thread(sampler, steps)
+    deadline = time.monotonic() + 10
+    x = torch.randn(16, 16)
+    while sampler._state == OPEN and time.monotonic() < deadline:
+        x @ x  # the main thread runs bytecodes: the pending call closes the window
+    assert sampler._state == IDLE
+    (frame,) = [m for m in sampler.tick(time.time(), steps) if isinstance(m, OpsWindow)]
+    assert frame.steps == 0
+
+
+def _tick_from_another_thread(sampler: OpsSampler, steps: FakeSteps) -> list[Any]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.extend(sampler.tick(time.time(), steps)))
+    thread.start()
+    thread.join()
+    return out
+
+
+def test_time_based_windows_without_steps(tmp_path: Path) -> None:
+    """No step clock: the sampler thread has the main thread open and close the window."""
+    sampler = OpsSampler(
+        trace_dir=tmp_path, trace_prefix="", time_fallback_s=0.0, time_window_s=0.05
+    )
+    steps = FakeSteps(clock=None, total=0)
+    frames: list[Any] = []
+    x = torch.randn(32, 32)
+    deadline = time.monotonic() + 20
+    while not frames and time.monotonic() < deadline:
+        frames += [
+            m for m in _tick_from_another_thread(sampler, steps) if isinstance(m, OpsWindow)
+        ]
+        for _ in range(50):
+            x = torch.tanh(x @ x)
+    assert frames, "no time-based window was taken"
+    assert frames[0].steps is None and frames[0].duration_s >= 0.05
+    assert "aten::mm" in [op.name for op in frames[0].ops]

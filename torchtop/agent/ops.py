@@ -1,0 +1,780 @@
+"""Op timings from sampled ``torch.profiler`` windows.
+
+The profiler costs too much to leave on (a small model runs 1.5 times slower or worse), so
+the agent samples it: a *window* of a step or two, then a pause long enough that the
+windows' measured cost stays within a budget (2 % by default). The profiler records the ops
+of the thread that starts it, so windows open and close in the training thread, at step
+boundaries: the sampler thread *arms* a window and the step hook of
+:mod:`torchtop.agent.steps` opens it at the next boundary of the step clock and closes it
+``window_steps`` boundaries later. Until then the hook costs one list lookup. A job with no
+steps gets time-based windows, opened and closed between two bytecodes of the main thread
+(``Py_AddPendingCall``).
+
+Only starting and stopping the profiler happen in the training thread (well under a
+millisecond each, measured per window). Reading the events, ranking the ops, counting sync
+points and copies and writing the Chrome trace happen in the sampler thread.
+
+The job's own profiler always wins: while it runs, no window opens; if it starts while one of
+ours is open, ours is stopped first and thrown away, and the viewer is told "op timings
+unavailable" until the job's profiler ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchtop.agent import steps as step_hooks
+from torchtop.protocol import MAX_OPS, Message, OpStat, OpsWindow, ProbeStatus
+
+PROBE = "ops"
+#: Host-device synchronizations. ``aten::item`` calls ``aten::_local_scalar_dense`` (which is
+#: also what ``bool(t)``, ``int(t)`` and ``.tolist()`` end in), so a sync nested in another sync
+#: counts once.
+SYNC_OPS = frozenset(
+    {
+        "aten::item",
+        "aten::_local_scalar_dense",
+        "cudaDeviceSynchronize",
+        "cudaStreamSynchronize",
+        "cudaEventSynchronize",
+        "cudaMemcpy",
+        "hipDeviceSynchronize",
+        "hipStreamSynchronize",
+        "hipEventSynchronize",
+        "hipMemcpy",
+    }
+)
+#: Device activities that are copies: ``Memcpy HtoD (Pageable -> Device)`` and the like.
+COPY_PREFIXES = ("Memcpy ", "Memcpy(")
+#: Bookkeeping the profiler records around the ops, never listed (as ``key_averages`` does).
+IGNORED = frozenset(
+    {
+        "[memory]",
+        "[OutOfMemory]",
+        "profiler::_record_function_enter",
+        "profiler::_record_function_enter_new",
+        "profiler::_record_function_exit",
+        "aten::is_leaf",
+        "aten::output_nr",
+        "aten::_version",
+    }
+)
+OWN_PROFILER = "the job is running its own torch.profiler"
+#: Distinct ops kept in the cumulative table; past that, new ones go to "other".
+MAX_CUMULATIVE_KEYS = 5000
+
+
+# --------------------------------------------------------------------------------------------
+# Aggregation: plain events in, ranked ops and counts out (pure, tested with made-up events)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Event:
+    """One profiler event, copied out of torch's ``_KinetoEvent``. Times in nanoseconds."""
+
+    name: str
+    start: int
+    end: int
+    thread: int = 0
+    #: Ran on a device (a kernel, a memcpy); CPU-side events are nested by time per thread.
+    device: bool = False
+    #: The op's own id, and for kernels and runtime calls the id of the op that launched them.
+    correlation: int = 0
+    linked: int = 0
+    python: bool = False
+    shapes: str | None = None
+
+
+@dataclass(slots=True)
+class OpTotals:
+    """Sums for one op (nanoseconds)."""
+
+    calls: int = 0
+    total_cpu: int = 0
+    self_cpu: int = 0
+    total_device: int = 0
+    self_device: int = 0
+
+    def add(self, other: OpTotals) -> None:
+        self.calls += other.calls
+        self.total_cpu += other.total_cpu
+        self.self_cpu += other.self_cpu
+        self.total_device += other.total_device
+        self.self_device += other.self_device
+
+    @property
+    def self_ns(self) -> int:
+        return self.self_cpu + self.self_device
+
+
+#: An op's key: its name, its input shapes (``--profile-shapes``), its call site
+#: (``--profile-stack``).
+OpKey = tuple[str, str | None, str | None]
+
+
+@dataclass(slots=True)
+class WindowTotals:
+    ops: dict[OpKey, OpTotals]
+    sync_points: int = 0
+    copies: int = 0
+    device: bool = False
+
+
+def aggregate(
+    events: Iterable[Event], *, site_of: Callable[[str], str | None] | None = None
+) -> WindowTotals:
+    """Rank a window's events into per-op totals, and count its sync points and copies.
+
+    CPU events nest by time within their thread: an op's self time is its duration less its
+    children's. Device events (kernels, memcpy) are listed under their own names, and their
+    time is also added to the op that launched them (self) and to that op's callers (total).
+    Python function events (``--profile-stack``) are not listed; ``site_of(name)`` turns one
+    into the call site of the ops under it (``None``: not the job's own code).
+    """
+    cpu: list[Event] = []
+    device: list[Event] = []
+    for event in events:
+        if event.name in IGNORED:
+            continue
+        (device if event.device else cpu).append(event)
+    cpu.sort(key=lambda e: (e.thread, e.start, -e.end))
+
+    totals: dict[OpKey, OpTotals] = {}
+    result = WindowTotals(ops=totals, device=bool(device))
+    n = len(cpu)
+    parent: list[int] = [-1] * n
+    child_ns: list[int] = [0] * n
+    in_sync: list[bool] = [False] * n
+    sites: list[str | None] = [None] * n
+    keys: list[OpKey | None] = [None] * n
+    by_correlation: dict[int, int] = {}
+    stack: list[int] = []
+    thread: int | None = None
+    for i, event in enumerate(cpu):
+        if event.thread != thread:
+            thread = event.thread
+            stack.clear()
+        while stack and cpu[stack[-1]].end <= event.start:
+            stack.pop()
+        # An event that outlives the one on top (async or badly nested) is nobody's child.
+        up = stack[-1] if stack and event.end <= cpu[stack[-1]].end else -1
+        parent[i] = up
+        if up >= 0:
+            child_ns[up] += event.end - event.start
+            sites[i] = sites[up]
+        is_sync = event.name in SYNC_OPS
+        if is_sync and not (up >= 0 and in_sync[up]):
+            result.sync_points += 1
+        in_sync[i] = is_sync or (up >= 0 and in_sync[up])
+        if event.python:
+            if site_of is not None:
+                site = site_of(event.name)
+                if site is not None:
+                    sites[i] = site
+        else:
+            keys[i] = (event.name, event.shapes, sites[i])
+            if event.linked == 0 and event.correlation:
+                by_correlation[event.correlation] = i
+        stack.append(i)
+
+    for i, event in enumerate(cpu):
+        key = keys[i]
+        if key is None:
+            continue
+        op = totals.get(key)
+        if op is None:
+            op = totals[key] = OpTotals()
+        duration = event.end - event.start
+        op.calls += 1
+        op.total_cpu += duration
+        op.self_cpu += max(0, duration - child_ns[i])
+
+    for event in device:
+        duration = max(0, event.end - event.start)
+        if event.name.startswith(COPY_PREFIXES):
+            result.copies += 1
+        key = (event.name, None, None)
+        op = totals.get(key)
+        if op is None:
+            op = totals[key] = OpTotals()
+        op.calls += 1
+        op.total_device += duration
+        op.self_device += duration
+        # The launching op (found by correlation) gets the time as its own, its callers as
+        # part of their totals.
+        i = by_correlation.get(event.linked, -1) if event.linked else -1
+        first = True
+        while i >= 0:
+            key_i = keys[i]
+            if key_i is not None:
+                owner = totals[key_i]
+                owner.total_device += duration
+                if first:
+                    owner.self_device += duration
+                    first = False
+            i = parent[i]
+    return result
+
+
+def merge(into: dict[OpKey, OpTotals], window: dict[OpKey, OpTotals]) -> None:
+    """Add a window's ops to the cumulative table, bounded at MAX_CUMULATIVE_KEYS ops."""
+    for key, op in window.items():
+        mine = into.get(key)
+        if mine is None:
+            if len(into) >= MAX_CUMULATIVE_KEYS:
+                key = ("(other ops)", None, None)
+                mine = into.setdefault(key, OpTotals())
+            else:
+                mine = into[key] = OpTotals()
+        mine.add(op)
+
+
+def ranked(
+    ops: dict[OpKey, OpTotals], *, device: bool, limit: int = MAX_OPS
+) -> tuple[list[OpStat], float]:
+    """The ``limit`` ops with the most self time (CPU plus device), and the self CPU seconds of
+    the rest."""
+    order = sorted(ops.items(), key=lambda item: (-item[1].self_ns, -item[1].calls, item[0][0]))
+    listed = [
+        OpStat(
+            name=name,
+            calls=op.calls,
+            total_cpu_s=op.total_cpu / 1e9,
+            self_cpu_s=op.self_cpu / 1e9,
+            total_device_s=op.total_device / 1e9 if device else None,
+            self_device_s=op.self_device / 1e9 if device else None,
+            shapes=shapes,
+            site=site,
+        )
+        for (name, shapes, site), op in order[:limit]
+    ]
+    other = sum(op.self_cpu for _, op in order[limit:]) / 1e9
+    return listed, other
+
+
+# --------------------------------------------------------------------------------------------
+# Reading torch's events (sampler thread)
+# --------------------------------------------------------------------------------------------
+
+
+def _shapes(value: Any) -> str | None:
+    if not value:
+        return None
+    if all(not shape for shape in value):
+        return None
+    return ", ".join("[" + ", ".join(str(d) for d in shape) + "]" for shape in value)
+
+
+def read_events(result: Any, *, record_shapes: bool) -> list[Event]:
+    """Copy a ``_ProfilerResult``'s events into :class:`Event` s."""
+    from torch.autograd import DeviceType
+
+    cpu_type = DeviceType.CPU
+    out: list[Event] = []
+    for raw in result.events():
+        if getattr(raw, "is_hidden_event", None) is not None and raw.is_hidden_event():
+            continue
+        if hasattr(raw, "start_ns"):
+            start = raw.start_ns()
+            end = raw.end_ns() if hasattr(raw, "end_ns") else start + raw.duration_ns()
+        else:  # torch 2.0
+            start = int(raw.start_us() * 1000)
+            end = start + int(raw.duration_us() * 1000)
+        python = raw.is_python_function() if hasattr(raw, "is_python_function") else False
+        out.append(
+            Event(
+                name=raw.name(),
+                start=start,
+                end=end,
+                thread=raw.start_thread_id(),
+                device=raw.device_type() != cpu_type,
+                correlation=raw.correlation_id(),
+                linked=raw.linked_correlation_id(),
+                python=python,
+                shapes=_shapes(raw.shapes()) if record_shapes and not python else None,
+            )
+        )
+    return out
+
+
+def site_reader(exclude: Iterable[str]) -> Callable[[str], str | None]:
+    """``site_of`` for :func:`aggregate`: a Python event's name (``file.py(12): fn``) when the
+    file is the job's own, i.e. not under one of the ``exclude`` directories; else ``None``."""
+    prefixes = tuple(str(Path(p)) + os.sep for p in exclude)
+    cache: dict[str, str | None] = {}
+
+    def site_of(name: str) -> str | None:
+        if name in cache:
+            return cache[name]
+        site: str | None = None
+        paren = name.find("(")
+        if paren > 0 and not name.startswith("<"):
+            path = name[:paren]
+            if not os.path.abspath(path).startswith(prefixes):
+                site = f"{os.path.basename(path)}{name[paren:]}"
+        cache[name] = site
+        return site
+
+    return site_of
+
+
+def _library_dirs() -> list[str]:
+    """Directories whose frames are never a call site: torch, torchtop, the standard library."""
+    dirs = [os.path.dirname(os.__file__)]
+    for name in ("torch", "torchtop"):
+        module = sys.modules.get(name)
+        file = getattr(module, "__file__", None)
+        if file:
+            dirs.append(os.path.dirname(file))
+    return dirs
+
+
+# --------------------------------------------------------------------------------------------
+# Starting and stopping the profiler (training thread)
+# --------------------------------------------------------------------------------------------
+
+
+def user_profiler_running() -> bool:
+    """The job (or anyone but us) has a profiler on in this thread, or torch says one is on."""
+    profiler = sys.modules.get("torch.autograd.profiler")
+    if profiler is not None and getattr(profiler, "_is_profiler_enabled", False):
+        return True
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch._C._autograd._profiler_enabled())  # type: ignore[union-attr]
+    except Exception:
+        return False
+
+
+class _Profiler:
+    """torch's profiler entry points, found once torch is loaded."""
+
+    def __init__(self, *, record_shapes: bool, with_stack: bool) -> None:
+        import torch
+        from torch._C._profiler import (
+            ProfilerActivity,
+            ProfilerConfig,
+            ProfilerState,
+            _ExperimentalConfig,
+        )
+        from torch.autograd import profiler
+
+        args = (ProfilerState.KINETO, record_shapes, False, with_stack, False, False)
+        try:
+            self.config = ProfilerConfig(*args, _ExperimentalConfig(), "")
+        except TypeError:  # before torch 2.4: no trace id
+            self.config = ProfilerConfig(*args, _ExperimentalConfig())
+        self.cpu = {ProfilerActivity.CPU}
+        self.cuda = {ProfilerActivity.CPU, ProfilerActivity.CUDA}
+        self._cuda = torch.cuda
+        self._prepare = profiler._prepare_profiler
+        self._enable = profiler._enable_profiler
+        self._disable = profiler._disable_profiler
+        self.device_failed = False
+
+    def start(self) -> bool:
+        """Start; True when device activity is recorded too."""
+        device = not self.device_failed and self._cuda.is_initialized()
+        if device:
+            try:
+                self._prepare(self.config, self.cuda)
+                self._enable(self.config, self.cuda)
+                return True
+            except Exception:
+                self.device_failed = True  # no CUPTI: CPU-side ops only from now on
+                with contextlib.suppress(Exception):
+                    self._disable()
+        self._prepare(self.config, self.cpu)
+        self._enable(self.config, self.cpu)
+        return False
+
+    def stop(self) -> Any:
+        return self._disable()
+
+
+IDLE, ARMED, OPEN = range(3)
+
+
+@dataclass(slots=True)
+class _Closed:
+    """A window the training thread closed, waiting for the sampler thread."""
+
+    result: Any
+    began: float
+    wall_s: float
+    start_cost_s: float
+    stop_cost_s: float
+    steps: int | None
+    device: bool
+    requested: bool
+
+
+class OpsSampler:
+    """Schedules the windows, opens and closes them in the training thread, and turns their
+    events into ``ops`` frames in the sampler thread."""
+
+    def __init__(
+        self,
+        *,
+        trace_dir: Path,
+        trace_prefix: str,
+        window_steps: int = 2,
+        budget: float = 0.02,
+        min_spacing_s: float = 5.0,
+        first_after_steps: int = 3,
+        time_window_s: float = 0.2,
+        time_fallback_s: float = 10.0,
+        record_shapes: bool = False,
+        with_stack: bool = False,
+    ) -> None:
+        self.trace_dir = Path(trace_dir)
+        self.trace_prefix = trace_prefix
+        self.window_steps = max(1, window_steps)
+        self.budget = budget
+        self.min_spacing_s = min_spacing_s
+        self.first_after_steps = first_after_steps
+        self.time_window_s = time_window_s
+        self.time_fallback_s = time_fallback_s
+        self.record_shapes = record_shapes
+        self.with_stack = with_stack
+        #: The step clock's key (:attr:`StepCollector.clock`), set by the sampler thread.
+        self.clock: int | str | None = None
+        self.spacing_s = min_spacing_s
+        self.windows = 0
+        # -- training-thread state (changed only there once a window is armed) ------------
+        self._state = IDLE
+        self._thread: int | None = None
+        self._steps_in = 0
+        self._opened_at = 0.0
+        self._began = 0.0
+        self._start_cost = 0.0
+        self._device = False
+        self._requested_window = False
+        self._time_based = False
+        self._closed: deque[_Closed] = deque(maxlen=4)
+        #: A pending call to close the window in the main thread is queued.
+        self._closing = False
+        self._profiler: _Profiler | None = None
+        # -- sampler-thread state ---------------------------------------------------------
+        self._request = threading.Event()
+        self._next_due = 0.0
+        self._started = time.monotonic()
+        #: Why the last window failed (cleared by the next that opens).
+        self._failure: str | None = None
+        #: The job's own profiler is on: from our guard on its start and stop, or seen running
+        #: when a window was due to open.
+        self._user_profiler = False
+        self._blocked = False
+        self._reported: str | None = None
+        self._failures = 0
+        self._stopped = False
+        self._cumulative: dict[OpKey, OpTotals] = {}
+        self._total_steps = 0
+        self._total_duration = 0.0
+        self._total_sync = 0
+        self._total_copies = 0
+        #: The step collector's latest step durations.
+        self._recent_steps: deque[float] = deque()
+        self._pending_calls: list[Any] = []  # ctypes callbacks must outlive the call
+        self._site_of: Callable[[str], str | None] | None = None
+        self._lock = threading.Lock()
+
+    # -- requests from other threads ---------------------------------------------------------
+
+    def request_window(self) -> None:
+        """A viewer asked for a window now (server I/O thread): the next tick arms one."""
+        self._request.set()
+
+    # -- training thread ---------------------------------------------------------------------
+
+    def at_boundary(self, key: int | str) -> None:
+        """A step ended (the optimizer post hook or ``torchtop.step()``). Never raises."""
+        try:
+            if key != self.clock:
+                return
+            if self._state == ARMED:
+                self._open(time_based=False)
+            elif self._state == OPEN and not self._time_based:
+                self._steps_in += 1
+                if self._steps_in >= self.window_steps:
+                    self._close()
+        except Exception as exc:  # pragma: no cover - the profiler failed in a new way
+            self._fail(exc)
+
+    def _open(self, *, time_based: bool) -> None:
+        self._state = IDLE
+        step_hooks.BOUNDARY[0] = None if time_based else self.at_boundary
+        if user_profiler_running():
+            self._blocked = True
+            step_hooks.BOUNDARY[0] = None
+            return
+        if self._profiler is None:
+            self._profiler = _Profiler(record_shapes=self.record_shapes, with_stack=self.with_stack)
+        began = time.time()
+        t0 = time.perf_counter()
+        try:
+            self._device = self._profiler.start()
+        except Exception as exc:
+            step_hooks.BOUNDARY[0] = None
+            self._fail(exc)
+            return
+        t1 = time.perf_counter()
+        self._thread = threading.get_ident()
+        self._time_based = time_based
+        self._began = began
+        self._start_cost = t1 - t0
+        self._opened_at = t1
+        self._steps_in = 0
+        self._state = OPEN
+        self._failures = 0
+        self._failure = None
+
+    def _close(self, *, keep: bool = True) -> None:
+        profiler = self._profiler
+        self._state = IDLE
+        step_hooks.BOUNDARY[0] = None
+        if profiler is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            result = profiler.stop()
+        except Exception as exc:
+            self._fail(exc)
+            return
+        t1 = time.perf_counter()
+        if keep:
+            self._closed.append(
+                _Closed(
+                    result=result,
+                    began=self._began,
+                    wall_s=t0 - self._opened_at,
+                    start_cost_s=self._start_cost,
+                    stop_cost_s=t1 - t0,
+                    steps=None if self._time_based else self._steps_in,
+                    device=self._device,
+                    requested=self._requested_window,
+                )
+            )
+        self._requested_window = False
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failures += 1
+        self._failure = f"the profiler failed: {exc!r}"
+
+    def user_profiler_starting(self) -> None:
+        """The job is starting its own profiler (our guard on ``profile._prepare_trace``).
+
+        Ours stops first, so that the job's own profile is complete and unchanged; the window
+        is thrown away."""
+        self._user_profiler = True
+        if self._state == OPEN:
+            self._close(keep=False)
+        elif self._state == ARMED:
+            self._state = IDLE
+            step_hooks.BOUNDARY[0] = None
+
+    def user_profiler_stopped(self) -> None:
+        self._user_profiler = False
+
+    def close_now(self) -> None:
+        """Close an open window if this thread opened it (at the agent's stop, at exit)."""
+        if self._state == OPEN and self._thread == threading.get_ident():
+            with contextlib.suppress(Exception):
+                self._close()
+        elif self._state == ARMED:
+            self._state = IDLE
+            step_hooks.BOUNDARY[0] = None
+
+    # -- the main thread, for time-based windows ----------------------------------------------
+
+    def _in_main_thread(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` in the main thread between two of its bytecodes."""
+
+        def call(_arg: Any) -> int:
+            with contextlib.suppress(Exception):
+                fn()
+            with contextlib.suppress(ValueError):
+                self._pending_calls.remove(callback)
+            return 0
+
+        callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(call)
+        self._pending_calls.append(callback)
+        if ctypes.pythonapi.Py_AddPendingCall(callback, None) != 0:
+            self._pending_calls.remove(callback)
+            return False
+        return True
+
+    def _open_time_window(self) -> None:
+        if self._state == ARMED:
+            self._open(time_based=True)
+
+    def _close_in_main_thread(self) -> None:
+        self._closing = False
+        if self._state == OPEN and self._thread == threading.get_ident():
+            self._close()
+
+    def _overdue_s(self) -> float:
+        """How long a step window may stay open: ten times its steps' usual time, 2 s at least."""
+        typical = statistics.median(self._recent_steps) if self._recent_steps else 0.0
+        return max(2.0, 10 * self.window_steps * typical)
+
+    # -- sampler thread ----------------------------------------------------------------------
+
+    def tick(self, now: float, steps: Any) -> list[Message]:
+        """Schedule windows and turn closed ones into frames. ``steps`` is the
+        :class:`~torchtop.agent.steps.StepCollector`."""
+        with self._lock:
+            if self._stopped:
+                return []
+            return self._tick(now, steps)
+
+    def _tick(self, now: float, steps: Any) -> list[Message]:
+        messages: list[Message] = []
+        self.clock = steps.clock
+        self._recent_steps = steps.recent
+        while self._closed:
+            frame = self._frame(self._closed.popleft())
+            if frame is not None:
+                messages.append(frame)
+        if self._blocked and not user_profiler_running():
+            self._blocked = False  # the job's profiler has ended
+        status = self._status(now)
+        if status is not None:
+            messages.append(status)
+        if self._failures >= 3:
+            return messages
+        monotonic = time.monotonic()
+        if self._state == OPEN:
+            # A time-based window is done; a step window that ran far past its steps (the
+            # job left its training loop) must not go on recording everything.
+            limit = self.time_window_s if self._time_based else self._overdue_s()
+            if time.perf_counter() - self._opened_at >= limit and not self._closing:
+                self._closing = self._in_main_thread(self._close_in_main_thread)
+            return messages
+        if self._state != IDLE or self._user_profiler or self._blocked:
+            return messages
+        requested = self._request.is_set()
+        due = monotonic >= self._next_due
+        if not requested and not due:
+            return messages
+        if self.clock is not None:
+            if requested or steps.total >= self.first_after_steps:
+                self._arm(requested, monotonic)
+                step_hooks.BOUNDARY[0] = self.at_boundary
+        elif requested or monotonic - self._started >= self.time_fallback_s:
+            self._arm(requested, monotonic)
+            if not self._in_main_thread(self._open_time_window):
+                self._state = IDLE
+        return messages
+
+    def _arm(self, requested: bool, monotonic: float) -> None:
+        self._request.clear()
+        self._requested_window = requested
+        # Until the window's frame sets the adapted spacing (and after a failure).
+        self._next_due = monotonic + max(self.min_spacing_s, self.spacing_s)
+        self._state = ARMED
+
+    def _status(self, now: float) -> ProbeStatus | None:
+        reason = OWN_PROFILER if self._user_profiler or self._blocked else self._failure
+        if self._failures >= 3 and reason is not None:
+            reason = f"{reason}; op sampling stopped after {self._failures} failures"
+        if reason == self._reported:
+            return None
+        self._reported = reason
+        if reason is None:
+            return ProbeStatus(t=now, probe=PROBE, available=True, detail="op timings resumed")
+        return ProbeStatus(
+            t=now, probe=PROBE, available=False, detail=f"op timings unavailable: {reason}"
+        )
+
+    def _frame(self, closed: _Closed) -> OpsWindow | None:
+        t0 = time.perf_counter()
+        events = read_events(closed.result, record_shapes=self.record_shapes)
+        if self.with_stack and self._site_of is None:
+            self._site_of = site_reader(_library_dirs())
+        window = aggregate(events, site_of=self._site_of)
+        self.windows += 1
+        path = self._save_trace(closed)
+        merge(self._cumulative, window.ops)
+        steps = closed.steps
+        self._total_steps += steps or 0
+        self._total_duration += closed.wall_s
+        self._total_sync += window.sync_points
+        self._total_copies += window.copies
+        device = closed.device and window.device
+        ops, other = ranked(window.ops, device=device)
+        cumulative, cumulative_other = ranked(self._cumulative, device=device)
+        # What the window cost the job: starting and stopping, the profiled steps' slowdown
+        # against the recent median step, and our own reading (it holds the GIL).
+        slowdown = closed.wall_s
+        if steps and self._recent_steps:
+            slowdown = max(0.0, closed.wall_s - steps * statistics.median(self._recent_steps))
+        cost = closed.start_cost_s + closed.stop_cost_s + slowdown + (time.perf_counter() - t0)
+        self.spacing_s = max(self.min_spacing_s, cost / self.budget)
+        self._next_due = time.monotonic() + self.spacing_s
+        return OpsWindow(
+            t=time.time(),
+            window=self.windows,
+            began=closed.began,
+            duration_s=closed.wall_s,
+            steps=steps,
+            cost_s=cost,
+            spacing_s=self.spacing_s,
+            device=device,
+            sync_points=window.sync_points,
+            copies=window.copies,
+            ops=ops,
+            total_steps=self._total_steps,
+            total_duration_s=self._total_duration,
+            total_sync_points=self._total_sync,
+            total_copies=self._total_copies,
+            cumulative=cumulative,
+            other_self_cpu_s=other,
+            cumulative_other_self_cpu_s=cumulative_other,
+            trace_path=path,
+            requested=closed.requested,
+            record_shapes=self.record_shapes,
+            with_stack=self.with_stack,
+        )
+
+    def _save_trace(self, closed: _Closed) -> str | None:
+        """Write the window's Chrome trace: ``<prefix>ops-last.json`` (replaced each window),
+        or ``<prefix>ops-<N>.json`` (kept) for a window a viewer asked for."""
+        name = f"ops-{self.windows}.json" if closed.requested else "ops-last.json"
+        target = self.trace_dir / f"{self.trace_prefix}{name}"
+        partial = target.with_name(target.name + ".partial")
+        try:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            closed.result.save(str(partial))
+            os.replace(partial, target)
+        except Exception:
+            with contextlib.suppress(OSError):
+                partial.unlink()
+            return None
+        return str(target)
+
+    def stop(self, now: float) -> list[Message]:
+        """Close a window this thread has open, and the frames of those not yet sent."""
+        self.close_now()
+        step_hooks.BOUNDARY[0] = None
+        with self._lock:
+            messages: list[Message] = []
+            while self._closed:
+                with contextlib.suppress(Exception):
+                    frame = self._frame(self._closed.popleft())
+                    if frame is not None:
+                        messages.append(frame)
+            self._stopped = True
+            return messages
