@@ -9,6 +9,12 @@ step. The result is the ratio of the median step times (on / off), for a small M
 model made of many tiny ops (where the per-step work is smallest and any cost of the agent shows
 most).
 
+The "on" arm samples op timings at the default settings: a torch.profiler window of two steps,
+spaced so that the windows cost at most 2 % of the time. A median hides a rare slow step, so the
+ratio of the mean step times is given too (it carries the windows' amortized cost), and so is
+what one window cost on its own: starting and stopping the profiler in the training thread,
+and the whole (those, the profiled steps' slowdown, and reading the window).
+
     python -m benchmarks.agent_overhead            # about 3 minutes
     python -m benchmarks.agent_overhead --quick    # a smoke run
     python -m benchmarks.agent_overhead --hooks-only  # the sampler on in both arms: the
@@ -138,6 +144,7 @@ def measure(
         viewer.wait()
         torchtop.stop()
     ratio = statistics.median(on) / statistics.median(off)
+    costs = list(agent.ops.costs) if agent.ops is not None else []
     result = {
         "model": name,
         "median_step_off_ms": statistics.median(off) * 1e3,
@@ -146,15 +153,27 @@ def measure(
         "steps_on": len(on),
         "ratio": ratio,
         "median_pair_ratio": statistics.median(pair_ratios),
+        "mean_ratio": statistics.fmean(on) / statistics.fmean(off),
+        "op_windows": len(costs),
+        "window_start_ms": _median_ms([c[0] for c in costs]),
+        "window_stop_ms": _median_ms([c[1] for c in costs]),
+        "window_cost_ms": _median_ms([c[2] for c in costs]),
     }
     print(
         f"{name:10s} off {result['median_step_off_ms']:8.3f} ms"
         f"  on {result['median_step_on_ms']:8.3f} ms"
         f"  ratio {ratio:.4f}  (median of {rounds} paired blocks {result['median_pair_ratio']:.4f};"
-        f" {len(off)} / {len(on)} steps)",
+        f" {len(off)} / {len(on)} steps)\n"
+        f"{'':10s} mean ratio {result['mean_ratio']:.4f}; {len(costs)} op windows, one costs"
+        f" {result['window_cost_ms']:.2f} ms (profiler start {result['window_start_ms']:.2f} ms,"
+        f" stop {result['window_stop_ms']:.2f} ms)",
         flush=True,
     )
     return result
+
+
+def _median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3 if values else float("nan")
 
 
 def main() -> None:

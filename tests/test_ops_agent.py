@@ -358,3 +358,32 @@ def test_time_based_windows_without_steps(tmp_path: Path) -> None:
     assert frames, "no time-based window was taken"
     assert frames[0].steps is None and frames[0].duration_s >= 0.05
     assert "aten::mm" in [op.name for op in frames[0].ops]
+
+
+def test_a_child_forked_during_a_window_inherits_no_profiler(tmp_path: Path) -> None:
+    """A DataLoader worker forked mid-window: the window closes before the fork."""
+    import os
+
+    sampler = OpsSampler(trace_dir=tmp_path, trace_prefix="", min_spacing_s=0.0)
+    monitor = TrainingMonitor(ops=sampler)
+    monitor.start()
+    try:
+        model, opt = _model()
+        steps = FakeSteps(clock=id(opt))
+        sampler.tick(time.time(), steps)
+        _train_steps(model, opt, 1)  # the real optimizer hook opens the window
+        assert sampler._state == OPEN
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(w, b"1" if torch._C._autograd._profiler_enabled() else b"0")
+            os._exit(0)
+        os.close(w)
+        assert os.read(r, 1) == b"0"
+        os.waitpid(pid, 0)
+        assert sampler._state == IDLE and not torch._C._autograd._profiler_enabled()
+        frames = [m for m in sampler.tick(time.time(), steps) if isinstance(m, OpsWindow)]
+        assert len(frames) == 1 and frames[0].steps == 0
+    finally:
+        monitor.stop(0.0)
+    assert step_hooks.BOUNDARY[0] is None

@@ -453,6 +453,8 @@ class OpsSampler:
         self.clock: int | str | None = None
         self.spacing_s = min_spacing_s
         self.windows = 0
+        #: (start, stop, total) cost of the latest windows, in seconds (benchmarks read it).
+        self.costs: deque[tuple[float, float, float]] = deque(maxlen=256)
         # -- training-thread state (changed only there once a window is armed) ------------
         self._state = IDLE
         self._thread: int | None = None
@@ -722,6 +724,7 @@ class OpsSampler:
         if steps and self._recent_steps:
             slowdown = max(0.0, closed.wall_s - steps * statistics.median(self._recent_steps))
         cost = closed.start_cost_s + closed.stop_cost_s + slowdown + (time.perf_counter() - t0)
+        self.costs.append((closed.start_cost_s, closed.stop_cost_s, cost))
         self.spacing_s = max(self.min_spacing_s, cost / self.budget)
         self._next_due = time.monotonic() + self.spacing_s
         return OpsWindow(
