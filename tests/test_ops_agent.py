@@ -310,7 +310,8 @@ def test_three_failures_stop_sampling_and_say_why(
         _boundary()
         assert sampler._state == IDLE
     details += [m.detail for m in sampler.tick(time.time(), steps)]
-    assert details[0] == "op timings unavailable: the profiler failed: RuntimeError('no profiler here')"
+    reason = "the profiler failed: RuntimeError('no profiler here')"
+    assert details[0] == f"op timings unavailable: {reason}"
     assert details[-1].endswith("op sampling stopped after 3 failures")
     assert sampler._state == IDLE and step_hooks.BOUNDARY[0] is None
 
@@ -350,9 +351,7 @@ def test_time_based_windows_without_steps(tmp_path: Path) -> None:
     x = torch.randn(32, 32)
     deadline = time.monotonic() + 20
     while not frames and time.monotonic() < deadline:
-        frames += [
-            m for m in _tick_from_another_thread(sampler, steps) if isinstance(m, OpsWindow)
-        ]
+        frames += [m for m in _tick_from_another_thread(sampler, steps) if isinstance(m, OpsWindow)]
         for _ in range(50):
             x = torch.tanh(x @ x)
     assert frames, "no time-based window was taken"
