@@ -114,6 +114,7 @@ def measure(
     rounds: int,
     seconds: float,
     hooks_only: bool = False,
+    ops: bool = True,
 ) -> dict[str, float]:
     torch.manual_seed(0)
     step = make_step(*build())
@@ -121,7 +122,7 @@ def measure(
     # One agent and one viewer for the whole run; the "off" blocks pause the sampler and remove
     # the hooks, so the arms differ only by the agent's work (hooks, sampling, encoding,
     # serving), not by process start-up.
-    agent = core.start()
+    agent = core.start(ops=ops)
     viewer = attach_viewer(agent.info.address)
     time.sleep(1.0)  # the viewer connects and takes the history replay
     off: list[float] = []
@@ -187,14 +188,20 @@ def main() -> None:
         action="store_true",
         help="keep the sampler running in both arms: measure the step and DataLoader hooks",
     )
+    parser.add_argument("--no-ops", action="store_true", help="no op-timing windows in the on arm")
+    parser.add_argument("--model", choices=("mlp", "tiny-ops"), help="measure this model only")
+    parser.add_argument("--rounds", type=int, help="paired blocks per model (default 40)")
     args = parser.parse_args()
     torch.set_num_threads(
         1
     )  # the sampler thread gets the other core, as on a busy machine it won't
     rounds, seconds = (3, 0.5) if args.quick else (40, 1.0)
+    if args.rounds:
+        rounds = args.rounds
     results = [
-        measure(name, build, rounds, seconds, args.hooks_only)
+        measure(name, build, rounds, seconds, args.hooks_only, not args.no_ops)
         for name, build in (("mlp", mlp), ("tiny-ops", tiny_ops))
+        if args.model in (None, name)
     ]
     if args.json:
         print(json.dumps(results, indent=2))

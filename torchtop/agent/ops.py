@@ -277,33 +277,48 @@ def _shapes(value: Any) -> str | None:
     return ", ".join("[" + ", ".join(str(d) for d in shape) + "]" for shape in value)
 
 
-def read_events(result: Any, *, record_shapes: bool) -> list[Event]:
-    """Copy a ``_ProfilerResult``'s events into :class:`Event` s."""
+def read_events(
+    result: Any, *, record_shapes: bool, links: bool = True, python: bool = False
+) -> list[Event]:
+    """Copy a ``_ProfilerResult``'s events into :class:`Event` s.
+
+    Each method call on torch's event costs a fraction of a microsecond and a window may hold
+    thousands of events, so only what is needed is read: correlations (``links``) only when
+    device activity was recorded, Python frames (``python``) only with ``--profile-stack``.
+    """
     from torch.autograd import DeviceType
 
+    raw_events = result.events()
+    if not raw_events:
+        return []
+    first = raw_events[0]
+    has_ns = hasattr(first, "start_ns")  # torch 2.0: microseconds only
+    has_hidden = hasattr(first, "is_hidden_event")
+    python = python and hasattr(first, "is_python_function")
     cpu_type = DeviceType.CPU
     out: list[Event] = []
-    for raw in result.events():
-        if getattr(raw, "is_hidden_event", None) is not None and raw.is_hidden_event():
+    append = out.append
+    for raw in raw_events:
+        if has_hidden and raw.is_hidden_event():
             continue
-        if hasattr(raw, "start_ns"):
+        if has_ns:
             start = raw.start_ns()
-            end = raw.end_ns() if hasattr(raw, "end_ns") else start + raw.duration_ns()
-        else:  # torch 2.0
+            end = raw.end_ns()
+        else:
             start = int(raw.start_us() * 1000)
             end = start + int(raw.duration_us() * 1000)
-        python = raw.is_python_function() if hasattr(raw, "is_python_function") else False
-        out.append(
+        is_python = python and raw.is_python_function()
+        append(
             Event(
                 name=raw.name(),
                 start=start,
                 end=end,
                 thread=raw.start_thread_id(),
                 device=raw.device_type() != cpu_type,
-                correlation=raw.correlation_id(),
-                linked=raw.linked_correlation_id(),
-                python=python,
-                shapes=_shapes(raw.shapes()) if record_shapes and not python else None,
+                correlation=raw.correlation_id() if links else 0,
+                linked=raw.linked_correlation_id() if links else 0,
+                python=is_python,
+                shapes=_shapes(raw.shapes()) if record_shapes and not is_python else None,
             )
         )
     return out
@@ -435,7 +450,7 @@ class OpsSampler:
         min_spacing_s: float = 5.0,
         first_after_steps: int = 3,
         time_window_s: float = 0.2,
-        time_fallback_s: float = 10.0,
+        time_fallback_s: float = 5.0,
         record_shapes: bool = False,
         with_stack: bool = False,
     ) -> None:
@@ -703,7 +718,12 @@ class OpsSampler:
 
     def _frame(self, closed: _Closed) -> OpsWindow | None:
         t0 = time.perf_counter()
-        events = read_events(closed.result, record_shapes=self.record_shapes)
+        events = read_events(
+            closed.result,
+            record_shapes=self.record_shapes,
+            links=closed.device,
+            python=self.with_stack,
+        )
         if self.with_stack and self._site_of is None:
             self._site_of = site_reader(_library_dirs())
         window = aggregate(events, site_of=self._site_of)
