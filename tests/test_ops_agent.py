@@ -386,3 +386,50 @@ def test_a_child_forked_during_a_window_inherits_no_profiler(tmp_path: Path) -> 
     finally:
         monitor.stop(0.0)
     assert step_hooks.BOUNDARY[0] is None
+
+
+# -- never inside torch's callbacks ---------------------------------------------------------------
+
+
+def test_callbacks_from_torchs_cpp_code_are_recognised() -> None:
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchtop.agent.ops import inside_torch_callback
+
+    assert not inside_torch_callback(sys._getframe())
+    seen: list[bool] = []
+    x = torch.ones(3, requires_grad=True)
+    x.register_hook(lambda g: seen.append(inside_torch_callback(sys._getframe())) or g)
+    (x * 2).sum().backward()
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(inside_torch_callback(sys._getframe()))
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        torch.ones(2) + 1
+    assert seen and all(seen)
+
+
+def test_an_optimizer_stepping_inside_backward_opens_no_window(sampler: OpsSampler) -> None:
+    """The "optimizer step in backward" pattern: the step hook runs inside the autograd engine,
+    where a profiler started would be undone when backward returns."""
+    model, opt = _model()
+    steps = FakeSteps(clock=id(opt))
+    previous = step_hooks.BOUNDARY[0]
+    sampler.tick(time.time(), steps)
+    assert sampler._state == ARMED
+    weight = next(model.parameters())
+    handle = weight.register_post_accumulate_grad_hook(lambda p: sampler.at_boundary(id(opt)))
+    try:
+        for _ in range(3):
+            model(torch.randn(2, 16)).sum().backward()
+        assert sampler._state == ARMED  # still waiting for a safe boundary
+        sampler.at_boundary(id(opt))  # from the loop itself: safe
+        assert sampler._state == OPEN
+    finally:
+        handle.remove()
+        step_hooks.BOUNDARY[0] = previous

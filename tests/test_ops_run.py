@@ -54,12 +54,16 @@ def test_item_every_step_is_one_sync_point_per_step(tmp_path: Path) -> None:
 
 
 def test_the_jobs_own_profiler_is_complete_and_torchtop_steps_aside(tmp_path: Path) -> None:
-    # A window of 1000 steps is open when the script starts its own profiler at step 20.
+    # A window of 1000 steps opens within the first steps (a tick comes every 0.1 s, a step
+    # every 0.02 s), so it is open when the script starts its own profiler at step 40.
     out, report = _run(
         tmp_path,
         "--ops-window",
         "1000",
-        script_args=("--steps", "80", "--own-profiler-at", "20", "--own-profiler-steps", "6"),
+        script_args=(
+            *("--steps", "80", "--sleep", "0.02"),
+            *("--own-profiler-at", "40", "--own-profiler-steps", "6"),
+        ),
     )
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("OWN_PROFILE ")]
     own = json.loads(line.removeprefix("OWN_PROFILE "))
@@ -86,3 +90,17 @@ def test_bad_op_options_are_one_line_errors(tmp_path: Path) -> None:
         out = torchtop("run", "--headless", *args, SCRIPT)
         assert out.returncode == 2
         assert words in out.stderr and "Traceback" not in out.stderr
+
+
+def test_time_based_windows_under_the_memory_limit_emulation(tmp_path: Path) -> None:
+    """No optimizer: windows open between bytecodes of the main thread, never inside the
+    emulation's dispatch mode or the autograd engine (where starting the profiler crashed)."""
+    _, report = _run(
+        tmp_path,
+        "--memory-limit",
+        "1GiB",
+        script_args=("--no-optimizer", "--backward", "--seconds", "7"),
+    )
+    assert report["profile_windows"] >= 1
+    assert report["profiled_steps"] == 0 and report["sync_points_per_step"] is None
+    assert MATMULS & {op["name"] for op in report["ops"][:10]}

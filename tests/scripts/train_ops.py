@@ -4,7 +4,8 @@
 ``--own-profiler-at K --own-profiler-steps P`` profiles steps K..K+P-1 with the script's own
 ``torch.profiler.profile()`` and prints what it recorded as ``OWN_PROFILE {json}``: a complete
 profile has exactly P optimizer steps and 2·P ``aten::addmm`` (two Linear layers).
-``--no-optimizer`` runs forward passes only, with no step hook to align windows to.
+``--no-optimizer`` runs forward passes only (``--backward``: and backward), with no step hook
+to align windows to.
 """
 
 import argparse
@@ -21,6 +22,7 @@ parser.add_argument("--item", action="store_true")
 parser.add_argument("--own-profiler-at", type=int, default=-1)
 parser.add_argument("--own-profiler-steps", type=int, default=5)
 parser.add_argument("--no-optimizer", action="store_true")
+parser.add_argument("--backward", action="store_true", help="with --no-optimizer: backward too")
 parser.add_argument("--sleep", type=float, default=0.0)
 args = parser.parse_args()
 
@@ -44,8 +46,12 @@ start = time.monotonic()
 step = 0
 while step < args.steps or time.monotonic() - start < args.seconds:
     if args.no_optimizer:
-        with torch.no_grad():
-            model(x).sum()
+        if args.backward:
+            model.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+        else:
+            with torch.no_grad():
+                model(x).sum()
     else:
         if step == args.own_profiler_at:
             own = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])

@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from torchtop.agent import steps as step_hooks
@@ -361,6 +362,39 @@ def _library_dirs() -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
+#: Functions torch calls back from C++ with its own thread-local state around the call.
+CALLBACK_NAMES = frozenset({"__torch_dispatch__", "__torch_function__"})
+#: Parts of torch whose Python code runs under C++ that saved the thread's state (the autograd
+#: engine, custom autograd Functions, dispatch modes, custom ops, the compiler).
+CALLBACK_PARTS = ("autograd", "utils/_python_dispatch.py", "_ops.py", "overrides.py", "_dynamo")
+_callback_prefixes: tuple[str, ...] | None = None
+
+
+def inside_torch_callback(frame: FrameType | None) -> bool:
+    """Is this Python stack running inside C++ code of torch that called back into Python?
+
+    There, torch restores the thread's state when the call returns: a profiler started (or
+    stopped) inside would be undone behind its back, and the job could crash. So windows only
+    open and close where the stack holds none of that: in the job's own loop, or in an
+    optimizer step the job called from it (not one called from a backward hook).
+    """
+    global _callback_prefixes
+    prefixes = _callback_prefixes
+    if prefixes is None:
+        root = os.path.dirname(getattr(sys.modules.get("torch"), "__file__", None) or "")
+        prefixes = tuple(os.path.join(root, *p.split("/")) for p in CALLBACK_PARTS)
+        if root:
+            _callback_prefixes = prefixes
+        else:  # not loaded yet: no torch code on any stack
+            prefixes = ()
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in CALLBACK_NAMES or code.co_filename.startswith(prefixes):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def user_profiler_running() -> bool:
     """The job (or anyone but us) has a profiler on in this thread, or torch says one is on."""
     profiler = sys.modules.get("torch.autograd.profiler")
@@ -481,8 +515,11 @@ class OpsSampler:
         self._requested_window = False
         self._time_based = False
         self._closed: deque[_Closed] = deque(maxlen=4)
-        #: A pending call to close the window in the main thread is queued.
+        #: A pending call to open (close) the window in the main thread is queued.
+        self._opening = False
         self._closing = False
+        #: Armed for a time-based window (no step clock).
+        self._time_armed = False
         self._profiler: _Profiler | None = None
         # -- sampler-thread state ---------------------------------------------------------
         self._request = threading.Event()
@@ -522,16 +559,20 @@ class OpsSampler:
             if key != self.clock:
                 return
             if self._state == ARMED:
-                self._open(time_based=False)
+                if not inside_torch_callback(sys._getframe(1)):
+                    self._open(time_based=False)
             elif self._state == OPEN and not self._time_based:
                 self._steps_in += 1
-                if self._steps_in >= self.window_steps:
+                if self._steps_in >= self.window_steps and not inside_torch_callback(
+                    sys._getframe(1)
+                ):
                     self._close()
         except Exception as exc:  # pragma: no cover - the profiler failed in a new way
             self._fail(exc)
 
     def _open(self, *, time_based: bool) -> None:
         self._state = IDLE
+        self._time_armed = False
         step_hooks.BOUNDARY[0] = None if time_based else self.at_boundary
         if user_profiler_running():
             self._blocked = True
@@ -616,12 +657,14 @@ class OpsSampler:
 
     # -- the main thread, for time-based windows ----------------------------------------------
 
-    def _in_main_thread(self, fn: Callable[[], None]) -> bool:
-        """Run ``fn`` in the main thread between two of its bytecodes."""
+    def _in_main_thread(self, fn: Callable[[FrameType | None], None]) -> bool:
+        """Run ``fn(frame)`` in the main thread between two of its bytecodes (``frame`` is the
+        one it was running then). False if it could not be queued."""
 
         def call(_arg: Any) -> int:
             with contextlib.suppress(Exception):
-                fn()
+                # The frame the main thread was running when the call came in.
+                fn(sys._getframe(1))
             with contextlib.suppress(ValueError):
                 self._pending_calls.remove(callback)
             return 0
@@ -633,13 +676,17 @@ class OpsSampler:
             return False
         return True
 
-    def _open_time_window(self) -> None:
-        if self._state == ARMED:
+    def _open_time_window(self, frame: FrameType | None) -> None:
+        self._opening = False
+        if self._state == ARMED and self._time_armed and not inside_torch_callback(frame):
             self._open(time_based=True)
+        # Else the main thread was inside a callback from torch: the next tick asks again.
 
-    def _close_in_main_thread(self) -> None:
+    def _close_in_main_thread(self, frame: FrameType | None) -> None:
         self._closing = False
-        if self._state == OPEN and self._thread == threading.get_ident():
+        if self._state != OPEN or self._thread != threading.get_ident():
+            return
+        if not inside_torch_callback(frame):
             self._close()
 
     def _overdue_s(self) -> float:
@@ -680,6 +727,8 @@ class OpsSampler:
             if time.perf_counter() - self._opened_at >= limit and not self._closing:
                 self._closing = self._in_main_thread(self._close_in_main_thread)
             return messages
+        if self._state == ARMED and self._time_armed and not self._opening:
+            self._opening = self._in_main_thread(self._open_time_window)
         if self._state != IDLE or self._user_profiler or self._blocked:
             return messages
         requested = self._request.is_set()
@@ -692,8 +741,8 @@ class OpsSampler:
                 step_hooks.BOUNDARY[0] = self.at_boundary
         elif requested or monotonic - self._started >= self.time_fallback_s:
             self._arm(requested, monotonic)
-            if not self._in_main_thread(self._open_time_window):
-                self._state = IDLE
+            self._time_armed = True
+            self._opening = self._in_main_thread(self._open_time_window)
         return messages
 
     def _arm(self, requested: bool, monotonic: float) -> None:
