@@ -19,7 +19,13 @@ from textual.screen import ModalScreen
 from textual.timer import Timer
 from textual.widgets import Footer, Static
 
-from torchtop.protocol import REQUEST_RESUME, REQUEST_SNAPSHOT, Message
+from torchtop.protocol import (
+    REQUEST_PROFILE,
+    REQUEST_RESUME,
+    REQUEST_SNAPSHOT,
+    Message,
+    OpsWindow,
+)
 from torchtop.tui.captures import CaptureEntry
 from torchtop.tui.oom_screen import OomScreen
 from torchtop.tui.source import Source, SourceDisconnected
@@ -30,6 +36,8 @@ from torchtop.tui.widgets.host import HostPanel
 from torchtop.tui.widgets.loaders import LoaderPanel
 from torchtop.tui.widgets.log import LogPanel
 from torchtop.tui.widgets.memory import MemoryPanel
+from torchtop.tui.widgets.ops import OpsPanel
+from torchtop.tui.widgets.phase_info import PhaseInfo
 from torchtop.tui.widgets.steps import StepPanel
 
 #: How often the app drains the queue and redraws: fast enough for the eye, no faster.
@@ -52,6 +60,11 @@ HELP_KEYS = (
     ("+ -", "recordings: faster, slower"),
     ("o", "the OOM screen: the last out-of-memory failure or snapshot (opens by itself)"),
     ("m", "take a memory snapshot now: the same summary, and a file for memory_viz"),
+    ("t", "the ops panel alone, full height (op timings); t again to go back"),
+    ("p", "take an op-timing window now (its trace is kept for Perfetto)"),
+    ("k 1 2 3", "ops: sort by self time, calls, average (k cycles)"),
+    ("/", "ops: filter by name (enter keeps it, esc clears it)"),
+    ("w", "ops: the last window, or all windows so far"),
 )
 HELP_PANELS = (
     ("Header", "command, pid, uptime; ● live, ■ ended · exit N or ✕ connection lost"),
@@ -61,6 +74,11 @@ HELP_PANELS = (
         "the caching allocator's hold; fragmentation: reserved minus allocated; retries, OOMs: "
         "allocator failures. CPU: heap (or RSS) and RSS. The chart: the last 2 minutes "
         "(all once the job ends), phases and ◆ marks beneath.",
+    ),
+    (
+        "Phase",
+        "beside the chart, only when the job's phases carry descriptions (the demos): the "
+        "running phase, what it does and why; ■ ended once it is over",
     ),
     ("GPU", "from NVML: utilisation, memory, temperature, power, SM clock"),
     (
@@ -75,6 +93,14 @@ HELP_PANELS = (
         "Loaders",
         "each DataLoader: batch size, workers and start method, pin, prefetch, persistent; "
         "its workers alive (● running, ○ exited), their CPU and RSS; the last first-batch latency",
+    ),
+    (
+        "Ops",
+        "op timings from short torch.profiler windows the agent takes now and then: per op "
+        "its calls, total time (with the ops it called), self time (without), average per "
+        "call, % of the window, and device self time when kernels ran. Above: the window's "
+        "length, steps and cost, the next one, host-device sync points and copies per step, "
+        "and its Chrome trace (open it in ui.perfetto.dev).",
     ),
     ("Host", "the job's CPU, RSS, threads, children (DataLoader workers); system RAM"),
     ("Log", "the job's output; stderr in yellow"),
@@ -156,6 +182,8 @@ class TorchtopApp(App[int]):
         Binding("minus", "slower", "Slower", key_display="-", priority=True),
         Binding("o", "show_oom", "OOM"),
         Binding("m", "snapshot", "Snapshot"),
+        Binding("t", "toggle_ops", "Ops"),
+        Binding("p", "profile", "Profile"),
     ]
 
     def __init__(self, source: Source, *, title: str | None = None) -> None:
@@ -174,13 +202,19 @@ class TorchtopApp(App[int]):
         #: ``state.captures.opened`` when last shown, and whether we asked for a snapshot.
         self._shown_captures = 0
         self._snapshot_asked = False
+        #: ``state.ops`` when last shown, and whether we asked for an op window.
+        self._shown_ops: OpsWindow | None = None
+        self._profile_asked = False
 
     # -- layout --------------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
         yield JobHeader(id="header")
         with Vertical(id="body"):
-            yield MemoryPanel(id="memory")
+            # The phase panel beside the chart shows only for phases with descriptions (demos).
+            with Horizontal(id="memory-row"):
+                yield MemoryPanel(id="memory")
+                yield PhaseInfo(id="phase-info")
             with Horizontal(id="training"):  # steps and DataLoaders, once the job has any
                 yield StepPanel(id="steps")
                 yield LoaderPanel(id="loaders")
@@ -188,6 +222,7 @@ class TorchtopApp(App[int]):
                 yield DevicePanel(id="device")
                 yield HostPanel(id="host")
             yield LogPanel(id="log")
+            yield OpsPanel(id="ops")  # `t`: in place of the rest
         yield Footer()
 
     def on_mount(self) -> None:
@@ -229,6 +264,7 @@ class TorchtopApp(App[int]):
         playback = self.playback
         self.query_one(JobHeader).show_state(state, playback)
         self.query_one(MemoryPanel).show_state(state)
+        self._show_phase_info(state)
         self._show_training(state)
         self.query_one(DevicePanel).show_state(state)
         self.query_one(HostPanel).show_state(state)
@@ -239,6 +275,7 @@ class TorchtopApp(App[int]):
             self._shown_connection = state.connection
             self._announce_connection()
         self._show_captures(state)
+        self._show_ops(state)
 
     def _show_training(self, state: MonitorState) -> None:
         """The step and loader row appears once the job has taken a step or iterated a loader."""
@@ -248,6 +285,11 @@ class TorchtopApp(App[int]):
         self.query_one("#body").add_class("has-training")
         self.query_one(StepPanel).show_state(state)
         self.query_one(LoaderPanel).show_state(state)
+
+    def _show_phase_info(self, state: MonitorState) -> None:
+        """The phase panel appears beside the memory chart once a phase has a description."""
+        shown = self.query_one(PhaseInfo).show_state(state)
+        self.query_one("#memory-row").set_class(shown, "has-phase-info")
 
     def _announce_connection(self) -> None:
         state = self.state
@@ -318,6 +360,7 @@ class TorchtopApp(App[int]):
             self.push_screen(HelpScreen())
 
     def action_toggle_log(self) -> None:
+        self._set_ops_shown(False)
         self.query_one("#body").toggle_class("log-only")
 
     def action_toggle_pause(self) -> None:
@@ -399,5 +442,51 @@ class TorchtopApp(App[int]):
         else:
             self.notify(
                 "Snapshots need a running agent (not a recording, and still connected).",
+                severity="warning",
+            )
+
+    # -- op timings (torchtop.tui.widgets.ops) ---------------------------------------------------
+
+    def _show_ops(self, state: MonitorState) -> None:
+        """Keep the ops panel up to date; open it when the window this viewer asked for comes."""
+        panel = self.query_one(OpsPanel)
+        panel.show_state(state)
+        window = state.ops
+        if window is not self._shown_ops:
+            self._shown_ops = window
+            if window is not None and window.requested and self._profile_asked:
+                self._profile_asked = False
+                self._set_ops_shown(True)
+        if self.query_one("#body").has_class("ops-only") and self.focused is None:
+            panel.focus_table()  # the table appears with the first window: its keys apply
+
+    def _set_ops_shown(self, shown: bool) -> None:
+        body = self.query_one("#body")
+        body.set_class(shown, "ops-only")
+        panel = self.query_one(OpsPanel)
+        if shown:
+            body.remove_class("log-only")
+            panel.show_state(self.state)
+            panel.focus_table()
+        elif panel.has_focus_within:
+            self.set_focus(None)
+
+    def action_toggle_ops(self) -> None:
+        """The ops panel alone, full height; ``t`` again to go back."""
+        self._set_ops_shown(not self.query_one("#body").has_class("ops-only"))
+
+    def action_profile(self) -> None:
+        """Ask the agent for an op-timing window now; the ops panel opens when it arrives."""
+        if self.source.send_request(REQUEST_PROFILE):
+            self._profile_asked = True
+            unavailable = self.state.ops_unavailable
+            if unavailable is not None:
+                self.notify(f"Asked for an op window, but {unavailable}.", severity="warning")
+            else:
+                self.notify("Taking an op-timing window…", timeout=4)
+        else:
+            self.notify(
+                "Op windows on request need a running agent (not a recording, and still "
+                "connected).",
                 severity="warning",
             )

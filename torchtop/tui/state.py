@@ -29,6 +29,7 @@ from torchtop.protocol import (
     MemoryStats,
     Message,
     OomResumed,
+    OpsWindow,
     PhaseBegan,
     PhaseEnded,
     ProbeStatus,
@@ -106,6 +107,8 @@ class Phase:
     name: str
     start: float | None
     end: float | None = None
+    #: What the phase does and why, in a few sentences (``torchtop.phase(name, description)``).
+    description: str | None = None
 
     @property
     def running(self) -> bool:
@@ -197,6 +200,10 @@ class MonitorState:
     training: TrainingState = field(default_factory=TrainingState)
     #: Out-of-memory failures and snapshots (``oom``, ``memory_snapshot``, ``oom_resumed``).
     captures: MemoryCaptures = field(default_factory=MemoryCaptures)
+    #: The latest op-timing window (``ops``): its own table and the cumulative one.
+    ops: OpsWindow | None = None
+    #: Op windows this viewer received (the agent may have taken some before it attached).
+    ops_received: int = 0
 
     _open_phases: dict[int, Phase] = field(default_factory=dict, init=False, repr=False)
 
@@ -235,7 +242,7 @@ class MonitorState:
             self.probes[message.probe] = message
             return True
         if isinstance(message, PhaseBegan):
-            phase = Phase(message.id, message.name, message.t)
+            phase = Phase(message.id, message.name, message.t, description=message.description)
             self.phases.append(phase)
             self._open_phases[message.id] = phase
             return True
@@ -259,6 +266,12 @@ class MonitorState:
             return self.training.apply(message) or changed
         if isinstance(message, (MemoryCapture, OomResumed)):
             return self.captures.apply(message) or changed
+        if isinstance(message, OpsWindow):
+            if message == self.ops:
+                return changed
+            self.ops = message
+            self.ops_received += 1
+            return True
         if isinstance(message, SourceConnected):
             before = (self.connection, self.address)
             if not self.job_ended:
@@ -380,6 +393,24 @@ class MonitorState:
         return None
 
     @property
+    def ops_windows(self) -> int:
+        """Op windows the agent has taken so far (0 before the first arrives)."""
+        return self.ops.window if self.ops is not None else 0
+
+    @property
+    def ops_probe(self) -> ProbeStatus | None:
+        """The op-timing probe's latest status; ``None`` until the agent says anything."""
+        return self.probes.get("ops")
+
+    @property
+    def ops_unavailable(self) -> str | None:
+        """Why there are no op timings now (off, or backed off); ``None`` while they run."""
+        status = self.ops_probe
+        if status is None or status.available:
+            return None
+        return status.detail or "op timings unavailable"
+
+    @property
     def uptime(self) -> float | None:
         if self.hello is None or self.now is None:
             return None
@@ -409,3 +440,18 @@ class MonitorState:
 
     def marks_between(self, start: float, end: float) -> list[Mark]:
         return [m for m in self.marks if start <= m.t <= end]
+
+    @property
+    def explained_phase(self) -> Phase | None:
+        """The phase the side panel explains: the latest running phase with a description, else
+        the described phase that ended last; ``None`` when no phase has a description (a
+        normal training job), and the panel stays hidden."""
+        ended: Phase | None = None
+        for phase in reversed(self.phases):
+            if not phase.description:
+                continue
+            if phase.running:
+                return phase
+            if ended is None or (phase.end or 0.0) > (ended.end or 0.0):
+                ended = phase
+        return ended
