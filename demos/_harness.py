@@ -20,13 +20,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 import torchtop
+from torchtop.agent.ops import paused as op_windows_paused
 from torchtop.agent.tensor_tracker import TensorTracker
 
 #: The prefix of the machine-readable result line (see :func:`emit_json_results`).
@@ -122,8 +123,12 @@ def measure(
     repeat: int,
     min_seconds: float = 0.0,
     extra: dict[str, Any] | None = None,
+    description: str | None = None,
 ) -> PhaseResult:
     """Run ``fn`` as the phase ``name`` and measure its time and peak memory.
+
+    ``description``, two or three sentences on what the phase does and why it is fast or slow,
+    heavy or light, is shown beside the memory chart while the phase runs in the viewer.
 
     Time and memory come from separate passes so that the memory tracker's per-op cost never
     shows in the time: one warm-up call, then a timing pass (the median of ``repeat`` calls,
@@ -136,23 +141,30 @@ def measure(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    with torchtop.phase(name):
-        result = fn()  # warm-up: first-call costs (allocator growth, kernel selection)
-        _synchronize(device)
-        del result
-
-        times: list[float] = []
-        phase_start = time.perf_counter()
-        while len(times) < max(1, repeat) or time.perf_counter() - phase_start < min_seconds:
-            start = time.perf_counter()
-            result = fn()
+    with torchtop.phase(name, description):
+        with untimed_by_profiler():
+            result = fn()  # warm-up: first-call costs (allocator growth, kernel selection)
             _synchronize(device)
-            times.append(time.perf_counter() - start)
             del result
+
+            times: list[float] = []
+            phase_start = time.perf_counter()
+            while len(times) < max(1, repeat) or time.perf_counter() - phase_start < min_seconds:
+                start = time.perf_counter()
+                result = fn()
+                _synchronize(device)
+                times.append(time.perf_counter() - start)
+                del result
 
         gc.collect()
         peak = _peak_bytes(fn, device)
     return PhaseResult(name, statistics.median(times), peak, dict(extra or {}))
+
+
+def untimed_by_profiler() -> AbstractContextManager[None]:
+    """A section the torchtop agent's sampled profiler windows stay out of (none without an
+    agent): a window would slow the ops it records several times and skew the timing."""
+    return op_windows_paused()
 
 
 def _peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
@@ -222,6 +234,23 @@ def track_memory(device: torch.device | str) -> Iterator[MemoryMeter]:
     with TensorTracker() as tracker:
         meter._tracker = tracker
         yield meter
+
+
+def emulated_device() -> Any | None:
+    """The ``--memory-limit`` emulation when this job runs under it (``torchtop run`` or
+    ``torchtop demo`` with ``--memory-limit SIZE`` on the CPU), else ``None``.
+
+    Its ``limit_bytes`` is the emulated device's size and ``live_bytes`` the tensor bytes
+    counted against it: every storage the job's thread has allocated and still holds.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from torchtop.agent.memory_limit import MemoryLimitTracker
+
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, MemoryLimitTracker) and mode.limit_bytes is not None:
+            return mode
+    return None
 
 
 # -- reporting -----------------------------------------------------------------------------

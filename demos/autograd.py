@@ -87,13 +87,28 @@ def compare_inference_modes(options: harness.DemoOptions) -> list[harness.PhaseR
             return model(inputs)
 
     results = []
-    for name, context, note in (
-        ("grad on", nullcontext, "the default: records the graph and saves activations"),
-        ("no_grad()", torch.no_grad, "records nothing, saves nothing"),
+    for name, context, note, description in (
+        (
+            "grad on",
+            nullcontext,
+            "the default: records the graph and saves activations",
+            "With grad on, every op records a node in the autograd graph and saves the "
+            "tensors its backward needs. The output keeps all those activations alive, for a "
+            "backward that inference never runs.",
+        ),
+        (
+            "no_grad()",
+            torch.no_grad,
+            "records nothing, saves nothing",
+            "torch.no_grad() records no graph and saves nothing, so each activation is freed "
+            "as soon as the next layer has read it. The standard way to evaluate or predict.",
+        ),
         (
             "inference_mode()",
             torch.inference_mode,
             "like no_grad, and skips version counters and view tracking too",
+            "torch.inference_mode() is no_grad and more: its tensors skip version counters "
+            "and view tracking, shaving per-op overhead. They cannot be used in autograd later.",
         ),
     ):
 
@@ -114,6 +129,7 @@ def compare_inference_modes(options: harness.DemoOptions) -> list[harness.PhaseR
             repeat=repeat,
             min_seconds=min_seconds,
             extra={"held after": harness.Bytes(held), "graph": "yes" if has_graph else "no"},
+            description=description,
         )
         print(
             f"{name}: {note}; holds {harness.format_bytes(held)} after the forward "

@@ -76,10 +76,26 @@ def compare_the_three_ways(options: harness.DemoOptions) -> list[harness.PhaseRe
 
     shape = (rows, cols)
     results = []
-    for name, fn in (
-        ("repeat", with_repeat),
-        ("expand().contiguous()", with_expand_contiguous),
-        ("broadcasting", with_broadcasting),
+    for name, fn, description in (
+        (
+            "repeat",
+            with_repeat,
+            "row.repeat(rows, 1) copies the row into a full matrix before the add. That copy "
+            "is as big as the result, so the peak is two matrices, and writing it costs as "
+            "much memory traffic as the add itself.",
+        ),
+        (
+            "expand().contiguous()",
+            with_expand_contiguous,
+            "expand() alone is free: a view whose stretched dimension has stride 0. "
+            "contiguous() then lays the rows out for real, the same full copy as repeat.",
+        ),
+        (
+            "broadcasting",
+            with_broadcasting,
+            "matrix + row: the add reads the row as if stretched and copies nothing. Only "
+            "the result is allocated, so the peak is one matrix and the op reads half as much.",
+        ),
     ):
         result = harness.measure(
             name,
@@ -88,6 +104,7 @@ def compare_the_three_ways(options: harness.DemoOptions) -> list[harness.PhaseRe
             repeat=repeat,
             min_seconds=min_seconds,
             extra={"result": shape},
+            description=description,
         )
         print(
             f"{name}: {harness.format_seconds(result.seconds)}, "
@@ -139,9 +156,23 @@ def an_accidental_broadcast(options: harness.DemoOptions) -> list[harness.PhaseR
     print("fix: targets.squeeze(1) (or predictions.unsqueeze(1)) before subtracting")
 
     results = []
-    for name, fn, shape in (
-        ("[N] - [N,1] (accidental)", mse_shapes_mismatched, tuple(wrong_shape)),
-        ("shapes checked", mse_shapes_checked, (n,)),
+    for name, fn, shape, description in (
+        (
+            "[N] - [N,1] (accidental)",
+            mse_shapes_mismatched,
+            tuple(wrong_shape),
+            "Shapes line up from the right, so [N] acts as [1, N] against [N, 1]: the "
+            "difference is an N x N matrix. No error is raised; the loss is wrong and costs "
+            "N squared memory.",
+        ),
+        (
+            "shapes checked",
+            mse_shapes_checked,
+            (n,),
+            "targets.squeeze(1) makes both shapes [N] before subtracting, and an assert on "
+            "the shapes catches the mismatch early. The difference has N elements: the right "
+            "loss, for N-sized memory.",
+        ),
     ):
         result = harness.measure(
             name,
@@ -150,6 +181,7 @@ def an_accidental_broadcast(options: harness.DemoOptions) -> list[harness.PhaseR
             repeat=repeat,
             min_seconds=min_seconds,
             extra={"result": shape},
+            description=description,
         )
         results.append(result)
         harness.pause(options)

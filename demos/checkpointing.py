@@ -89,10 +89,28 @@ def compare(options: harness.DemoOptions) -> list[harness.PhaseResult]:
 
     results = []
     reference: list[torch.Tensor] = []
-    for name, blocks_per_checkpoint in (
-        ("no checkpointing", 0),
-        ("checkpoint every block", 1),
-        (f"checkpoint {math.ceil(depth / segment)} segments", segment),
+    for name, blocks_per_checkpoint, description in (
+        (
+            "no checkpointing",
+            0,
+            "Autograd saves each layer's input for the backward pass, so every block's "
+            "activations stay alive until backward reaches it. The peak grows with depth "
+            "times batch; nothing is computed twice.",
+        ),
+        (
+            "checkpoint every block",
+            1,
+            "checkpoint(block, x, use_reentrant=False) keeps only each block's input and "
+            "reruns the block's forward during backward. Saved activations shrink to one "
+            "input per block, paid for with a second forward.",
+        ),
+        (
+            f"checkpoint {math.ceil(depth / segment)} segments",
+            segment,
+            "One checkpoint per segment of about sqrt(depth) blocks: fewer stored inputs, "
+            "and only one segment's activations rebuilt at a time during backward. The "
+            "classic sqrt(n) trade of memory for recompute.",
+        ),
     ):
         model.segment = blocks_per_checkpoint
         # Checkpointing changes memory and time, never the gradients.
@@ -112,6 +130,7 @@ def compare(options: harness.DemoOptions) -> list[harness.PhaseResult]:
             repeat=repeat,
             min_seconds=min_seconds,
             extra={"checkpoints": stored},
+            description=description,
         )
         print(
             f"{name}: peak {harness.format_bytes(result.peak_bytes)}, "

@@ -191,6 +191,7 @@ def measure_loading(
     model: Classifier,
     loader: DataLoader[tuple[torch.Tensor, torch.Tensor]],
     repeat: int,
+    description: str,
 ) -> tuple[harness.PhaseResult, EpochStats]:
     """Train one epoch per call, as a measured phase; returns the result and the first epoch.
 
@@ -203,6 +204,7 @@ def measure_loading(
         lambda: epochs.append(run_epoch(loader, model)),
         device=options.device,
         repeat=repeat,
+        description=description,
     )
     timed = epochs[1:-1]
     samples_per_second = statistics.median(e.samples / e.seconds for e in timed)
@@ -238,13 +240,31 @@ def compare_workers(
 
     # Every DataLoader uses the platform's default start method (multiprocessing_context=None).
     no_workers = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True)
-    result, _ = measure_loading("0 workers", options, model, no_workers, repeat)
+    result, _ = measure_loading(
+        "0 workers",
+        options,
+        model,
+        no_workers,
+        repeat,
+        "With num_workers=0 the training loop decodes every batch itself, so the model "
+        "waits while data loads and loading waits while the model steps. The step time is "
+        "load plus compute.",
+    )
     results.append(result)
     harness.pause(options)
 
     # New worker processes each epoch: started by iter(), shut down when the epoch ends.
     two_workers = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=2)
-    result, _ = measure_loading("2 workers", options, model, two_workers, repeat)
+    result, _ = measure_loading(
+        "2 workers",
+        options,
+        model,
+        two_workers,
+        repeat,
+        "Two worker processes decode batches in parallel and prefetch them, so loading "
+        "overlaps with the step. The workers start at iter() each epoch, which delays the "
+        "first batch.",
+    )
     results.append(result)
     harness.pause(options)
 
@@ -252,7 +272,16 @@ def compare_workers(
     persistent = DataLoader(
         dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=2, persistent_workers=True
     )
-    result, first_epoch = measure_loading("2, persistent", options, model, persistent, repeat)
+    result, first_epoch = measure_loading(
+        "2, persistent",
+        options,
+        model,
+        persistent,
+        repeat,
+        "persistent_workers=True keeps the same two processes for every epoch: only the "
+        "first epoch pays for starting them (importing, forking, copying the dataset), so "
+        "later epochs get their first batch at once.",
+    )
     print(
         f"  (its first epoch waited {harness.format_seconds(first_epoch.first_batch)} for its "
         f"first batch, starting the workers; later epochs {result.extra['1st batch']})"
@@ -267,7 +296,16 @@ def compare_workers(
         pinned = DataLoader(
             dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=2, pin_memory=True
         )
-        result, _ = measure_loading("2, pin_memory", options, model, pinned, repeat)
+        result, _ = measure_loading(
+            "2, pin_memory",
+            options,
+            model,
+            pinned,
+            repeat,
+            "pin_memory=True copies each batch into page-locked memory in a background "
+            "thread, so the copy to the GPU is faster and, with non_blocking=True, overlaps "
+            "with compute.",
+        )
         results.append(result)
         harness.pause(options)
     else:

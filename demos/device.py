@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from torchtop.agent import ops as op_windows
 from torchtop.demos import _harness as harness
 
 
@@ -48,7 +49,9 @@ class OpCounts:
     #: dtype. (Ops such as ``sum`` on a bool tensor copy internally too; those do not count.)
     copies: int
     #: Reads of a value into Python: ``.item()``, ``float(t)``, ``int(t)``, ``if t:``. All go
-    #: through ``aten::_local_scalar_dense``, and on CUDA each one waits for the GPU.
+    #: through ``aten::_local_scalar_dense``, and on CUDA each one waits for the GPU: the sync
+    #: points that torchtop's op windows count (the viewer's ops panel, key t, shows them
+    #: per step while the demo runs).
     host_reads: int
 
 
@@ -57,12 +60,17 @@ def count_ops(fn: Callable[[], object]) -> OpCounts:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     to_calls = [e for e in prof.events() if e.name == "aten::to" and e.cpu_parent is None]
+    # Sync points counted as the agent's op windows count them (one per .item(), however
+    # deeply the read is nested).
+    window = op_windows.aggregate(
+        op_windows.read_events(prof.profiler.kineto_results, record_shapes=False)
+    )
     return OpCounts(
         to_calls=len(to_calls),
         copies=sum(
             1 for e in to_calls for child in e.cpu_children if child.name == "aten::_to_copy"
         ),
-        host_reads=sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense"),
+        host_reads=window.sync_points,
     )
 
 
@@ -160,8 +168,29 @@ def move_once_or_every_step(
     )
 
     results = []
-    for name, fn in (("to() every step", move_every_step), ("to() once", move_once)):
-        result = harness.measure(name, fn, device=device, repeat=repeat, min_seconds=min_seconds)
+    for name, fn, description in (
+        (
+            "to() every step",
+            move_every_step,
+            "model.to(device) and the batch's .to(device) inside the loop: model.to visits "
+            "every parameter and gradient each step, and on a GPU each batch is a copy over "
+            "PCIe that the step has to wait for.",
+        ),
+        (
+            "to() once",
+            move_once,
+            "The model and (here) the whole dataset are moved once before the loop, so the "
+            "steps only compute. x.to(device) on a tensor already there returns it unchanged.",
+        ),
+    ):
+        result = harness.measure(
+            name,
+            fn,
+            device=device,
+            repeat=repeat,
+            min_seconds=min_seconds,
+            description=description,
+        )
         ops = count_ops(fn)  # after the timing: every step then has gradients, as in training
         result = dataclasses.replace(result, extra=per_step_counts(ops, steps))
         print(
@@ -214,11 +243,29 @@ def item_every_step_or_once(
         return total_loss.item() / steps, int(correct.item())
 
     results = []
-    for name, fn in (
-        (".item() every step", item_every_step),
-        (".item() at the end", item_once_at_end),
+    for name, fn, description in (
+        (
+            ".item() every step",
+            item_every_step,
+            "Each .item() (and each `if tensor`) copies a value to the host, so the CPU waits "
+            "for the GPU to finish all queued work: three syncs a step, and the GPU idles "
+            "while the CPU queues the next step.",
+        ),
+        (
+            ".item() at the end",
+            item_once_at_end,
+            "Loss, accuracy and the NaN check accumulate in tensors on the device, so the "
+            "loop only queues work and never waits. Three reads for the whole loop.",
+        ),
     ):
-        result = harness.measure(name, fn, device=device, repeat=repeat, min_seconds=min_seconds)
+        result = harness.measure(
+            name,
+            fn,
+            device=device,
+            repeat=repeat,
+            min_seconds=min_seconds,
+            description=description,
+        )
         ops = count_ops(fn)
         result = dataclasses.replace(result, extra=per_step_counts(ops, steps))
         print(
@@ -282,11 +329,29 @@ def pinned_copies(options: harness.DemoOptions) -> list[harness.PhaseResult]:
     )
 
     results = []
-    for name, fn in (
-        ("pageable .to(cuda)", lambda: pageable.to(device)),
-        ("pinned, non_blocking", lambda: pinned.to(device, non_blocking=True)),
+    for name, fn, description in (
+        (
+            "pageable .to(cuda)",
+            lambda: pageable.to(device),
+            "From ordinary (pageable) memory the driver first copies into a pinned staging "
+            "buffer, then DMAs it to the GPU, and the call blocks the CPU until it is done.",
+        ),
+        (
+            "pinned, non_blocking",
+            lambda: pinned.to(device, non_blocking=True),
+            "Page-locked memory is read by the GPU's DMA engine directly: faster, and with "
+            "non_blocking=True the copy is only queued, overlapping with other work. "
+            "DataLoader(pin_memory=True) pins batches for you.",
+        ),
     ):
-        result = harness.measure(name, fn, device=device, repeat=repeat, min_seconds=min_seconds)
+        result = harness.measure(
+            name,
+            fn,
+            device=device,
+            repeat=repeat,
+            min_seconds=min_seconds,
+            description=description,
+        )
         bandwidth = numel * 4 / result.seconds / 1e9
         print(f"{name}: {size} in {harness.format_seconds(result.seconds)} ({bandwidth:.1f} GB/s)")
         results.append(result)

@@ -75,14 +75,40 @@ def measure_updates(options: harness.DemoOptions) -> list[harness.PhaseResult]:
         state["avg"].zero_()  # fills the existing buffer
 
     results = []
-    for name, fn in (
-        ("avg = avg * 0.9 + new * 0.1", update_out_of_place),
-        ("avg.mul_(0.9).add_(new, alpha=0.1)", update_in_place),
-        ("avg = torch.zeros_like(avg)", reset_out_of_place),
-        ("avg.zero_()", reset_in_place),
+    for name, fn, description in (
+        (
+            "avg = avg * 0.9 + new * 0.1",
+            update_out_of_place,
+            "Out of place: avg * 0.9, new * 0.1 and their sum are each a new buffer, and the "
+            "old avg is freed only once the name is rebound. Several buffers live at the peak, "
+            "and each is written to memory and read back.",
+        ),
+        (
+            "avg.mul_(0.9).add_(new, alpha=0.1)",
+            update_in_place,
+            "In place: both steps write into avg's own memory, and add_ scales new by alpha "
+            "inside its kernel. No new buffer at all, and less memory traffic.",
+        ),
+        (
+            "avg = torch.zeros_like(avg)",
+            reset_out_of_place,
+            "zeros_like allocates a fresh buffer and fills it; the old one is freed after the "
+            "name moves. Two buffers live for a moment.",
+        ),
+        (
+            "avg.zero_()",
+            reset_in_place,
+            "zero_() fills the existing buffer: nothing is allocated. Optimizers reset their "
+            "state and gradients this way.",
+        ),
     ):
         result = harness.measure(
-            name, fn, device=options.device, repeat=repeat, min_seconds=min_seconds
+            name,
+            fn,
+            device=options.device,
+            repeat=repeat,
+            min_seconds=min_seconds,
+            description=description,
         )
         buffers = result.peak_bytes / buffer_bytes
         print(
@@ -159,9 +185,19 @@ def measure_the_autograd_pair(options: harness.DemoOptions) -> list[harness.Phas
         return "ok"
 
     results = []
-    for name, fn in (
-        ("sigmoid() * 2, backward", out_of_place),
-        ("sigmoid().mul_(2), backward", in_place),
+    for name, fn, description in (
+        (
+            "sigmoid() * 2, backward",
+            out_of_place,
+            "sigmoid saves its output for backward (its gradient is y * (1 - y)). Multiplying "
+            "out of place keeps that saved output intact, at the cost of one more buffer.",
+        ),
+        (
+            "sigmoid().mul_(2), backward",
+            in_place,
+            "mul_ overwrites the output autograd saved, bumping its version counter. Backward "
+            "sees the change and raises a RuntimeError rather than compute a wrong gradient.",
+        ),
     ):
         outcome = fn()
         result = harness.measure(
@@ -171,6 +207,7 @@ def measure_the_autograd_pair(options: harness.DemoOptions) -> list[harness.Phas
             repeat=repeat,
             min_seconds=min_seconds,
             extra={"backward": outcome},
+            description=description,
         )
         print(f"{name}: peak {harness.format_bytes(result.peak_bytes)}, backward: {outcome}")
         results.append(result)

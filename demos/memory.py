@@ -62,12 +62,28 @@ def measure_del(options: harness.DemoOptions) -> list[harness.PhaseResult]:
 
     assert torch.equal(keep_everything(), delete_as_you_go())
     results = []
-    for name, fn in (
-        ("intermediates kept", keep_everything),
-        ("del as you go", delete_as_you_go),
+    for name, fn, description in (
+        (
+            "intermediates kept",
+            keep_everything,
+            "Each intermediate has its own name, and a name keeps its tensor alive until the "
+            "function returns. All four buffers are live at once at the end.",
+        ),
+        (
+            "del as you go",
+            delete_as_you_go,
+            "del drops a name as soon as the next step has read it, and with the last "
+            "reference the memory is freed (reusing one name does the same). At most two "
+            "buffers are live at once: the same result, a lower peak.",
+        ),
     ):
         result = harness.measure(
-            name, fn, device=options.device, repeat=repeat, min_seconds=min_seconds
+            name,
+            fn,
+            device=options.device,
+            repeat=repeat,
+            min_seconds=min_seconds,
+            description=description,
         )
         print(
             f"{name}: peak {harness.format_bytes(result.peak_bytes)} "
@@ -91,7 +107,12 @@ def show_empty_cache(options: harness.DemoOptions) -> None:
     """Reserved against allocated on CUDA; on CPU, the process's resident memory."""
     size = (64 if options.quick else 256) * 1024 * 1024
     fmt = harness.format_bytes
-    with torchtop.phase("empty_cache"):
+    with torchtop.phase(
+        "empty_cache",
+        "On CUDA a freed block goes back to PyTorch's caching allocator, not the driver: "
+        "reserved stays up so the next allocation is fast. empty_cache() hands unused cached "
+        "blocks back; it frees no live tensor and gives PyTorch no extra room.",
+    ):
         if options.cuda:
             harness.section("torch.cuda.empty_cache(): allocated against reserved")
             device = options.device
@@ -192,14 +213,26 @@ def measure_the_leak(options: harness.DemoOptions) -> list[harness.PhaseResult]:
         return total_loss / steps
 
     results = []
-    for name, fn in (
-        ("total_loss += loss", sum_tensors),
-        ("total_loss += loss.item()", sum_numbers),
+    for name, fn, description in (
+        (
+            "total_loss += loss",
+            sum_tensors,
+            "total_loss becomes a tensor whose graph links to every loss so far, and each "
+            "graph holds the activations saved for backward. Nothing is freed until "
+            "total_loss goes: live memory climbs batch after batch.",
+        ),
+        (
+            "total_loss += loss.item()",
+            sum_numbers,
+            ".item() copies the value out as a Python float, so the graph dies with loss when "
+            "the next step rebinds the name. Live memory stays flat (no_grad would also skip "
+            "the graph).",
+        ),
     ):
         # One pass with the live bytes read after every step.
         live: list[int] = []
         with (
-            torchtop.phase(f"{name} (step by step)"),
+            torchtop.phase(f"{name} (step by step)", description),
             harness.track_memory(options.device) as meter,
         ):
 
@@ -218,6 +251,7 @@ def measure_the_leak(options: harness.DemoOptions) -> list[harness.PhaseResult]:
             repeat=repeat,
             min_seconds=min_seconds,
             extra={"at end": harness.Bytes(live[-1]), "per step": harness.Bytes(growth)},
+            description=description,
         )
         shown = ", ".join(harness.format_bytes(b) for b in live[:4])
         print(

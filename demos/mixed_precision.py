@@ -100,7 +100,21 @@ def compare(options: harness.DemoOptions) -> list[harness.PhaseResult]:
             return nn.functional.mse_loss(model(batches[step]), targets[step])
 
     results = []
-    for name, low in (("float32", False), (low_name, True)):
+    for name, low, description in (
+        (
+            "float32",
+            False,
+            "Every matmul and every saved activation in float32: 4 bytes a number. The "
+            "baseline for memory, speed and the loss curve.",
+        ),
+        (
+            low_name,
+            True,
+            f"torch.autocast runs matmuls in {str(dtype).removeprefix('torch.')} and keeps "
+            "precision-sensitive ops (losses, reductions) in float32. Activations saved for "
+            "backward take 2 bytes, and tensor cores (or AMX) run 16-bit math much faster.",
+        ),
+    ):
         model = copy.deepcopy(initial)
         # float16 gradients can underflow to zero: GradScaler multiplies the loss before
         # backward and divides the gradients back before the optimizer step, skipping steps
@@ -127,13 +141,19 @@ def compare(options: harness.DemoOptions) -> list[harness.PhaseResult]:
             repeat=repeat,
             min_seconds=min_seconds,
             extra={"activations": harness.Bytes(held)},
+            description=description,
         )
 
         # A few Adam steps from the same weights on the same batches.
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         model.load_state_dict(initial.state_dict())
         losses = []
-        with torchtop.phase(f"{name}: {steps} training steps"):
+        with torchtop.phase(
+            f"{name}: {steps} training steps",
+            "The same Adam steps from the same weights, to check that training still "
+            "converges. GradScaler guards float16 gradients against underflow; bfloat16 has "
+            "float32's range and needs none.",
+        ):
             for step in range(steps):
                 optimizer.zero_grad(set_to_none=True)
                 loss = loss_of(model, low, step)

@@ -223,12 +223,36 @@ def measure_overheads(
     }
     results = []
     baseline = 0.0
-    for phase, fn in (
-        ("no profiler", plain),
-        ("torch.profiler", with_torch_profiler),
-        ("cProfile", with_cprofile),
+    for phase, fn, description in (
+        (
+            "no profiler",
+            plain,
+            "The training steps as they are: the baseline the profilers' costs are measured "
+            "against.",
+        ),
+        (
+            "torch.profiler",
+            with_torch_profiler,
+            "torch.profiler records every operator call (and on a GPU every kernel) with its "
+            "time and shapes. Starting it has a fixed cost and each op pays a little more: "
+            "profile a few representative steps, not an epoch.",
+        ),
+        (
+            "cProfile",
+            with_cprofile,
+            "cProfile hooks every Python function call and return. It sees your code and "
+            "torch's Python layers but not inside the operators, and its cost grows with "
+            "the number of Python calls.",
+        ),
     ):
-        result = harness.measure(phase, fn, device=device, repeat=repeat, min_seconds=min_seconds)
+        result = harness.measure(
+            phase,
+            fn,
+            device=device,
+            repeat=repeat,
+            min_seconds=min_seconds,
+            description=description,
+        )
         baseline = baseline or result.seconds
         overhead = result.seconds / baseline
         extra = {"overhead": round(overhead, 2), "detail": details[phase]}
@@ -393,6 +417,9 @@ def trace_a_shape_error(
         forward_wrong_shape,
         device=options.device,
         repeat=5 if options.quick else 10,
+        description="A batch of 100 features into Linear(128, 64) fails in F.linear: "
+        "mat1 and mat2 shapes cannot be multiplied. The last frame of your own code in the "
+        "traceback, and the module it ran, say which layer and which input.",
     )
     described = f"model.{culprit_name}, {type(culprit).__name__}" if culprit else "?"
     return (

@@ -144,11 +144,31 @@ def measure_views_and_copies(options: harness.DemoOptions) -> list[harness.Phase
 
     assert torch.equal(slice_every_other(), index_every_other())
     results = []
-    for name, fn in (
-        ("view (no copy)", view),
-        ("permute().contiguous() (copy)", permute_contiguous),
-        ("slice [:, :, ::2] (no copy)", slice_every_other),
-        ("index [:, :, evens] (copy)", index_every_other),
+    for name, fn, description in (
+        (
+            "view (no copy)",
+            view,
+            "view() gives the same storage a new shape and strides: no data moves, so it "
+            "costs microseconds and no memory whatever the tensor's size.",
+        ),
+        (
+            "permute().contiguous() (copy)",
+            permute_contiguous,
+            "permute() only swaps strides, but contiguous() lays every element out in the "
+            "new order: a full copy, as big as the tensor, and time that grows with its size.",
+        ),
+        (
+            "slice [:, :, ::2] (no copy)",
+            slice_every_other,
+            "Basic slicing (start:stop:step) is a view: a new offset and a doubled stride over "
+            "the same storage. Free, and writes to it show through in the original.",
+        ),
+        (
+            "index [:, :, evens] (copy)",
+            index_every_other,
+            "Indexing with a tensor, a list or a mask is advanced indexing: the chosen elements "
+            "are gathered into new memory. Same values as the slice, half the tensor copied.",
+        ),
     ):
         out = fn()
         copied = not shares_storage(out, big)
@@ -160,6 +180,7 @@ def measure_views_and_copies(options: harness.DemoOptions) -> list[harness.Phase
             repeat=repeat,
             min_seconds=min_seconds,
             extra={"copies": "yes" if copied else "no"},
+            description=description,
         )
         print(
             f"{name}: {harness.format_seconds(result.seconds)}, "

@@ -6,8 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from torchtop.protocol import PhaseBegan
+from torchtop.recording import read_recording
 
 RESULT_PREFIX = "TORCHTOP_DEMO_RESULT "
 
@@ -15,7 +19,8 @@ Results = dict[str, dict[str, Any]]
 
 
 def run_demo(name: str, tmp_path: Path | None = None) -> str:
-    """The demo's output; fails the test on a non-zero exit, with the output in the message."""
+    """The demo's output; fails the test on a non-zero exit, with the output in the message,
+    or when one of its phases has no description for the viewer's phase panel."""
     env = {
         **os.environ,
         "PYTHONWARNINGS": "ignore",
@@ -26,15 +31,28 @@ def run_demo(name: str, tmp_path: Path | None = None) -> str:
     }
     if tmp_path is not None:
         env["TMPDIR"] = str(tmp_path)  # e.g. where the profiling demo leaves its Chrome trace
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchtop", "demo", name, "--headless", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    with tempfile.TemporaryDirectory(dir=tmp_path) as folder:
+        record = Path(folder) / f"{name}.ttr"
+        command = [sys.executable, "-m", "torchtop", "demo", name, "--headless", "--quick"]
+        proc = subprocess.run(
+            [*command, "--record", str(record)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+        )
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        check_phase_descriptions(record)
     return proc.stdout
+
+
+def check_phase_descriptions(record: Path) -> None:
+    """Every phase the demo began carries two or three sentences for the viewer's panel."""
+    began = [m for m in read_recording(record).messages if isinstance(m, PhaseBegan)]
+    assert began, "the demo marked no phases"
+    for phase in began:
+        text = phase.description or ""
+        assert 80 <= len(text) <= 320, phase
 
 
 def results_of(output: str) -> Results:

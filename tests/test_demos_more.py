@@ -74,6 +74,22 @@ def check_profiling(r: Results, output: str) -> None:
     assert "model.encoder.0 = Linear(in_features=128, out_features=64" in output
 
 
+#: Every bundled demo: ``torchtop demo --list`` shows exactly these.
+ALL_TOPICS = (
+    "tensors",
+    "broadcasting",
+    "vectorization",
+    "inplace",
+    "autograd",
+    "memory",
+    "checkpointing",
+    "mixed-precision",
+    "device",
+    "dataloader",
+    "profiling",
+    "oom",
+)
+
 #: demo name -> (the start of its conclusion line, the checks on its measured values)
 DEMOS: dict[str, tuple[str, Callable[[Results, str], None]]] = {
     "device": ("to(device) once ran ", check_device),
@@ -108,6 +124,9 @@ def test_the_demos_are_listed_with_short_descriptions() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     listed = {demo["name"]: demo["description"] for demo in json.loads(proc.stdout)}
+    # The twelve topics of issue 6, each with a one-line description.
+    assert sorted(listed) == sorted(ALL_TOPICS), listed
     for name in DEMOS:
         assert name in listed, listed
-        assert 0 < len(listed[name].strip()) <= 72, f"{name}: {listed[name]!r}"
+    for name, description in listed.items():
+        assert 0 < len(description.strip()) <= 72, f"{name}: {description!r}"

@@ -433,3 +433,26 @@ def test_an_optimizer_stepping_inside_backward_opens_no_window(sampler: OpsSampl
     finally:
         handle.remove()
         step_hooks.BOUNDARY[0] = previous
+
+
+def test_no_window_inside_a_demos_timing_pass(sampler: OpsSampler) -> None:
+    """The demos time their phases: a window there would slow the timed ops several times."""
+    import torchtop
+    from torchtop.demos import _harness as harness
+
+    sampler.tick(time.time(), FakeSteps(clock="explicit"))
+    assert sampler._state == ARMED
+    during: list[int] = []
+
+    def work() -> torch.Tensor:
+        torchtop.step()  # a step boundary in the timed code
+        during.append(sampler._state)
+        return torch.ones(4) * 2
+
+    harness.measure("timed", work, device="cpu", repeat=3)
+    # Warm-up and three timed calls: armed, never open. The memory pass after them is not
+    # timed, and there the window opens.
+    assert during == [ARMED] * 4 + [OPEN]
+    assert sampler._state == OPEN
+    with harness.untimed_by_profiler():  # and closes when a timing pass begins
+        assert sampler._state == IDLE

@@ -562,15 +562,45 @@ def cmd_demo(args: argparse.Namespace) -> int:
     demo_args = []
     if args.quick:
         demo_args.append("--quick")
-    if args.device:
-        demo_args += ["--device", args.device]
+    device = args.device
+    agent_options = {**_oom_agent_options(args), **_ops_agent_options(args)}
+    if demo.cpu_memory_limit is not None and args.memory_limit is None:
+        # A demo that runs out of memory on purpose (oom) gets an emulated device on the CPU,
+        # never the machine's RAM; on CUDA it meets the GPU's real limit.
+        from torchtop.sizes import parse_size
+
+        device = device or _default_device()
+        if device == "cpu":
+            agent_options["memory_limit_bytes"] = parse_size(demo.cpu_memory_limit)
+    if device:
+        demo_args += ["--device", device]
     spec = RunSpec(
         target=["-m", demo.module, *demo_args],
-        agent_options={**_oom_agent_options(args), **_ops_agent_options(args)},
+        agent_options=agent_options,
         headless=args.headless,
         record=args.record,
     )
     return _run_spec(spec)
+
+
+def _default_device() -> str | None:
+    """The demos' default device as the job's Python sees it: "cuda" when torch finds a GPU,
+    else "cpu" (``None`` if it cannot tell). Asked in a child process: the CLI never imports
+    torch."""
+    import subprocess
+
+    probe = "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    answer = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
+    return answer[0] if answer and answer[0] in ("cpu", "cuda") else None
 
 
 COMMANDS = {

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -455,6 +455,26 @@ class _Profiler:
 
 IDLE, ARMED, OPEN = range(3)
 
+#: Nesting depth of :func:`paused` sections: no window opens while above zero.
+_paused = [0]
+#: The agent's sampler, for :func:`paused` to close a window that is open.
+_active: list[OpsSampler | None] = [None]
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No op window in this section: one open in this thread closes first, and none opens
+    until the section ends. For code that times itself (the demos' timing passes), which a
+    profiled step would slow down several times."""
+    _paused[0] += 1
+    sampler = _active[0]
+    if sampler is not None:
+        sampler.close_now(disarm=False)
+    try:
+        yield
+    finally:
+        _paused[0] -= 1
+
 
 @dataclass(slots=True)
 class _Closed:
@@ -544,6 +564,7 @@ class OpsSampler:
         self._pending_calls: list[Any] = []  # ctypes callbacks must outlive the call
         self._site_of: Callable[[str], str | None] | None = None
         self._lock = threading.Lock()
+        _active[0] = self
 
     # -- requests from other threads ---------------------------------------------------------
 
@@ -559,7 +580,7 @@ class OpsSampler:
             if key != self.clock:
                 return
             if self._state == ARMED:
-                if not inside_torch_callback(sys._getframe(1)):
+                if not _paused[0] and not inside_torch_callback(sys._getframe(1)):
                     self._open(time_based=False)
             elif self._state == OPEN and not self._time_based:
                 self._steps_in += 1
@@ -646,12 +667,13 @@ class OpsSampler:
     def user_profiler_stopped(self) -> None:
         self._user_profiler = False
 
-    def close_now(self) -> None:
-        """Close an open window if this thread opened it (at the agent's stop, at exit)."""
+    def close_now(self, *, disarm: bool = True) -> None:
+        """Close an open window if this thread opened it (at the agent's stop, at exit), and
+        unless told otherwise disarm one that waits for a step."""
         if self._state == OPEN and self._thread == threading.get_ident():
             with contextlib.suppress(Exception):
                 self._close()
-        elif self._state == ARMED:
+        elif self._state == ARMED and disarm:
             self._state = IDLE
             step_hooks.BOUNDARY[0] = None
 
@@ -678,7 +700,12 @@ class OpsSampler:
 
     def _open_time_window(self, frame: FrameType | None) -> None:
         self._opening = False
-        if self._state == ARMED and self._time_armed and not inside_torch_callback(frame):
+        if (
+            self._state == ARMED
+            and self._time_armed
+            and not _paused[0]
+            and not inside_torch_callback(frame)
+        ):
             self._open(time_based=True)
         # Else the main thread was inside a callback from torch: the next tick asks again.
 
