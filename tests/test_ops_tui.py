@@ -18,7 +18,15 @@ from textual.widget import Widget
 from textual.widgets import DataTable, Input, Static
 
 from torchtop.feed import AgentFeed
-from torchtop.protocol import REQUEST_PROFILE, Message, OpStat, OpsWindow, ProbeStatus, Request
+from torchtop.protocol import (
+    REQUEST_PROFILE,
+    JobExited,
+    Message,
+    OpStat,
+    OpsWindow,
+    ProbeStatus,
+    Request,
+)
 from torchtop.tui.app import HelpScreen, QuitScreen, TorchtopApp
 from torchtop.tui.source import Sink
 from torchtop.tui.sources import LiveSource
@@ -442,6 +450,16 @@ async def test_before_any_window_and_with_ops_off() -> None:
         await drained(pilot)
         assert shown(table_of(app)) and table_of(app).has_focus
         assert names(app)[0] == "aten::mm"
+
+
+@pilot_test
+async def test_a_job_that_ended_without_a_window_says_so() -> None:
+    source = FakeSource(ops_job(JobExited(T0 + 30.5, 0, "exited")))
+    app = TorchtopApp(source)
+    async with app.run_test(size=SIZE) as pilot:
+        await open_ops(pilot)
+        assert "no op window was taken" in summary(app)
+        assert "press p" not in summary(app)
 
 
 @pilot_test

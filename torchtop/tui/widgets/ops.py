@@ -211,6 +211,14 @@ def ops_summary(state: MonitorState, *, cumulative: bool = False, width: int = 0
         if unavailable is None:
             if state.mode == "replay":
                 lines.append(Text("no op window in the recording so far", "dim"))
+            elif state.job_ended or state.lost:
+                lines.append(
+                    Text(
+                        "no op window was taken: the first comes after a few steps, "
+                        "or after 5 s for a job without steps",
+                        "dim",
+                    )
+                )
             else:
                 lines.append(
                     Text(
