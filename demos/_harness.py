@@ -28,6 +28,7 @@ import torch
 
 import torchtop
 from torchtop.agent.ops import paused as op_windows_paused
+from torchtop.agent.ops import window as op_window
 from torchtop.agent.tensor_tracker import TensorTracker
 
 #: The prefix of the machine-readable result line (see :func:`emit_json_results`).
@@ -133,7 +134,10 @@ def measure(
     Time and memory come from separate passes so that the memory tracker's per-op cost never
     shows in the time: one warm-up call, then a timing pass (the median of ``repeat`` calls,
     more if needed to keep the phase running for ``min_seconds`` so a viewer can watch it),
-    then one memory pass. On CPU the memory pass counts tensor storages with
+    then one memory pass. The torchtop agent's sampled profiler windows stay out of all of
+    them; under the agent, one more call (when a call takes under a second) runs in a
+    profiler window of its own, for the viewer's ops panel. On CPU the memory pass counts
+    tensor storages with
     :class:`TensorTracker`; on CUDA it reads the caching allocator's peak. Either way the
     figure is the peak above what was allocated before the call, so inputs made beforehand
     do not count, and what ``fn`` returns does.
@@ -141,24 +145,36 @@ def measure(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    with torchtop.phase(name, description):
-        with untimed_by_profiler():
-            result = fn()  # warm-up: first-call costs (allocator growth, kernel selection)
+    with torchtop.phase(name, description), untimed_by_profiler():
+        result = fn()  # warm-up: first-call costs (allocator growth, kernel selection)
+        _synchronize(device)
+        del result
+
+        times: list[float] = []
+        phase_start = time.perf_counter()
+        while len(times) < max(1, repeat) or time.perf_counter() - phase_start < min_seconds:
+            start = time.perf_counter()
+            result = fn()
             _synchronize(device)
+            times.append(time.perf_counter() - start)
             del result
 
-            times: list[float] = []
-            phase_start = time.perf_counter()
-            while len(times) < max(1, repeat) or time.perf_counter() - phase_start < min_seconds:
-                start = time.perf_counter()
-                result = fn()
-                _synchronize(device)
-                times.append(time.perf_counter() - start)
-                del result
+        # Under the torchtop agent, one more call in a profiler window of its own: the
+        # viewer's ops panel (key t) shows this phase's ops, sync points and copies.
+        if statistics.median(times) < PROFILED_CALL_MAX_S:
+            with op_window() as opened:
+                if opened:
+                    result = fn()
+                    _synchronize(device)
+                    del result
 
         gc.collect()
         peak = _peak_bytes(fn, device)
     return PhaseResult(name, statistics.median(times), peak, dict(extra or {}))
+
+
+#: Phases whose call takes longer than this get no profiled call of their own.
+PROFILED_CALL_MAX_S = 1.0
 
 
 def untimed_by_profiler() -> AbstractContextManager[None]:

@@ -450,9 +450,16 @@ def test_no_window_inside_a_demos_timing_pass(sampler: OpsSampler) -> None:
         return torch.ones(4) * 2
 
     harness.measure("timed", work, device="cpu", repeat=3)
-    # Warm-up and three timed calls: armed, never open. The memory pass after them is not
-    # timed, and there the window opens.
-    assert during == [ARMED] * 4 + [OPEN]
+    # Warm-up and three timed calls: armed, never open; then one call in a window of its own
+    # (the phase's ops for the viewer), and the memory pass, outside any window.
+    assert during == [ARMED] * 4 + [OPEN, IDLE]
+    (frame,) = [m for m in sampler.tick(time.time(), FakeSteps()) if isinstance(m, OpsWindow)]
+    assert frame.steps == 1 and "aten::mul" in [op.name for op in frame.ops]
+    torchtop.step()  # no window was armed since: none opens
+    assert sampler._state == IDLE
+    sampler._request.set()
+    sampler.tick(time.time(), FakeSteps(clock="explicit"))
+    torchtop.step()
     assert sampler._state == OPEN
-    with harness.untimed_by_profiler():  # and closes when a timing pass begins
+    with harness.untimed_by_profiler():  # a window open when a timing pass begins closes
         assert sampler._state == IDLE

@@ -461,6 +461,15 @@ _paused = [0]
 _active: list[OpsSampler | None] = [None]
 
 
+def window() -> contextlib.AbstractContextManager[bool]:
+    """A window around a section, now, if an agent samples op timings in this process (yields
+    whether one opened): see :meth:`OpsSampler.window`."""
+    sampler = _active[0]
+    if sampler is None:
+        return contextlib.nullcontext(False)
+    return sampler.window()
+
+
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
     """No op window in this section: one open in this thread closes first, and none opens
@@ -534,6 +543,8 @@ class OpsSampler:
         self._device = False
         self._requested_window = False
         self._time_based = False
+        #: Opened by :meth:`window` around a section: only its end closes it.
+        self._explicit = False
         self._closed: deque[_Closed] = deque(maxlen=4)
         #: A pending call to open (close) the window in the main thread is queued.
         self._opening = False
@@ -584,6 +595,8 @@ class OpsSampler:
                     self._open(time_based=False)
             elif self._state == OPEN and not self._time_based:
                 self._steps_in += 1
+                if self._explicit:
+                    return
                 if self._steps_in >= self.window_steps and not inside_torch_callback(
                     sys._getframe(1)
                 ):
@@ -612,6 +625,7 @@ class OpsSampler:
         t1 = time.perf_counter()
         self._thread = threading.get_ident()
         self._time_based = time_based
+        self._explicit = False
         self._began = began
         self._start_cost = t1 - t0
         self._opened_at = t1
@@ -641,7 +655,9 @@ class OpsSampler:
                     wall_s=t0 - self._opened_at,
                     start_cost_s=self._start_cost,
                     stop_cost_s=t1 - t0,
-                    steps=None if self._time_based else self._steps_in,
+                    steps=None
+                    if self._time_based or (self._explicit and not self._steps_in)
+                    else self._steps_in,
                     device=self._device,
                     requested=self._requested_window,
                 )
@@ -651,6 +667,33 @@ class OpsSampler:
     def _fail(self, exc: BaseException) -> None:
         self._failures += 1
         self._failure = f"the profiler failed: {exc!r}"
+
+    @contextlib.contextmanager
+    def window(self) -> Iterator[bool]:
+        """A window around a section of this thread, now, whatever the spacing (the demos
+        profile one call of each phase this way). Yields whether a window opened: none opens
+        while another is open, the job's own profiler runs, or inside a callback from torch.
+        Its frame counts the steps that ended inside (``None`` if none did)."""
+        opened = False
+        if (
+            self._state != OPEN
+            and not self._user_profiler
+            and self._failures < 3
+            and not inside_torch_callback(sys._getframe(2))
+        ):
+            was_armed = self._state == ARMED
+            self._open(time_based=False)
+            opened = self._state == OPEN
+            if opened:
+                self._explicit = True
+                step_hooks.BOUNDARY[0] = self.at_boundary
+            elif was_armed:
+                self._state = ARMED
+        try:
+            yield opened
+        finally:
+            if opened and self._state == OPEN and self._explicit:
+                self._close()
 
     def user_profiler_starting(self) -> None:
         """The job is starting its own profiler (our guard on ``profile._prepare_trace``).
@@ -747,6 +790,8 @@ class OpsSampler:
         if self._failures >= 3:
             return messages
         monotonic = time.monotonic()
+        if self._state == OPEN and self._explicit:
+            return messages
         if self._state == OPEN:
             # A time-based window is done; a step window that ran far past its steps (the
             # job left its training loop) must not go on recording everything.
