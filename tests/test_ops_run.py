@@ -104,3 +104,17 @@ def test_time_based_windows_under_the_memory_limit_emulation(tmp_path: Path) -> 
     assert report["profile_windows"] >= 1
     assert report["profiled_steps"] == 0 and report["sync_points_per_step"] is None
     assert MATMULS & {op["name"] for op in report["ops"][:10]}
+
+
+def test_shapes_and_call_sites_split_the_ops(tmp_path: Path) -> None:
+    _, report = _run(
+        tmp_path, "--profile-shapes", "--profile-stack", script_args=("--seconds", "2")
+    )
+    addmm = [op for op in report["ops"] if op["name"] == "aten::addmm"]
+    assert addmm, [op["name"] for op in report["ops"]]
+    # Two Linear layers, inputs [32, 128] and [32, 256]: a row for each.
+    shapes = [op["shapes"] or "" for op in addmm]
+    assert len(addmm) >= 2
+    assert any("[32, 128]" in x for x in shapes) and any("[32, 256]" in x for x in shapes)
+    sites = {op["site"] for op in report["ops"] if op["site"]}
+    assert any(site.startswith("train_ops.py(") for site in sites), sites

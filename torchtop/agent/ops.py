@@ -327,9 +327,24 @@ def read_events(
 
 def site_reader(exclude: Iterable[str]) -> Callable[[str], str | None]:
     """``site_of`` for :func:`aggregate`: a Python event's name (``file.py(12): fn``) when the
-    file is the job's own, i.e. not under one of the ``exclude`` directories; else ``None``."""
+    file is the job's own, else ``None``.
+
+    Library files are those under one of the ``exclude`` directories. The profiler names a
+    file relative to the first of ``sys.path`` (and the site directories) that holds it, so a
+    relative name is looked for under those, longest first, as torch made it.
+    """
     prefixes = tuple(str(Path(p)) + os.sep for p in exclude)
+    roots = _path_roots()
     cache: dict[str, str | None] = {}
+
+    def resolve(path: str) -> str | None:
+        if os.path.isabs(path):
+            return path
+        for root in roots:
+            candidate = os.path.join(root, path)
+            if os.path.exists(candidate):
+                return candidate
+        return None
 
     def site_of(name: str) -> str | None:
         if name in cache:
@@ -337,8 +352,8 @@ def site_reader(exclude: Iterable[str]) -> Callable[[str], str | None]:
         site: str | None = None
         paren = name.find("(")
         if paren > 0 and not name.startswith("<"):
-            path = name[:paren]
-            if not os.path.abspath(path).startswith(prefixes):
+            path = resolve(name[:paren])
+            if path is not None and not path.startswith(prefixes):
                 site = f"{os.path.basename(path)}{name[paren:]}"
         cache[name] = site
         return site
@@ -346,14 +361,33 @@ def site_reader(exclude: Iterable[str]) -> Callable[[str], str | None]:
     return site_of
 
 
+def _path_roots() -> list[str]:
+    """The directories torch's Python tracer strips from file names, longest first."""
+    import site
+
+    raw = list(sys.path)
+    with contextlib.suppress(Exception):
+        raw += [*site.getsitepackages(), site.getuserbase(), site.getusersitepackages()]
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    if isinstance(torch_file, str):
+        raw.append(os.path.dirname(os.path.dirname(torch_file)))
+    return sorted({os.path.abspath(p) for p in raw if isinstance(p, str)}, reverse=True)
+
+
 def _library_dirs() -> list[str]:
-    """Directories whose frames are never a call site: torch, torchtop, the standard library."""
+    """Directories whose frames are never a call site: torch, torchtop, the standard library,
+    installed packages."""
+    import site
+
     dirs = [os.path.dirname(os.__file__)]
     for name in ("torch", "torchtop"):
         module = sys.modules.get(name)
         file = getattr(module, "__file__", None)
         if file:
             dirs.append(os.path.dirname(file))
+    with contextlib.suppress(Exception):
+        dirs.extend(site.getsitepackages())
+        dirs.append(site.getusersitepackages())
     return dirs
 
 
