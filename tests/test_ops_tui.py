@@ -504,3 +504,24 @@ async def test_help_lists_the_ops_keys() -> None:
         assert isinstance(app.screen, HelpScreen)
         text = static_text(app.screen.query_one("#help-text", Static))
         assert "op-timing window now" in text and "filter by name" in text
+
+
+def test_a_window_names_the_phase_it_was_taken_in() -> None:
+    from torchtop.protocol import PhaseBegan, PhaseEnded
+
+    state = MonitorState()
+    state.apply_all(ops_job())
+    state.apply_all(
+        [
+            PhaseBegan(T0 + 10, "warm-up", 1),
+            PhaseEnded(T0 + 15, "warm-up", 1),
+            PhaseBegan(T0 + 18, "train", 2),
+            PhaseBegan(T0 + 19, "epoch 3", 3),  # nested: the innermost is named
+            window(),  # began at T0 + 19.5
+        ]
+    )
+    assert " · in epoch 3" in plain(ops_summary(state))
+    state.apply(PhaseEnded(T0 + 19.2, "epoch 3", 3))
+    assert " · in train" in plain(ops_summary(state))
+    state.apply(window(began=T0 + 16, t=T0 + 21))  # between phases
+    assert " · in " not in plain(ops_summary(state))

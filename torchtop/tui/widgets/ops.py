@@ -97,6 +97,14 @@ def next_sort(key: SortKey) -> SortKey:
     return SORT_KEYS[(SORT_KEYS.index(key) + 1) % len(SORT_KEYS)]
 
 
+def phase_at(state: MonitorState, t: float) -> str | None:
+    """The innermost phase running at ``t`` (the latest to begin), if any."""
+    for phase in reversed(state.phases):
+        if phase.start is not None and phase.start <= t and (phase.end is None or t < phase.end):
+            return phase.name
+    return None
+
+
 def per_step(count: int, steps: int | None) -> str:
     """``count`` per step in one decimal; :data:`MISSING` without steps to divide by."""
     if not steps:
@@ -257,6 +265,10 @@ def ops_summary(state: MonitorState, *, cumulative: bool = False, width: int = 0
         head.append(format_seconds(window.cost_s))
         if window.requested:
             head.append(" · on request", "dim")
+        phase = phase_at(state, window.began)
+        if phase is not None:
+            head.append(" · in ", "dim")
+            head.append(phase, "bold")
         syncs = per_step(window.sync_points, window.steps)
         copies = per_step(window.copies, window.steps)
     if unavailable is None and not (state.job_ended or state.lost):
