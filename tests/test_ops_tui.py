@@ -513,15 +513,17 @@ def test_a_window_names_the_phase_it_was_taken_in() -> None:
     state.apply_all(ops_job())
     state.apply_all(
         [
-            PhaseBegan(T0 + 10, "warm-up", 1),
-            PhaseEnded(T0 + 15, "warm-up", 1),
-            PhaseBegan(T0 + 18, "train", 2),
-            PhaseBegan(T0 + 19, "epoch 3", 3),  # nested: the innermost is named
+            PhaseBegan(T0 + 10, "warm-up", 11),
+            PhaseEnded(T0 + 15, "warm-up", 11),
+            PhaseBegan(T0 + 18, "train", 12),
+            PhaseBegan(T0 + 19, "epoch 3", 13),  # nested: the innermost is named
             window(),  # began at T0 + 19.5
         ]
     )
     assert " · in epoch 3" in plain(ops_summary(state))
-    state.apply(PhaseEnded(T0 + 19.2, "epoch 3", 3))
+    state.apply(PhaseEnded(T0 + 19.2, "epoch 3", 13))
     assert " · in train" in plain(ops_summary(state))
-    state.apply(window(began=T0 + 16, t=T0 + 21))  # between phases
-    assert " · in " not in plain(ops_summary(state))
+    state.apply(window(began=T0 + 16, t=T0 + 21))  # between those: the job's own phase
+    assert " · in broadcast" in plain(ops_summary(state))
+    state.apply(window(began=T0 - 5, t=T0 + 22))  # before any phase
+    assert " · in " not in plain(ops_summary(state)).replace("next in", "")
