@@ -458,8 +458,149 @@ def test_no_window_inside_a_demos_timing_pass(sampler: OpsSampler) -> None:
     torchtop.step()  # no window was armed since: none opens
     assert sampler._state == IDLE
     sampler._request.set()
+    sampler._last_closed = 0.0  # a request more than a second after the last window
     sampler.tick(time.time(), FakeSteps(clock="explicit"))
     torchtop.step()
     assert sampler._state == OPEN
     with harness.untimed_by_profiler():  # a window open when a timing pass begins closes
         assert sampler._state == IDLE
+
+
+# -- found in review: owners, signals, refusals, limits ------------------------------------------
+
+
+def test_the_jobs_profiler_in_another_thread_waits_for_our_window_to_close(
+    sampler: OpsSampler,
+) -> None:
+    """Only the thread that started a profiler can stop it: a window open in the training
+    thread closes at that thread's next boundary, and the job's profiler waits for it."""
+    monitor = TrainingMonitor(ops=sampler)
+    undo = monitor._install_profiler_guard() or []
+    stop = threading.Event()
+    ours_on_at_end: list[bool] = []
+
+    def training() -> None:
+        model, opt = _model()
+        while not stop.is_set():
+            _train_steps(model, opt, 1)
+            _boundary()
+            time.sleep(0.002)
+        ours_on_at_end.append(torch._C._autograd._profiler_enabled())
+
+    try:
+        sampler.window_steps = 10_000  # a window that stays open
+        sampler.tick(time.time(), FakeSteps())
+        thread = threading.Thread(target=training)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while sampler._state != OPEN and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert sampler._state == OPEN and sampler._thread == thread.ident
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as own:
+            assert sampler._state == IDLE  # ours was stopped by its owner first
+            torch.ones(3) + 1
+        assert "aten::add" in [e.name for e in own.events()]
+        stop.set()
+        thread.join()
+        assert ours_on_at_end == [False]
+        messages = sampler.tick(time.time(), FakeSteps())
+        assert not any(isinstance(m, OpsWindow) for m in messages)  # thrown away
+    finally:
+        stop.set()
+        for action in undo:
+            action()
+
+
+def test_a_signal_during_a_pending_call_reaches_the_job_afterwards(sampler: OpsSampler) -> None:
+    """A Ctrl-C handled while a time-based window starts or stops in the main thread is not
+    lost: the job gets its KeyboardInterrupt as it enters its next function."""
+    import os
+    import signal
+
+    def interrupted(frame: Any) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs in here, inside the pending call
+
+    def spin() -> int:
+        return sum(range(100))
+
+    queued: list[bool] = []
+
+    def sampler_thread() -> None:
+        time.sleep(0.2)  # the main thread is in its loop by then
+        queued.append(sampler._in_main_thread(interrupted))
+
+    thread = threading.Thread(target=sampler_thread)
+    thread.start()
+    with pytest.raises(KeyboardInterrupt):
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            spin()
+    thread.join()
+    assert queued == [True] and not sampler._pending_calls
+    import sys
+
+    assert sys.getprofile() is None
+
+
+def test_steps_that_always_end_inside_backward_give_way_to_time_based_windows(
+    sampler: OpsSampler,
+) -> None:
+    model, opt = _model()
+    steps = FakeSteps(clock=id(opt))
+    sampler.tick(time.time(), steps)
+    weight = next(model.parameters())
+    handle = weight.register_post_accumulate_grad_hook(lambda p: sampler.at_boundary(id(opt)))
+    try:
+        for _ in range(ops_module.REFUSED_LIMIT):
+            model(torch.randn(2, 16)).sum().backward()
+    finally:
+        handle.remove()
+    assert sampler._state == IDLE and sampler._steps_unsafe
+    assert step_hooks.BOUNDARY[0] is None
+    sampler.time_fallback_s = 0.0
+    sampler._next_due = 0.0
+    sampler.tick(time.time(), steps)  # time-based from now on: the main thread opens it
+    deadline = time.monotonic() + 5
+    while sampler._state != OPEN and time.monotonic() < deadline:
+        sum(range(100))
+    assert sampler._state == OPEN and sampler._time_based
+
+
+def test_a_window_that_cannot_open_leaves_nothing_armed(
+    sampler: OpsSampler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: Any) -> bool:
+        raise RuntimeError("no profiler here")
+
+    monkeypatch.setattr(ops_module._Profiler, "start", broken)
+    sampler.tick(time.time(), FakeSteps())
+    assert sampler._state == ARMED
+    with sampler.window() as opened:
+        assert not opened
+    assert sampler._state == IDLE and step_hooks.BOUNDARY[0] is None
+
+
+def test_requested_windows_are_rate_limited_and_their_traces_bounded(
+    sampler: OpsSampler, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(ops_module, "KEPT_TRACES", 2)
+    steps = FakeSteps()
+    model, opt = _model()
+    paths = []
+    for _ in range(3):
+        sampler._next_due = time.monotonic() + 60
+        sampler._last_closed = 0.0
+        sampler.request_window()
+        sampler.tick(time.time(), steps)
+        _boundary()
+        _train_steps(model, opt, 2)
+        _boundary()
+        _boundary()
+        (frame,) = [m for m in sampler.tick(time.time(), steps) if isinstance(m, OpsWindow)]
+        assert frame.requested
+        paths.append(Path(frame.trace_path or ""))
+    assert [p.exists() for p in paths] == [False, True, True]
+    sampler.request_window()  # straight after a window: waits its second
+    sampler.tick(time.time(), steps)
+    assert sampler._state == IDLE and sampler._request.is_set()

@@ -20,7 +20,7 @@ from typing import Any
 
 from torchtop.agent.oom import OomController
 from torchtop.agent.ops import PROBE as OPS_PROBE
-from torchtop.agent.ops import OpsSampler
+from torchtop.agent.ops import OpsSampler, quiet_kineto
 from torchtop.agent.output import OutputCapture
 from torchtop.agent.sampler import Sampler, SamplerStats, torch_imported
 from torchtop.agent.server import EVENTS, LOGS, SAMPLES, AgentServer
@@ -260,9 +260,7 @@ class Agent:
                 ProbeStatus(t=time.time(), probe=OPS_PROBE, available=False, detail=detail)
             )
         else:
-            # Kineto prints two lines on stderr per window; this level keeps them (and only
-            # kineto's own messages) off the job's output, unless the job chose a level.
-            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+            quiet_kineto()  # kineto's two lines per window stay off the job's stderr
         self.training.start()  # the step and DataLoader hooks, as soon as torch is loaded
         self.oom.start()  # in the job's thread: the --memory-limit dispatch mode is per thread
         self.sampler.start()

@@ -488,6 +488,43 @@ class _Profiler:
 
 
 IDLE, ARMED, OPEN = range(3)
+#: Step boundaries in a row inside torch's callbacks before windows stop waiting for steps.
+REFUSED_LIMIT = 16
+#: How long the job's profiler, starting in another thread, waits for ours to stop.
+OWNER_WAIT_S = 2.0
+#: Requested windows: at most one a second, and the last KEPT_TRACES traces kept.
+REQUEST_GAP_S = 1.0
+KEPT_TRACES = 20
+#: Kineto's log level that keeps its per-window start/stop lines off the job's stderr.
+KINETO_QUIET = "6"
+#: The agent set KINETO_LOG_LEVEL (the job had not): taken back once kineto has read it.
+_KINETO_DEFAULTED = [False]
+
+
+def quiet_kineto() -> None:
+    """Keep kineto's two lines per window off the job's stderr, unless the job chose a level.
+    This level hides kineto's own warnings too, for as long as it is set: until the first
+    window has started (kineto reads it once), so that the job's children do not inherit it."""
+    if "KINETO_LOG_LEVEL" not in os.environ:
+        os.environ["KINETO_LOG_LEVEL"] = KINETO_QUIET
+        _KINETO_DEFAULTED[0] = True
+
+
+def _raise_in_this_thread_later(exc: BaseException) -> None:
+    """Have ``exc`` raised in this thread as its next Python function (outside this module) is
+    entered: a pending call runs inside C code of the interpreter, where an exception cannot
+    be raised. A profile function (``sys.setprofile``) raises it once and removes itself."""
+    previous = sys.getprofile()
+    here = __file__
+
+    def deliver(frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call" or frame.f_code.co_filename == here:
+            return
+        sys.setprofile(previous)
+        raise exc
+
+    sys.setprofile(deliver)
+
 
 #: Nesting depth of :func:`paused` sections: no window opens while above zero.
 _paused = [0]
@@ -580,6 +617,15 @@ class OpsSampler:
         #: Opened by :meth:`window` around a section: only its end closes it.
         self._explicit = False
         self._closed: deque[_Closed] = deque(maxlen=4)
+        #: The window's owner (the thread that opened it) should close it at its next chance:
+        #: the profiler can only be stopped from that thread.
+        self._close_requested = False
+        self._discard = False
+        #: Boundaries in a row refused (inside torch's callbacks): past REFUSED_LIMIT the
+        #: steps are no place for windows, and time-based windows take over.
+        self._refused = 0
+        self._steps_unsafe = False
+        self._pid = os.getpid()
         #: A pending call to open (close) the window in the main thread is queued.
         self._opening = False
         self._closing = False
@@ -604,12 +650,25 @@ class OpsSampler:
         self._total_duration = 0.0
         self._total_sync = 0
         self._total_copies = 0
+        #: Some window recorded device activity: the tables keep their device columns.
+        self._device_seen = False
+        #: Traces of windows a viewer asked for, oldest first (at most KEPT_TRACES kept).
+        self._kept_traces: deque[Path] = deque()
+        self._last_closed = 0.0
         #: The step collector's latest step durations.
         self._recent_steps: deque[float] = deque()
         self._pending_calls: list[Any] = []  # ctypes callbacks must outlive the call
         self._site_of: Callable[[str], str | None] | None = None
         self._lock = threading.Lock()
         _active[0] = self
+
+    def forget_in_child(self) -> None:
+        """In a forked child: no agent, so no windows (a pending call queued before the fork
+        finds the pid changed and does nothing)."""
+        self._stopped = True
+        self._state = IDLE
+        if _active[0] is self:
+            _active[0] = None
 
     # -- requests from other threads ---------------------------------------------------------
 
@@ -625,16 +684,23 @@ class OpsSampler:
             if key != self.clock:
                 return
             if self._state == ARMED:
-                if not _paused[0] and not inside_torch_callback(sys._getframe(1)):
-                    self._open(time_based=False)
-            elif self._state == OPEN and not self._time_based:
-                self._steps_in += 1
-                if self._explicit:
+                if _paused[0]:
                     return
-                if self._steps_in >= self.window_steps and not inside_torch_callback(
-                    sys._getframe(1)
-                ):
-                    self._close()
+                if inside_torch_callback(sys._getframe(1)):
+                    self._refuse()
+                    return
+                self._refused = 0
+                self._open(time_based=False)
+            elif self._state == OPEN and self._thread == threading.get_ident():
+                if not self._time_based:
+                    self._steps_in += 1
+                due = self._close_requested or (
+                    not self._time_based
+                    and not self._explicit
+                    and self._steps_in >= self.window_steps
+                )
+                if due and not inside_torch_callback(sys._getframe(1)):
+                    self._close(keep=not self._discard)
         except Exception as exc:  # pragma: no cover - the profiler failed in a new way
             self._fail(exc)
 
@@ -642,15 +708,20 @@ class OpsSampler:
         self._state = IDLE
         self._time_armed = False
         step_hooks.BOUNDARY[0] = None if time_based else self.at_boundary
+        if os.getpid() != self._pid or self._stopped:  # a forked child, or after the agent
+            step_hooks.BOUNDARY[0] = None
+            return
         if user_profiler_running():
             self._blocked = True
             step_hooks.BOUNDARY[0] = None
             return
-        if self._profiler is None:
-            self._profiler = _Profiler(record_shapes=self.record_shapes, with_stack=self.with_stack)
         began = time.time()
         t0 = time.perf_counter()
         try:
+            if self._profiler is None:
+                self._profiler = _Profiler(
+                    record_shapes=self.record_shapes, with_stack=self.with_stack
+                )
             self._device = self._profiler.start()
         except Exception as exc:
             step_hooks.BOUNDARY[0] = None
@@ -664,14 +735,30 @@ class OpsSampler:
         self._start_cost = t1 - t0
         self._opened_at = t1
         self._steps_in = 0
+        self._close_requested = False
+        self._discard = False
         self._state = OPEN
         self._failures = 0
         self._failure = None
+        if _KINETO_DEFAULTED[0]:
+            # Kineto has read its log level by now: the job's children need not inherit ours.
+            _KINETO_DEFAULTED[0] = False
+            if os.environ.get("KINETO_LOG_LEVEL") == KINETO_QUIET:
+                del os.environ["KINETO_LOG_LEVEL"]
 
     def _close(self, *, keep: bool = True) -> None:
+        """Stop the profiler: only the thread that started it can (torch's profiler state is
+        per thread). From any other thread, the owner is asked to, at its next boundary."""
+        if self._thread != threading.get_ident():
+            self._discard = self._discard or not keep
+            self._close_requested = True
+            return
         profiler = self._profiler
+        # No tick arms the next window while this one stops (it may take a while).
+        self._next_due = time.monotonic() + max(self.min_spacing_s, self.spacing_s)
         self._state = IDLE
         step_hooks.BOUNDARY[0] = None
+        self._close_requested = False
         if profiler is None:
             return
         t0 = time.perf_counter()
@@ -697,6 +784,16 @@ class OpsSampler:
                 )
             )
         self._requested_window = False
+        self._last_closed = time.monotonic()
+
+    def _refuse(self) -> None:
+        """A boundary inside torch's callbacks (an optimizer stepped from backward, or in a
+        compiled region): no window there. Too many in a row, and the steps are given up."""
+        self._refused += 1
+        if self._refused >= REFUSED_LIMIT:
+            self._steps_unsafe = True
+            self._state = IDLE
+            step_hooks.BOUNDARY[0] = None
 
     def _fail(self, exc: BaseException) -> None:
         self._failures += 1
@@ -715,14 +812,11 @@ class OpsSampler:
             and self._failures < 3
             and not inside_torch_callback(sys._getframe(2))
         ):
-            was_armed = self._state == ARMED
             self._open(time_based=False)
             opened = self._state == OPEN
             if opened:
                 self._explicit = True
                 step_hooks.BOUNDARY[0] = self.at_boundary
-            elif was_armed:
-                self._state = ARMED
         try:
             yield opened
         finally:
@@ -737,6 +831,11 @@ class OpsSampler:
         self._user_profiler = True
         if self._state == OPEN:
             self._close(keep=False)
+            # Opened by another thread: its owner stops it at its next step boundary. Give it
+            # that long (bounded), so that the two profilers never run at once.
+            deadline = time.monotonic() + OWNER_WAIT_S
+            while self._state == OPEN and time.monotonic() < deadline:
+                time.sleep(0.001)
         elif self._state == ARMED:
             self._state = IDLE
             step_hooks.BOUNDARY[0] = None
@@ -747,9 +846,11 @@ class OpsSampler:
     def close_now(self, *, disarm: bool = True) -> None:
         """Close an open window if this thread opened it (at the agent's stop, at exit), and
         unless told otherwise disarm one that waits for a step."""
-        if self._state == OPEN and self._thread == threading.get_ident():
+        if self._state == OPEN:
             with contextlib.suppress(Exception):
-                self._close()
+                self._close()  # from another thread: asks the owner
+            if self._state == OPEN and self._thread == threading.main_thread().ident:
+                self._closing = self._in_main_thread(self._close_in_main_thread)
         elif self._state == ARMED and disarm:
             self._state = IDLE
             step_hooks.BOUNDARY[0] = None
@@ -761,11 +862,19 @@ class OpsSampler:
         one it was running then). False if it could not be queued."""
 
         def call(_arg: Any) -> int:
-            with contextlib.suppress(Exception):
-                # The frame the main thread was running when the call came in.
-                fn(sys._getframe(1))
-            with contextlib.suppress(ValueError):
-                self._pending_calls.remove(callback)
+            try:
+                try:
+                    # The frame the main thread was running when the call came in.
+                    fn(sys._getframe(1))
+                finally:
+                    with contextlib.suppress(ValueError):
+                        self._pending_calls.remove(callback)
+            except Exception:
+                pass
+            except BaseException as exc:
+                # A signal's handler ran in here (Ctrl-C, a SIGTERM handler calling sys.exit):
+                # raised through ctypes it would be lost, so the job gets it right after.
+                _raise_in_this_thread_later(exc)
             return 0
 
         callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(call)
@@ -791,7 +900,7 @@ class OpsSampler:
         if self._state != OPEN or self._thread != threading.get_ident():
             return
         if not inside_torch_callback(frame):
-            self._close()
+            self._close(keep=not self._discard)
 
     def _overdue_s(self) -> float:
         """How long a step window may stay open: ten times its steps' usual time, 2 s at least."""
@@ -837,11 +946,12 @@ class OpsSampler:
             self._opening = self._in_main_thread(self._open_time_window)
         if self._state != IDLE or self._user_profiler or self._blocked:
             return messages
-        requested = self._request.is_set()
+        # A viewer's request is honoured at most once a second.
+        requested = self._request.is_set() and monotonic - self._last_closed >= REQUEST_GAP_S
         due = monotonic >= self._next_due
         if not requested and not due:
             return messages
-        if self.clock is not None:
+        if self.clock is not None and not self._steps_unsafe:
             if requested or steps.total >= self.first_after_steps:
                 self._arm(requested, monotonic)
                 step_hooks.BOUNDARY[0] = self.at_boundary
@@ -886,13 +996,15 @@ class OpsSampler:
         path = self._save_trace(closed)
         merge(self._cumulative, window.ops)
         steps = closed.steps
-        self._total_steps += steps or 0
         self._total_duration += closed.wall_s
-        self._total_sync += window.sync_points
-        self._total_copies += window.copies
+        if steps:  # per-step figures come from windows that spanned steps
+            self._total_steps += steps
+            self._total_sync += window.sync_points
+            self._total_copies += window.copies
         device = closed.device and window.device
+        self._device_seen = self._device_seen or device
         ops, other = ranked(window.ops, device=device)
-        cumulative, cumulative_other = ranked(self._cumulative, device=device)
+        cumulative, cumulative_other = ranked(self._cumulative, device=self._device_seen)
         # What the window cost the job: starting and stopping, the profiled steps' slowdown
         # against the recent median step, and our own reading (it holds the GIL).
         slowdown = closed.wall_s
@@ -932,6 +1044,11 @@ class OpsSampler:
         or ``<prefix>ops-<N>.json`` (kept) for a window a viewer asked for."""
         name = f"ops-{self.windows}.json" if closed.requested else "ops-last.json"
         target = self.trace_dir / f"{self.trace_prefix}{name}"
+        if closed.requested:
+            self._kept_traces.append(target)
+            while len(self._kept_traces) > KEPT_TRACES:
+                with contextlib.suppress(OSError):
+                    self._kept_traces.popleft().unlink()
         partial = target.with_name(target.name + ".partial")
         try:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
@@ -944,9 +1061,13 @@ class OpsSampler:
         return str(target)
 
     def stop(self, now: float) -> list[Message]:
-        """Close a window this thread has open, and the frames of those not yet sent."""
+        """Close a window this thread has open (one that another thread opened closes at its
+        owner's next boundary), and the frames of those not yet sent."""
         self.close_now()
-        step_hooks.BOUNDARY[0] = None
+        if self._state != OPEN:
+            step_hooks.BOUNDARY[0] = None
+        if _active[0] is self:
+            _active[0] = None
         with self._lock:
             messages: list[Message] = []
             while self._closed:

@@ -332,10 +332,11 @@ class TrainingMonitor:
             return fn(*args)
         except Exception as exc:
             self.ops = None
-            step_hooks.BOUNDARY[0] = None
             if ops is not None:
                 with contextlib.suppress(Exception):
-                    ops.close_now()
+                    ops.stop(time.time())  # an open window closes at its owner's boundary
+            else:
+                step_hooks.BOUNDARY[0] = None
             detail = f"op timings unavailable: op sampling failed: {exc!r}"
             return [ProbeStatus(t=time.time(), probe=OPS_PROBE, available=False, detail=detail)]
 
@@ -408,6 +409,8 @@ def _uninstall_in_child() -> None:
     if monitor is not None:
         monitor._running = False
         step_hooks.BOUNDARY[0] = None
+        if monitor.ops is not None:
+            monitor.ops.forget_in_child()
         # Another thread may have held the lock at the fork; in the child it never will again.
         monitor._lock = threading.Lock()
         try:
@@ -423,7 +426,7 @@ def _close_window_before_fork() -> None:
     monitor = _current
     if monitor is not None and monitor.ops is not None:
         with contextlib.suppress(Exception):
-            monitor.ops.close_now()
+            monitor.ops.close_now(disarm=False)
 
 
 os.register_at_fork(before=_close_window_before_fork, after_in_child=_uninstall_in_child)
