@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import torchtop
 from torchtop.demos import _harness as harness
+from torchtop.demos.checkpointing import DeepMLP  # deep and narrow: activations dominate
 from torchtop.sizes import parse_size
 
 #: The size of the device that ``torchtop demo oom`` emulates when the demo runs on the CPU.
@@ -45,34 +45,6 @@ CPU_MEMORY_LIMIT = "512MiB"
 #: With ``--quick`` on CUDA, this process may use at most this much of the GPU.
 CUDA_QUICK_CAP = 4 << 30
 MICRO_BATCHES = 4
-
-
-class DeepMLP(nn.Module):
-    """``depth`` blocks of Linear + GELU and a head; ``segment`` > 0 checkpoints that many
-    blocks at a time."""
-
-    def __init__(self, width: int, depth: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)
-        )
-        self.head = nn.Linear(width, 1)
-        self.segment = 0
-
-    def run_blocks(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        for block in self.blocks[start:stop]:
-            x = block(x)
-        return x
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.segment == 0:
-            return self.head(self.run_blocks(x, 0, len(self.blocks)))
-        for start in range(0, len(self.blocks), self.segment):
-            stop = min(start + self.segment, len(self.blocks))
-            out = checkpoint(self.run_blocks, x, start, stop, use_reentrant=False)
-            assert isinstance(out, torch.Tensor)
-            x = out
-        return self.head(x)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes.source import FakeSource
+from fakes.source import RequestingSource
 from rich.console import Console
 from test_tui_app import SIZE, T0, cuda_job, drained, pilot_test, static_text
 from textual.widgets import DataTable, Static
@@ -33,21 +33,6 @@ from torchtop.tui.widgets.chart import TimeSeriesChart
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 GiB = 1 << 30
-
-
-class RequestingSource(FakeSource):
-    """A fake source that can (or cannot) reach an agent with requests."""
-
-    def __init__(self, messages: Any = (), *, reachable: bool = True, **kwargs: Any) -> None:
-        super().__init__(messages, **kwargs)
-        self.reachable = reachable
-
-    def send_request(self, action: str) -> bool:
-        self.calls.append(("send_request", action))
-        return self.reachable
-
-    def requests(self) -> list[object]:
-        return [call[1] for call in self.calls if call[0] == "send_request"]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import dataclasses
 import io
 from typing import Any, cast
 
-from fakes.source import FakeSource
+from fakes.source import FakeSource, RequestingSource
 from rich.console import Console
 from test_tui_app import SIZE, T0, cuda_job, drained, pilot_test, static_text
 from textual.pilot import Pilot
@@ -134,21 +134,6 @@ async def open_ops(pilot: Pilot[int]) -> OpsPanel:
     app = pilot.app
     assert isinstance(app, TorchtopApp)
     return app.query_one(OpsPanel)
-
-
-class RequestingSource(FakeSource):
-    """A fake source that can (or cannot) reach an agent with requests."""
-
-    def __init__(self, messages: Any = (), *, reachable: bool = True, **kwargs: Any) -> None:
-        super().__init__(messages, **kwargs)
-        self.reachable = reachable
-
-    def send_request(self, action: str) -> bool:
-        self.calls.append(("send_request", action))
-        return self.reachable
-
-    def requests(self) -> list[object]:
-        return [call[1] for call in self.calls if call[0] == "send_request"]
 
 
 class FeedStub:

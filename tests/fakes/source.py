@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torchtop.protocol import Message
 from torchtop.tui.source import Sink, Source
@@ -101,3 +101,18 @@ class FakeSource(Source):
 
     def called(self, method: str) -> bool:
         return any(call[0] == method for call in self.calls)
+
+
+class RequestingSource(FakeSource):
+    """A fake source that can (or cannot) reach an agent with requests."""
+
+    def __init__(self, messages: Any = (), *, reachable: bool = True, **kwargs: Any) -> None:
+        super().__init__(messages, **kwargs)
+        self.reachable = reachable
+
+    def send_request(self, action: str) -> bool:
+        self.calls.append(("send_request", action))
+        return self.reachable
+
+    def requests(self) -> list[object]:
+        return [call[1] for call in self.calls if call[0] == "send_request"]
