@@ -74,6 +74,25 @@ def count_ops(fn: Callable[[], object]) -> OpCounts:
     )
 
 
+def measure_and_count(
+    name: str,
+    fn: Callable[[], object],
+    description: str,
+    *,
+    device: torch.device,
+    repeat: int,
+    min_seconds: float,
+    steps: int,
+) -> tuple[harness.PhaseResult, OpCounts]:
+    """Time the loop ``fn`` as a phase, then count what one call of it did (after the timing:
+    every step then has gradients, as in training); the counts per step go in the table."""
+    result = harness.measure(
+        name, fn, device=device, repeat=repeat, min_seconds=min_seconds, description=description
+    )
+    ops = count_ops(fn)
+    return dataclasses.replace(result, extra=per_step_counts(ops, steps)), ops
+
+
 def make_model(device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     width = 128
@@ -183,16 +202,15 @@ def move_once_or_every_step(
             "steps only compute. x.to(device) on a tensor already there returns it unchanged.",
         ),
     ):
-        result = harness.measure(
+        result, ops = measure_and_count(
             name,
             fn,
+            description,
             device=device,
             repeat=repeat,
             min_seconds=min_seconds,
-            description=description,
+            steps=steps,
         )
-        ops = count_ops(fn)  # after the timing: every step then has gradients, as in training
-        result = dataclasses.replace(result, extra=per_step_counts(ops, steps))
         print(
             f"{name}: {harness.format_seconds(result.seconds / steps)} a step, with "
             f"{ops.to_calls / steps:g} to() calls and {ops.copies / steps:g} real copies a step"
@@ -258,16 +276,15 @@ def item_every_step_or_once(
             "loop only queues work and never waits. Three reads for the whole loop.",
         ),
     ):
-        result = harness.measure(
+        result, ops = measure_and_count(
             name,
             fn,
+            description,
             device=device,
             repeat=repeat,
             min_seconds=min_seconds,
-            description=description,
+            steps=steps,
         )
-        ops = count_ops(fn)
-        result = dataclasses.replace(result, extra=per_step_counts(ops, steps))
         print(
             f"{name}: {harness.format_seconds(result.seconds / steps)} a step, "
             f"{ops.host_reads} host reads in {steps} steps ({ops.host_reads / steps:.3g} a step)"
