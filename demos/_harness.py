@@ -146,10 +146,12 @@ def measure(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     with torchtop.phase(name, description), untimed_by_profiler():
-        result = fn()  # warm-up: first-call costs (allocator growth, kernel selection)
+        _pass[0] = "warm-up"
+        result = fn()  # first-call costs (allocator growth, kernel selection)
         _synchronize(device)
         del result
 
+        _pass[0] = "timed"
         times: list[float] = []
         phase_start = time.perf_counter()
         while len(times) < max(1, repeat) or time.perf_counter() - phase_start < min_seconds:
@@ -161,6 +163,7 @@ def measure(
 
         # Under the torchtop agent, one more call in a profiler window of its own: the
         # viewer's ops panel (key t) shows this phase's ops, sync points and copies.
+        _pass[0] = "profiled"
         if statistics.median(times) < PROFILED_CALL_MAX_S:
             with op_window() as opened:
                 if opened:
@@ -168,11 +171,22 @@ def measure(
                     _synchronize(device)
                     del result
 
+        _pass[0] = "memory"
         gc.collect()
         peak = _peak_bytes(fn, device)
+    _pass[0] = None
     return PhaseResult(name, statistics.median(times), peak, dict(extra or {}))
 
 
+def current_pass() -> str | None:
+    """Which of :func:`measure`'s calls is running: ``"warm-up"``, ``"timed"``,
+    ``"profiled"``, ``"memory"``; ``None`` outside it. For a demo that records something per
+    call and must keep only the timed calls' records."""
+    return _pass[0]
+
+
+#: The pass of :func:`measure` that is running (see :func:`current_pass`).
+_pass: list[str | None] = [None]
 #: Phases whose call takes longer than this get no profiled call of their own.
 PROFILED_CALL_MAX_S = 1.0
 

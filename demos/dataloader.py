@@ -196,17 +196,18 @@ def measure_loading(
     """Train one epoch per call, as a measured phase; returns the result and the first epoch.
 
     :func:`harness.measure` runs the epoch once to warm up, ``repeat`` times (or more) for
-    time, and once more for memory; the columns come from the timed epochs.
+    time, and once more for memory (and under the agent once in a profiler window); the
+    columns come from the timed epochs.
     """
-    epochs: list[EpochStats] = []
+    epochs: list[tuple[str | None, EpochStats]] = []
     result = harness.measure(
         name,
-        lambda: epochs.append(run_epoch(loader, model)),
+        lambda: epochs.append((harness.current_pass(), run_epoch(loader, model))),
         device=options.device,
         repeat=repeat,
         description=description,
     )
-    timed = epochs[1:-1]
+    timed = [epoch for kind, epoch in epochs if kind == "timed"]
     samples_per_second = statistics.median(e.samples / e.seconds for e in timed)
     wait = statistics.median(e.wait_fraction for e in timed)
     first_batch = statistics.median(e.first_batch for e in timed)
@@ -226,7 +227,7 @@ def measure_loading(
         f"{harness.format_seconds(first_batch)}, epoch end (StopIteration) after "
         f"{harness.format_seconds(ending)}"
     )
-    return result, epochs[0]
+    return result, epochs[0][1]
 
 
 def compare_workers(

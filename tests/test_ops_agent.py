@@ -443,16 +443,21 @@ def test_no_window_inside_a_demos_timing_pass(sampler: OpsSampler) -> None:
     sampler.tick(time.time(), FakeSteps(clock="explicit"))
     assert sampler._state == ARMED
     during: list[int] = []
+    passes: list[str | None] = []
 
     def work() -> torch.Tensor:
         torchtop.step()  # a step boundary in the timed code
         during.append(sampler._state)
+        passes.append(harness.current_pass())
         return torch.ones(4) * 2
 
     harness.measure("timed", work, device="cpu", repeat=3)
     # Warm-up and three timed calls: armed, never open; then one call in a window of its own
     # (the phase's ops for the viewer), and the memory pass, outside any window.
     assert during == [ARMED] * 4 + [OPEN, IDLE]
+    # A demo that records per call can keep the timed calls only.
+    assert passes == ["warm-up", "timed", "timed", "timed", "profiled", "memory"]
+    assert harness.current_pass() is None
     (frame,) = [m for m in sampler.tick(time.time(), FakeSteps()) if isinstance(m, OpsWindow)]
     assert frame.steps == 1 and "aten::mul" in [op.name for op in frame.ops]
     torchtop.step()  # no window was armed since: none opens
