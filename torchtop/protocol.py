@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Iterator
@@ -607,6 +608,8 @@ def decode(frame: bytes | str) -> Message | None:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES} limit")
     try:
         obj = json.loads(frame)
+    except RecursionError:
+        raise ProtocolError("frame is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"frame is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -618,8 +621,14 @@ def decode(frame: bytes | str) -> Message | None:
     if cls is None:
         return None
     body = {k: v for k, v in obj.items() if k != "kind"}
-    message = _build(cls, body, kind)
-    assert isinstance(message, Message)
+    try:
+        message = _build(cls, body, kind)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a reader must never fail on a frame other than as malformed
+        raise ProtocolError(f"{kind}: unreadable frame ({type(exc).__name__})") from None
+    if not isinstance(message, Message):
+        raise ProtocolError(f"{kind}: unreadable frame")
     return message
 
 
@@ -679,7 +688,10 @@ def _check(tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ProtocolError(f"{where}: expected a number")
-        return float(value)
+        value = float(value)
+        if not math.isfinite(value):
+            raise ProtocolError(f"{where}: expected a finite number")
+        return value
     if tp is str:
         if not isinstance(value, str):
             raise ProtocolError(f"{where}: expected a string")

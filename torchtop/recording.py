@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from torchtop.protocol import MAX_FRAME_BYTES, Message, ProtocolError, decode, encode
+from torchtop.protocol import MAX_FRAME_BYTES, Message, decode, encode
 
 FLUSH_INTERVAL_S = 0.5
 
@@ -92,7 +92,7 @@ def read_recording(path: str | os.PathLike[str]) -> RecordingContents:
             continue
         try:
             message = decode(line)
-        except ProtocolError:
+        except Exception:  # ProtocolError, or anything else a damaged line provokes
             skipped += 1
             continue
         if message is not None:

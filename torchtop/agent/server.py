@@ -233,7 +233,7 @@ class AgentServer:
                     with contextlib.suppress(Exception):
                         self.on_request(message)
                 # Later frames of kinds we don't know are ignored.
-        except ProtocolError:
+        except Exception:  # ProtocolError, or anything a bad peer provokes: only it goes
             self._drop_client(client)
 
     def _greet(self, client: _Client) -> None:
