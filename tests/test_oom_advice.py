@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from torchtop.oom_advice import (
+from torchtop.model.oom_advice import (
     Evidence,
     grew_step_over_step,
     phase_at,
@@ -210,10 +210,10 @@ def test_the_viewer_side_and_the_oom_agent_modules_import_no_torch() -> None:
     import sys
 
     modules = [
-        "torchtop.oom_advice",
+        "torchtop.model.oom_advice",
         "torchtop.oom_report",
         "torchtop.sizes",
-        "torchtop.tui.captures",
+        "torchtop.model.captures",
         "torchtop.tui.oom_screen",
         "torchtop.agent.oom",  # imports torch only once the job has
         "torchtop.agent.memory_snapshot",

@@ -16,6 +16,8 @@ from textual.widgets import DataTable, Static
 
 from torchtop.agent.core import AgentConfig
 from torchtop.agent.oom import OomController
+from torchtop.model.captures import MemoryCaptures
+from torchtop.model.job import JobModel
 from torchtop.protocol import (
     REQUEST_RESUME,
     REQUEST_SNAPSHOT,
@@ -26,9 +28,7 @@ from torchtop.protocol import (
     PhaseBegan,
 )
 from torchtop.tui.app import HelpScreen, TorchtopApp
-from torchtop.tui.captures import MemoryCaptures
 from torchtop.tui.oom_screen import OomScreen, banner_text, site_rows, stack_text
-from torchtop.tui.state import MonitorState
 from torchtop.tui.widgets.chart import TimeSeriesChart
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -265,12 +265,12 @@ def test_a_recording_cannot_resume_or_snapshot_but_shows_the_oom(captured: OutOf
 
 
 def test_eval_phase_with_grad_on_suggests_no_grad(captured: OutOfMemory) -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply_all([*cuda_job(), PhaseBegan(T0 + 29.0, "eval", 9), captured])
     (entry,) = state.captures.entries
     assert "phase eval" in plain(banner_text(entry, state))
-    from torchtop.oom_advice import suggest
-    from torchtop.tui.captures import capture_evidence
+    from torchtop.model.captures import capture_evidence
+    from torchtop.model.oom_advice import suggest
 
     assert [s.id for s in suggest(capture_evidence(state, captured))][:2] == [
         "expandable-segments",
@@ -328,7 +328,7 @@ def test_the_memory_panel_shows_the_emulated_limit() -> None:
     from torchtop.tui.widgets.memory import memory_figures
 
     MiB = 1 << 20
-    state = MonitorState()
+    state = JobModel()
     stats = MemoryStats(
         "cpu", "cpu-tensors", 130 * MiB, 746 * MiB, peak_allocated_bytes=225 * MiB,
         num_ooms=1, free_bytes=126 * MiB, total_bytes=256 * MiB,

@@ -18,6 +18,7 @@ from textual.widget import Widget
 from textual.widgets import DataTable, Input, Static
 
 from torchtop.feed import AgentFeed
+from torchtop.model.job import JobModel
 from torchtop.protocol import (
     REQUEST_PROFILE,
     JobExited,
@@ -30,7 +31,6 @@ from torchtop.protocol import (
 from torchtop.tui.app import HelpScreen, QuitScreen, TorchtopApp
 from torchtop.tui.source import Sink
 from torchtop.tui.sources import LiveSource
-from torchtop.tui.state import MonitorState
 from torchtop.tui.widgets.ops import (
     OTHER_LABEL,
     OpsFilter,
@@ -242,7 +242,7 @@ def test_small_formatters() -> None:
 
 
 def test_summary_lines() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply_all([*ops_job(), window()])
     now = state.now
     assert now is not None
@@ -259,7 +259,7 @@ def test_summary_lines() -> None:
 
 
 def test_state_keeps_the_latest_window_and_the_probe() -> None:
-    state = MonitorState()
+    state = JobModel()
     assert state.ops is None and state.ops_windows == 0 and state.ops_unavailable is None
     state.apply(window())
     state.apply(window(window=8, t=T0 + 50))
@@ -494,7 +494,7 @@ async def test_help_lists_the_ops_keys() -> None:
 def test_a_window_names_the_phase_it_was_taken_in() -> None:
     from torchtop.protocol import PhaseBegan, PhaseEnded
 
-    state = MonitorState()
+    state = JobModel()
     state.apply_all(ops_job())
     state.apply_all(
         [

@@ -13,9 +13,9 @@ from test_steps_view import steps_frame
 from test_tui_app import SIZE, T0, cpu_job, cuda_job, drained, pilot_test
 from textual.widget import Widget
 
+from torchtop.model.job import JobModel
 from torchtop.protocol import Message, PhaseBegan, PhaseEnded, ProbeStatus
 from torchtop.tui.app import TorchtopApp
-from torchtop.tui.state import MonitorState
 from torchtop.tui.widgets.chart import TimeSeriesChart
 from torchtop.tui.widgets.memory import MemoryPanel
 from torchtop.tui.widgets.phase_info import PhaseInfo, fit_lines, phase_text, phase_title
@@ -119,7 +119,7 @@ async def test_no_panel_without_descriptions() -> None:
 
 
 def test_a_long_description_ends_in_an_ellipsis() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(PhaseBegan(T0, "long", 1, description="word " * 200))
     phase = state.explained_phase
     assert phase is not None
@@ -131,7 +131,7 @@ def test_a_long_description_ends_in_an_ellipsis() -> None:
 
 
 def test_the_explained_phase_is_the_latest_described_running_one() -> None:
-    state = MonitorState()
+    state = JobModel()
     assert state.explained_phase is None
     state.apply(PhaseBegan(T0, "outer", 1, description="what outer does"))
     # A nested phase without a description leaves the explanation where it is.

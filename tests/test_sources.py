@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+from torchtop.model.events import SourceConnected, SourceDisconnected
 from torchtop.protocol import Marked, Message
-from torchtop.tui.source import SourceConnected, SourceDisconnected
 from torchtop.tui.sources import RecordingSource
 
 

@@ -1,9 +1,11 @@
-"""MonitorState: what each message means to the viewer, without an app."""
+"""JobModel: what each message means to the viewer, without an app."""
 
 from __future__ import annotations
 
 import pytest
 
+from torchtop.model.events import SourceConnected, SourceDisconnected, SourceStatus
+from torchtop.model.job import JobModel, visible_text
 from torchtop.protocol import (
     ClientHello,
     DeviceInfo,
@@ -21,8 +23,6 @@ from torchtop.protocol import (
     ProbeStatus,
     Sample,
 )
-from torchtop.tui.source import SourceConnected, SourceDisconnected, SourceStatus
-from torchtop.tui.state import MonitorState, visible_text
 
 T0 = 1_700_000_000.0
 GiB = 1 << 30
@@ -57,7 +57,7 @@ HOST = HostStats(3 * GiB, 104.0, 24, 4, 100 * GiB, 250 * GiB)
 
 
 def test_hello_sets_identity_and_makes_the_state_live() -> None:
-    state = MonitorState()
+    state = JobModel()
     assert state.connection == "connecting"
     state.apply(hello())
     assert state.hello is not None and state.hello.pid == 4242
@@ -67,7 +67,7 @@ def test_hello_sets_identity_and_makes_the_state_live() -> None:
 
 
 def test_now_and_uptime_come_from_message_times_not_the_clock() -> None:
-    state = MonitorState(mode="replay")
+    state = JobModel(mode="replay")
     state.apply(hello())
     state.apply(sample(T0, cuda(1, 2)))
     assert state.now == T0
@@ -80,7 +80,7 @@ def test_now_and_uptime_come_from_message_times_not_the_clock() -> None:
 
 
 def test_uptime_is_none_without_hello() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(sample(T0, cuda(1, 2)))
     assert state.uptime is None
 
@@ -89,7 +89,7 @@ def test_uptime_is_none_without_hello() -> None:
 
 
 def test_series_are_bounded() -> None:
-    state = MonitorState(history_points=50)
+    state = JobModel(history_points=50)
     for i in range(200):
         state.apply(sample(T0 + i / 10, cuda(i, 2 * i), host=HOST))
     memory = state.memory["cuda:0"]
@@ -100,7 +100,7 @@ def test_series_are_bounded() -> None:
 
 
 def test_fragmentation_is_reserved_minus_allocated() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(sample(T0, cuda(3 * GiB, 5 * GiB)))
     assert state.memory["cuda:0"].fragmentation == 2 * GiB
     state.apply(sample(T0 + 1, cuda(None, 5 * GiB)))
@@ -110,7 +110,7 @@ def test_fragmentation_is_reserved_minus_allocated() -> None:
 
 
 def test_peaks_are_running_maxima_of_peak_fields_and_current_values() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(sample(T0, cuda(4, 8, peak_allocated_bytes=6, peak_reserved_bytes=8)))
     memory = state.memory["cuda:0"]
     assert (memory.peak_allocated, memory.peak_reserved) == (6, 8)
@@ -125,7 +125,7 @@ def test_peaks_are_running_maxima_of_peak_fields_and_current_values() -> None:
 
 
 def test_primary_device_is_the_first_cuda_device_else_cpu() -> None:
-    state = MonitorState()
+    state = JobModel()
     assert state.primary_device == "cpu"
     state.apply(sample(T0, MemoryStats("cpu", "cpu-heap", 1, 2)))
     assert state.primary_device == "cpu"
@@ -143,7 +143,7 @@ def test_primary_device_is_the_first_cuda_device_else_cpu() -> None:
 
 
 def test_primary_device_from_hello_before_any_sample() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(hello([DeviceInfo("cpu", "cpu"), DeviceInfo("cuda:0", "NVIDIA H200", 141 * GiB)]))
     assert state.primary_device == "cuda:0"
     assert state.primary_memory is None
@@ -161,7 +161,7 @@ def test_memory_labels_say_what_the_numbers_are(
     source: str, allocated_label: str, reserved_label: str
 ) -> None:
     device = "cpu" if source.startswith("cpu") else "cuda:0"
-    state = MonitorState()
+    state = JobModel()
     state.apply(sample(T0, MemoryStats(device, source, 1, 2)))
     memory = state.memory[device]
     assert memory.allocated_label == allocated_label
@@ -173,7 +173,7 @@ def test_memory_labels_say_what_the_numbers_are(
 
 
 def test_host_gpus_and_probes() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(sample(T0, host=HOST))
     assert state.host == HOST
     assert list(state.rss_series) == [(T0, 3 * GiB)]
@@ -195,7 +195,7 @@ def test_host_gpus_and_probes() -> None:
 
 
 def test_phases_begin_and_end_by_id() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(PhaseBegan(T0, "repeat", 1))
     state.apply(PhaseBegan(T0 + 1, "inner", 2))
     assert [(p.name, p.start, p.end) for p in state.phases] == [
@@ -211,7 +211,7 @@ def test_phases_begin_and_end_by_id() -> None:
 
 
 def test_a_phase_that_ends_without_a_beginning_started_before_our_history() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(PhaseEnded(T0, "warmup", 7))
     (phase,) = state.phases
     assert (phase.name, phase.start, phase.end) == ("warmup", None, T0)
@@ -219,7 +219,7 @@ def test_a_phase_that_ends_without_a_beginning_started_before_our_history() -> N
 
 
 def test_marks() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(Marked(T0, "checkpoint"))
     state.apply(Marked(T0 + 5, "eval"))
     assert [m.name for m in state.marks] == ["checkpoint", "eval"]
@@ -227,7 +227,7 @@ def test_marks() -> None:
 
 
 def test_phases_and_marks_are_bounded() -> None:
-    state = MonitorState(max_events=10)
+    state = JobModel(max_events=10)
     for i in range(30):
         state.apply(PhaseBegan(T0 + i, f"step{i}", i))
         state.apply(PhaseEnded(T0 + i + 0.5, f"step{i}", i))
@@ -241,7 +241,7 @@ def test_phases_and_marks_are_bounded() -> None:
 
 
 def test_logs_are_bounded_and_counted() -> None:
-    state = MonitorState(log_lines=5)
+    state = JobModel(log_lines=5)
     for i in range(12):
         state.apply(LogLine(T0 + i, "stdout" if i % 2 else "stderr", f"line {i}"))
     assert state.log_total == 12
@@ -251,7 +251,7 @@ def test_logs_are_bounded_and_counted() -> None:
 
 
 def test_progress_bar_redraws_keep_the_text_after_the_last_carriage_return() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(LogLine(T0, "stderr", " 10%|#   |\r 50%|#### |\r100%|########|"))
     state.apply(LogLine(T0, "stdout", "windows line ending\r"))
     assert [entry.text for entry in state.logs] == ["100%|########|", "windows line ending"]
@@ -276,14 +276,14 @@ def test_visible_text(raw: str, shown: str) -> None:
 
 
 def test_dropped_is_the_latest_running_total() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(Dropped(T0, 3))
     state.apply(Dropped(T0 + 1, 10))
     assert state.dropped == 10
 
 
 def test_exit_then_disconnect_is_ended() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(SourceConnected(T0, "/tmp/agent.sock"))
     assert state.connection == "live" and state.address == "/tmp/agent.sock"
     state.apply(hello())
@@ -297,7 +297,7 @@ def test_exit_then_disconnect_is_ended() -> None:
 
 
 def test_disconnect_without_exit_is_lost_and_keeps_the_data() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(hello())
     state.apply(sample(T0, cuda(1 * GiB, 2 * GiB), host=HOST))
     state.apply(LogLine(T0, "stdout", "step 1"))
@@ -312,7 +312,7 @@ def test_disconnect_without_exit_is_lost_and_keeps_the_data() -> None:
 
 
 def test_reconnect_after_a_loss_is_live_again() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(SourceDisconnected(T0, "agent restarting"))
     assert state.lost
     state.apply(SourceConnected(T0 + 1, "/tmp/agent.sock"))
@@ -321,7 +321,7 @@ def test_reconnect_after_a_loss_is_live_again() -> None:
 
 
 def test_status_text() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(SourceStatus(T0, "waiting for the agent"))
     assert state.status_text == "waiting for the agent"
     assert state.status_label == "connecting"
@@ -331,7 +331,7 @@ def test_status_text() -> None:
 
 
 def test_version_bumps_on_every_change() -> None:
-    state = MonitorState()
+    state = JobModel()
     messages = [
         SourceConnected(T0, "sock"),
         hello(),
@@ -353,7 +353,7 @@ def test_version_bumps_on_every_change() -> None:
 
 
 def test_version_stays_when_nothing_changed() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(hello())
     state.apply(ProbeStatus(T0, "nvml", False, "no driver"))
     state.apply(Dropped(T0, 4))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from torchtop.model.job import JobModel
+from torchtop.model.training import StepPoint, TrainingState
 from torchtop.protocol import (
     LoaderInfo,
     LoaderStats,
@@ -17,8 +19,6 @@ from torchtop.protocol import (
 )
 from torchtop.report import summarize
 from torchtop.steps_summary import weighted_quantile
-from torchtop.tui.state import MonitorState
-from torchtop.tui.training import StepPoint, TrainingState
 from torchtop.tui.widgets.steps import (
     format_seconds,
     format_seconds_short,
@@ -123,7 +123,7 @@ def test_detail_weights_add_up_to_the_count() -> None:
 
 
 def test_training_state_sums_and_the_recent_window() -> None:
-    state = MonitorState()
+    state = JobModel()
     assert not state.training.has_data
     state.apply(steps_frame(T0, 1, [None]))
     for i in range(1, 31):  # 30 s of 10 steps/s, waiting 60% of the time at the end
@@ -156,7 +156,7 @@ def test_sampled_frames_keep_exact_counts_and_weights() -> None:
 
 
 def test_loaders_replace_and_only_change_the_state_when_different() -> None:
-    state = MonitorState()
+    state = JobModel()
     state.apply(loaders_frame(T0))
     version = state.version
     state.apply(loaders_frame(T0 + 1))

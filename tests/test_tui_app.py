@@ -17,6 +17,7 @@ from rich.console import Console
 from textual.pilot import Pilot
 from textual.widgets import Static
 
+from torchtop.model.job import JobModel
 from torchtop.protocol import (
     DeviceInfo,
     Dropped,
@@ -36,7 +37,6 @@ from torchtop.protocol import (
 )
 from torchtop.tui.app import HelpScreen, QuitScreen, TorchtopApp
 from torchtop.tui.source import Sink, Source, SourceConnected, SourceDisconnected
-from torchtop.tui.state import MonitorState
 from torchtop.tui.widgets.chart import TimeSeriesChart
 from torchtop.tui.widgets.device import DevicePanel
 from torchtop.tui.widgets.header import JobHeader
@@ -307,7 +307,7 @@ async def test_redraws_only_when_the_state_changed() -> None:
         panel = app.query_one(MemoryPanel)
         original = panel.show_state
 
-        def counting_show_state(state: MonitorState) -> None:
+        def counting_show_state(state: JobModel) -> None:
             shown.append(state.version)
             original(state)
 

@@ -3,7 +3,7 @@
 Standard library only. :class:`CaptureCollector` watches a recording's messages as the report
 reads them: it keeps the primary device's recent allocated memory, the phases and the step
 ends, so that each failure gets its phase, its verdict and the suggestions of
-:mod:`torchtop.oom_advice`, as the viewer's OOM screen shows them.
+:mod:`torchtop.model.oom_advice`, as the viewer's OOM screen shows them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from torchtop.oom_advice import Evidence, phase_at, step_floors, suggest, verdict_text
+from torchtop.model.oom_advice import Evidence, phase_at, step_floors, suggest, verdict_text
 from torchtop.protocol import (
     MemoryCapture,
     MemorySnapshotTaken,
@@ -130,7 +130,7 @@ def capture_parts(events: list[dict[str, Any]]) -> list[Any]:
     """The text report's lines for each failure and snapshot (imports rich; JSON never does)."""
     from rich.text import Text
 
-    from torchtop.oom_advice import size
+    from torchtop.model.oom_advice import size
 
     parts: list[Any] = []
     for event in events:

@@ -1,7 +1,7 @@
 """The torchtop viewer: a Textual app that shows a :class:`Source`'s messages as they arrive.
 
 The source feeds a thread-safe queue from its own thread; a timer drains the queue into a
-:class:`MonitorState` a few times a second and redraws the widgets only when the state changed,
+:class:`JobModel` a few times a second and redraws the widgets only when the state changed,
 so an idle job costs the viewer next to no CPU. Never imports torch.
 """
 
@@ -19,6 +19,8 @@ from textual.screen import ModalScreen
 from textual.timer import Timer
 from textual.widgets import Footer, Static
 
+from torchtop.model.captures import CaptureEntry
+from torchtop.model.job import JobModel
 from torchtop.protocol import (
     REQUEST_PROFILE,
     REQUEST_RESUME,
@@ -26,10 +28,8 @@ from torchtop.protocol import (
     Message,
     OpsWindow,
 )
-from torchtop.tui.captures import CaptureEntry
 from torchtop.tui.oom_screen import OomScreen
 from torchtop.tui.source import Source, SourceDisconnected
-from torchtop.tui.state import MonitorState
 from torchtop.tui.widgets.device import DevicePanel
 from torchtop.tui.widgets.header import JobHeader, Playback
 from torchtop.tui.widgets.host import HostPanel
@@ -189,7 +189,7 @@ class TorchtopApp(App[int]):
     def __init__(self, source: Source, *, title: str | None = None) -> None:
         super().__init__()
         self.source = source
-        self.state = MonitorState(mode=source.mode)
+        self.state = JobModel(mode=source.mode)
         if title is not None:
             self.title = title
         # deque.append and popleft are atomic in CPython: the source's thread appends, the
@@ -277,7 +277,7 @@ class TorchtopApp(App[int]):
         self._show_captures(state)
         self._show_ops(state)
 
-    def _show_training(self, state: MonitorState) -> None:
+    def _show_training(self, state: JobModel) -> None:
         """The step and loader row appears once the job has taken a step or iterated a loader."""
         training = state.training
         if not training.has_data:
@@ -286,7 +286,7 @@ class TorchtopApp(App[int]):
         self.query_one(StepPanel).show_state(state)
         self.query_one(LoaderPanel).show_state(state)
 
-    def _show_phase_info(self, state: MonitorState) -> None:
+    def _show_phase_info(self, state: JobModel) -> None:
         """The phase panel appears beside the memory chart once a phase has a description."""
         shown = self.query_one(PhaseInfo).show_state(state)
         self.query_one("#memory-row").set_class(shown, "has-phase-info")
@@ -385,7 +385,7 @@ class TorchtopApp(App[int]):
 
     # -- out of memory and snapshots (torchtop.tui.oom_screen) ---------------------------------
 
-    def _show_captures(self, state: MonitorState) -> None:
+    def _show_captures(self, state: JobModel) -> None:
         """Open the OOM screen on a new failure (or a snapshot this viewer asked for), and keep
         an open one up to date."""
         captures = state.captures
@@ -447,7 +447,7 @@ class TorchtopApp(App[int]):
 
     # -- op timings (torchtop.tui.widgets.ops) ---------------------------------------------------
 
-    def _show_ops(self, state: MonitorState) -> None:
+    def _show_ops(self, state: JobModel) -> None:
         """Keep the ops panel up to date; open it when the window this viewer asked for comes."""
         panel = self.query_one(OpsPanel)
         panel.show_state(state)

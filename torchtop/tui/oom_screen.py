@@ -27,11 +27,11 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import DataTable, Footer, Static
 
-from torchtop.oom_advice import Suggestion, suggest, verdict_text
+from torchtop.model.captures import CaptureEntry, capture_evidence
+from torchtop.model.job import JobModel
+from torchtop.model.oom_advice import Suggestion, suggest, verdict_text
 from torchtop.protocol import AllocationSite, MemoryCapture, OutOfMemory, StackFrame
-from torchtop.tui.captures import CaptureEntry, capture_evidence
 from torchtop.tui.format import MISSING, format_bytes, format_clock
-from torchtop.tui.state import MonitorState
 from torchtop.tui.widgets.chart import ChartMark, ChartSeries, ChartSpan, TimeSeriesChart
 from torchtop.tui.widgets.memory import ALLOCATED_STYLE, RESERVED_STYLE
 
@@ -45,7 +45,7 @@ def _where(frame: StackFrame | AllocationSite, full: bool = False) -> str:
     return f"{path}:{frame.line}"
 
 
-def banner_text(entry: CaptureEntry, state: MonitorState, now: float | None = None) -> Text:
+def banner_text(entry: CaptureEntry, state: JobModel, now: float | None = None) -> Text:
     """The banner's lines: what failed, the figures, the verdict, where, the snapshot, the hold."""
     capture = entry.capture
     started = state.hello.started_at if state.hello is not None else None
@@ -171,7 +171,7 @@ def advice_text(suggestions: Sequence[Suggestion]) -> Table | Text:
 
 
 def timeline(
-    state: MonitorState, capture: MemoryCapture
+    state: JobModel, capture: MemoryCapture
 ) -> tuple[list[ChartSeries], list[ChartSpan], list[ChartMark], float, float]:
     """The capture's device memory up to the capture, marked, with the phases beneath."""
     end = capture.t
@@ -217,7 +217,7 @@ class OomScreen(Screen[None]):
     def __init__(
         self,
         entry: CaptureEntry,
-        state: MonitorState,
+        state: JobModel,
         *,
         on_close: Callable[[CaptureEntry], None] | None = None,
         on_resume: Callable[[CaptureEntry], None] | None = None,
@@ -274,7 +274,7 @@ class OomScreen(Screen[None]):
             self._show_stack(0)
         self.refresh_from(self.state)
 
-    def refresh_from(self, state: MonitorState) -> None:
+    def refresh_from(self, state: JobModel) -> None:
         """Redraw what depends on the rest of the state: the banner, advice and timeline."""
         self.state = state
         capture = self.entry.capture

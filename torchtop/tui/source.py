@@ -1,46 +1,22 @@
 """Where the viewer's messages come from: a live agent, a job torchtop runs, or a recording.
 
-A source feeds :mod:`torchtop.protocol` messages, plus the viewer-local messages below, to a
-thread-safe ``sink`` from its own background thread. The app drains what arrived at a steady
-frame rate into :class:`torchtop.tui.state.MonitorState`. Tests use a fake source.
+A source feeds :mod:`torchtop.protocol` messages, plus the source events of
+:mod:`torchtop.model.events`, to a thread-safe ``sink`` from its own background thread. The app
+drains what arrived at a steady frame rate into :class:`torchtop.model.JobModel`. Tests use a
+fake source.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import ClassVar
 
+from torchtop.model.events import SourceConnected, SourceDisconnected, SourceStatus
 from torchtop.protocol import Message
 
 Sink = Callable[[Message], None]
 
-
-@dataclass(frozen=True)
-class SourceConnected(Message):
-    """The viewer reached the agent (viewer-local; never on the wire)."""
-
-    KIND: ClassVar[str] = "x-source-connected"
-    t: float
-    address: str
-
-
-@dataclass(frozen=True)
-class SourceDisconnected(Message):
-    """The connection to the agent ended: the job exited, was killed, or we detached."""
-
-    KIND: ClassVar[str] = "x-source-disconnected"
-    t: float
-    reason: str
-
-
-@dataclass(frozen=True)
-class SourceStatus(Message):
-    """A line of what the source is doing ("starting the job", "waiting for the agent")."""
-
-    KIND: ClassVar[str] = "x-source-status"
-    t: float
-    text: str
+__all__ = ["Sink", "Source", "SourceConnected", "SourceDisconnected", "SourceStatus"]
 
 
 class Source:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from torchtop.model.job import JobModel
 from torchtop.protocol import GpuStats
 from torchtop.tui.format import MISSING, format_percent, format_used_total
-from torchtop.tui.state import MonitorState
 
 
 def gpu_line(gpu: GpuStats) -> Text:
@@ -38,7 +38,7 @@ def nvml_unavailable_line(detail: str) -> Text:
     return Text.assemble(("no NVIDIA GPU: ", "bold yellow"), (reason, "yellow"))
 
 
-def device_text(state: MonitorState) -> Text:
+def device_text(state: JobModel) -> Text:
     """The panel's lines: GPUs first, then any probe that is not available and why."""
     lines: list[Text] = [gpu_line(gpu) for _, gpu in sorted(state.gpus.items())]
     nvml = state.nvml
@@ -67,7 +67,7 @@ class DevicePanel(Static):
     }
     """
 
-    def show_state(self, state: MonitorState) -> None:
+    def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``."""
         self.border_title = " GPU · NVML "
         self.update(device_text(state))

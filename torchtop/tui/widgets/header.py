@@ -10,8 +10,8 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
+from torchtop.model.job import JobModel
 from torchtop.tui.format import format_clock
-from torchtop.tui.state import MonitorState
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ def _speed(speed: float) -> str:
     return f"{TIMES}{speed:g}"
 
 
-def connection_badge(state: MonitorState, playback: Playback | None = None) -> Text:
+def connection_badge(state: JobModel, playback: Playback | None = None) -> Text:
     """``● live``, ``■ ended · exit 0``, ``✕ connection lost``, ``⏸ replay paused x2``."""
     if state.connection == "ended":
         code = state.exit_code
@@ -52,7 +52,7 @@ def connection_badge(state: MonitorState, playback: Playback | None = None) -> T
     return Text("● running" if state.mode == "run" else "● live", "bold green")
 
 
-def connection_detail(state: MonitorState) -> Text | None:
+def connection_detail(state: JobModel) -> Text | None:
     """A second-row line that matters more than the job's versions: why the connection ended."""
     if state.connection == "disconnected":
         reason = state.disconnect_reason or "the connection closed"
@@ -64,7 +64,7 @@ def connection_detail(state: MonitorState) -> Text | None:
     return None
 
 
-def devices_summary(state: MonitorState) -> str:
+def devices_summary(state: JobModel) -> str:
     """``cuda:0 NVIDIA H200``, ``4x NVIDIA H100``, or ``cpu``."""
     devices = [d for d in state.devices if d.id != "cpu"]
     if not devices:
@@ -75,7 +75,7 @@ def devices_summary(state: MonitorState) -> str:
     return ", ".join(f"{d.id} {d.name}" for d in devices)
 
 
-def header_rows(state: MonitorState, playback: Playback | None = None) -> list[tuple[Text, Text]]:
+def header_rows(state: JobModel, playback: Playback | None = None) -> list[tuple[Text, Text]]:
     """The header's two rows, each a left part (may be cut) and a right part (kept whole)."""
     hello = state.hello
     command = Text()
@@ -115,7 +115,7 @@ def header_rows(state: MonitorState, playback: Playback | None = None) -> list[t
     return [(command, right), (about, drops)]
 
 
-def header_renderable(state: MonitorState, playback: Playback | None = None) -> Group:
+def header_renderable(state: JobModel, playback: Playback | None = None) -> Group:
     """The header's rows, each a grid whose left part shrinks with an ellipsis and whose right
     part stays whole (one grid per row, so a wide right part in one row costs the other none)."""
     grids = []
@@ -139,6 +139,6 @@ class JobHeader(Static):
     }
     """
 
-    def show_state(self, state: MonitorState, playback: Playback | None = None) -> None:
+    def show_state(self, state: JobModel, playback: Playback | None = None) -> None:
         """Redraw from ``state`` and, for a recording, its playback."""
         self.update(header_renderable(state, playback))

@@ -5,11 +5,11 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from torchtop.model.job import JobModel
 from torchtop.tui.format import MISSING, format_bytes, format_percent, format_used_total
-from torchtop.tui.state import MonitorState
 
 
-def host_text(state: MonitorState) -> Text:
+def host_text(state: JobModel) -> Text:
     """Three short lines: CPU and RSS; threads and children; system memory."""
     host = state.host
     if host is None:
@@ -46,7 +46,7 @@ class HostPanel(Static):
     }
     """
 
-    def show_state(self, state: MonitorState) -> None:
+    def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``."""
         self.border_title = "Host "
         self.update(host_text(state))

@@ -17,9 +17,9 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from torchtop.model.job import JobModel
 from torchtop.protocol import LoaderStats
 from torchtop.tui.format import format_bytes
-from torchtop.tui.state import MonitorState
 from torchtop.tui.widgets.steps import format_seconds
 
 
@@ -67,7 +67,7 @@ def loader_lines(loader: LoaderStats) -> list[Text]:
     return lines
 
 
-def loaders_text(state: MonitorState) -> Text:
+def loaders_text(state: JobModel) -> Text:
     """Every loader's lines, in the order the job first iterated them."""
     loaders = state.training.loaders
     if not loaders:
@@ -94,7 +94,7 @@ class LoaderPanel(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static(id="loader-text")
 
-    def show_state(self, state: MonitorState) -> None:
+    def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``."""
         count = len(state.training.loaders)
         self.border_title = "Loaders " if count < 2 else f"Loaders · {count} "

@@ -7,7 +7,7 @@ from itertools import islice
 from rich.text import Text
 from textual.widgets import RichLog
 
-from torchtop.tui.state import DEFAULT_LOG_LINES, LogEntry, MonitorState
+from torchtop.model.job import DEFAULT_LOG_LINES, JobModel, LogEntry
 
 STDERR_STYLE = "yellow"
 
@@ -49,7 +49,7 @@ class LogPanel(RichLog):
         self.shown_total = 0
         self.border_title = " Log "
 
-    def show_state(self, state: MonitorState) -> None:
+    def show_state(self, state: JobModel) -> None:
         """Write the lines that arrived since the last call."""
         new = state.log_total - self.shown_total
         if new <= 0:

@@ -7,8 +7,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Static
 
+from torchtop.model.job import DeviceMemory, JobModel
 from torchtop.tui.format import MISSING, format_bytes, format_used_total
-from torchtop.tui.state import DeviceMemory, MonitorState
 from torchtop.tui.widgets.chart import ChartMark, ChartSeries, ChartSpan, TimeSeriesChart
 
 #: How much of the past the live chart shows; an ended job's chart shows all it kept.
@@ -21,7 +21,7 @@ ALLOCATED_STYLE = "cyan"
 RESERVED_STYLE = "magenta"
 
 
-def memory_figures(state: MonitorState) -> Text:
+def memory_figures(state: JobModel) -> Text:
     """Two lines of figures for the primary device; its colour squares are the chart's legend."""
     memory = state.primary_memory
     device = state.primary_device
@@ -80,7 +80,7 @@ def _second_line(memory: DeviceMemory) -> Text:
     return line
 
 
-def chart_window(state: MonitorState) -> tuple[float, float]:
+def chart_window(state: JobModel) -> tuple[float, float]:
     """The chart's time window: the last two minutes while live (less while the job is younger,
     so the curve fills the width), and everything kept once the job is over."""
     memory = state.primary_memory
@@ -95,7 +95,7 @@ def chart_window(state: MonitorState) -> tuple[float, float]:
 
 
 def chart_data(
-    state: MonitorState,
+    state: JobModel,
 ) -> tuple[list[ChartSeries], list[ChartSpan], list[ChartMark], float, float]:
     """The primary device's series, phases and marks for the chart, within its window."""
     t_start, t_end = chart_window(state)
@@ -136,7 +136,7 @@ class MemoryPanel(Vertical):
         yield Static(id="memory-figures")
         yield TimeSeriesChart(id="memory-chart")
 
-    def show_state(self, state: MonitorState) -> None:
+    def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``."""
         device = state.primary_device
         self.border_title = f" Memory · {device} "

@@ -28,9 +28,9 @@ from textual.containers import Vertical
 from textual.events import Resize
 from textual.widgets import DataTable, Input, Static
 
+from torchtop.model.job import JobModel
 from torchtop.protocol import OpStat, OpsWindow
 from torchtop.tui.format import MISSING, format_duration
-from torchtop.tui.state import MonitorState
 from torchtop.tui.widgets.steps import format_seconds
 
 SortKey = Literal["self", "calls", "avg"]
@@ -97,7 +97,7 @@ def next_sort(key: SortKey) -> SortKey:
     return SORT_KEYS[(SORT_KEYS.index(key) + 1) % len(SORT_KEYS)]
 
 
-def phase_at(state: MonitorState, t: float) -> str | None:
+def phase_at(state: JobModel, t: float) -> str | None:
     """The innermost phase running at ``t`` (the latest to begin), if any."""
     for phase in reversed(state.phases):
         if phase.start is not None and phase.start <= t and (phase.end is None or t < phase.end):
@@ -198,13 +198,13 @@ def op_rows(
     return rows
 
 
-def _ago(state: MonitorState, t: float) -> str:
+def _ago(state: JobModel, t: float) -> str:
     if state.now is None:
         return ""
     return f"{format_duration(max(0.0, state.now - t))} ago"
 
 
-def ops_summary(state: MonitorState, *, cumulative: bool = False, width: int = 0) -> Text:
+def ops_summary(state: JobModel, *, cumulative: bool = False, width: int = 0) -> Text:
     """The lines above the table: which window (or all of them), what it cost, when the next
     comes, host-device syncs and copies per step and the trace file; or why there is none."""
     window = state.ops
@@ -373,7 +373,7 @@ class OpsPanel(Vertical):
         self.sort: SortKey = "self"
         self.cumulative = False
         self.filter_text = ""
-        self.state: MonitorState | None = None
+        self.state: JobModel | None = None
         #: What the table was last built from; it is rebuilt only when this changes.
         self._shown_table: tuple[object, ...] | None = None
         self.rows: list[OpRow] = []
@@ -385,7 +385,7 @@ class OpsPanel(Vertical):
 
     # -- showing ----------------------------------------------------------------------------------
 
-    def show_state(self, state: MonitorState) -> None:
+    def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``: the summary each time, the table only when its data changed."""
         self.state = state
         width = self.content_region.width
@@ -406,7 +406,7 @@ class OpsPanel(Vertical):
             title += f"· “{self.filter_text.strip()}” {shown}/{total} "
         return title + f"· w: {other} "
 
-    def _show_table(self, state: MonitorState, width: int) -> None:
+    def _show_table(self, state: JobModel, width: int) -> None:
         window = state.ops
         key = (window, self.cumulative, self.sort, self.filter_text, width)
         if key == self._shown_table:

@@ -14,8 +14,8 @@ from rich.console import RenderableType
 from rich.text import Text
 from textual.widget import Widget
 
+from torchtop.model.job import JobModel, Phase
 from torchtop.tui.format import format_duration
-from torchtop.tui.state import MonitorState, Phase
 
 RUNNING_STYLE = "bold green"
 ENDED_STYLE = "dim"
@@ -86,7 +86,7 @@ class PhaseInfo(Widget):
         self._shown: tuple[object, ...] | None = None
         self.border_title = phase_title(None, None)
 
-    def show_state(self, state: MonitorState) -> bool:
+    def show_state(self, state: JobModel) -> bool:
         """Take the phase to explain from ``state``; ``False`` when there is none to show."""
         phase = state.explained_phase
         self.phase = phase

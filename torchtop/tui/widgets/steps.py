@@ -18,9 +18,9 @@ from textual.containers import Horizontal, Vertical
 from textual.widget import Widget
 from textual.widgets import Static
 
+from torchtop.model.job import JobModel
+from torchtop.model.training import INPUT_BOUND_FRACTION, StepPoint, TrainingState
 from torchtop.tui.format import MISSING, format_percent
-from torchtop.tui.state import MonitorState
-from torchtop.tui.training import INPUT_BOUND_FRACTION, StepPoint, TrainingState
 from torchtop.tui.widgets.chart import (
     AXIS_WIDTH,
     ChartSeries,
@@ -116,7 +116,7 @@ def _wait_style(fraction: float | None) -> str:
     return "bold"
 
 
-def step_figures(state: MonitorState) -> Text:
+def step_figures(state: JobModel) -> Text:
     """Two lines of recent figures: step count, step time, steps/s and samples/s; then the
     share of step time waiting for data (recent and whole run), compute and optimizer time.
     The words wait, compute and opt are coloured as their parts of the bars."""
@@ -152,7 +152,7 @@ def step_figures(state: MonitorState) -> Text:
     return Text("\n", no_wrap=True, overflow="ellipsis").join([first, second])
 
 
-def step_title(state: MonitorState) -> str:
+def step_title(state: JobModel) -> str:
     """The panel's title (Textual markup): the input-bound flag, and skipped steps."""
     training = state.training
     title = " Steps "
@@ -285,7 +285,7 @@ class StepTimeChart(TimeSeriesChart):
 
 
 def history_data(
-    state: MonitorState,
+    state: JobModel,
 ) -> tuple[list[ChartSeries], list[ChartSpan], float, float]:
     """The step time and wait series, and the phases, over the chart's window."""
     training: TrainingState = state.training
@@ -349,7 +349,7 @@ class StepPanel(Vertical):
             yield StepBars(id="step-bars")
             yield StepTimeChart(id="step-history")
 
-    def show_state(self, state: MonitorState) -> None:
+    def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``."""
         self.border_title = step_title(state)
         self.query_one("#step-figures", Static).update(step_figures(state))

@@ -3,7 +3,7 @@
 :class:`MemoryCaptures` folds ``oom``, ``memory_snapshot`` and ``oom_resumed`` messages; the
 app opens the OOM screen when :attr:`MemoryCaptures.opened` goes up, and
 :func:`capture_evidence` gathers, from the rest of the state, what the advice rules
-(:mod:`torchtop.oom_advice`) need: the phase of the failure and the memory step over step.
+(:mod:`torchtop.model.oom_advice`) need: the phase of the failure and the memory step over step.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from torchtop.oom_advice import Evidence, phase_at, step_floors
+from torchtop.model.oom_advice import Evidence, phase_at, step_floors
 from torchtop.protocol import MemoryCapture, Message, OomResumed, OutOfMemory
 
 if TYPE_CHECKING:
-    from torchtop.tui.state import MonitorState
+    from torchtop.model.job import JobModel
 
 #: Captures kept (each is small: at most 20 sites of 8 frames).
 MAX_CAPTURES = 50
@@ -81,7 +81,7 @@ class MemoryCaptures:
         return None
 
 
-def capture_evidence(state: MonitorState, capture: MemoryCapture) -> Evidence:
+def capture_evidence(state: JobModel, capture: MemoryCapture) -> Evidence:
     """The advice rules' evidence for ``capture``: its figures, the phase open at it, and the
     device's allocated memory at the low point of each step before it."""
     phase = phase_at(((p.name, p.start, p.end) for p in state.phases), capture.t)

@@ -1,7 +1,7 @@
-"""What the viewer knows about the job's training loop: its steps and its DataLoaders.
+"""A job's training loop: its steps and its DataLoaders.
 
 Pure Python (no Textual, no Rich, no torch), built only from ``steps`` and ``loaders`` messages.
-:class:`torchtop.tui.state.MonitorState` holds one :class:`TrainingState` and hands it those
+:class:`torchtop.model.job.JobModel` holds one :class:`TrainingState` and hands it those
 messages; the step and loader panels read it.
 
 Figures come in two spans: *recent* (the steps of the last :data:`RECENT_WINDOW_S` seconds, or

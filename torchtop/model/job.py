@@ -1,10 +1,11 @@
-"""What the viewer knows about the job: current values, bounded time series and events.
+"""The model of one job: current values, bounded time series and events, folded from messages.
 
-Pure Python (no Textual, no Rich, no torch), so every rule about what a message means is unit
-tested without an app. A :class:`torchtop.tui.source.Source` delivers messages, the app feeds
-them to :meth:`MonitorState.apply`, and widgets read the state. ``version`` goes up on every
-change, so the app redraws only when something changed. Time comes from the messages, never from
-the wall clock, so a replay shows the times it recorded.
+Pure Python (standard library and the protocol only: no Textual, no Rich, no torch, no I/O), so
+every rule about what a message means is unit tested without an app. A source (live, a
+recording, a fake) delivers messages one by one to :meth:`JobModel.apply`; the viewer's widgets,
+the report and the exporters read the model at any time. ``version`` goes up on every change, so
+a reader redraws only when something changed. Time comes from the messages, never from the wall
+clock, so a replay shows the times it recorded.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torchtop.model.captures import MemoryCaptures
+from torchtop.model.events import SourceConnected, SourceDisconnected, SourceStatus
+from torchtop.model.training import TrainingState
 from torchtop.protocol import (
     DeviceInfo,
     Dropped,
@@ -36,9 +40,6 @@ from torchtop.protocol import (
     Sample,
     StepStats,
 )
-from torchtop.tui.captures import MemoryCaptures
-from torchtop.tui.source import SourceConnected, SourceDisconnected, SourceStatus
-from torchtop.tui.training import TrainingState
 
 #: Points kept per series: ten minutes at the agent's default 10 Hz.
 DEFAULT_HISTORY_POINTS = 6000
@@ -156,8 +157,8 @@ def visible_text(text: str) -> str:
 
 
 @dataclass
-class MonitorState:
-    """Everything the viewer shows, built only from messages.
+class JobModel:
+    """Everything known about one job, built only from messages.
 
     Bounded: series, logs, phases and marks keep their most recent items only.
     """
