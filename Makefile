@@ -8,10 +8,12 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: setup demo test lint check bench clean
 
-$(BIN)/torchtop: pyproject.toml
+$(BIN)/torchtop: pyproject.toml tests/requirements-frameworks.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e '.[dev]'
+# Real frameworks for the tests only (Lightning, the HF Trainer); the package needs none.
+	$(BIN)/pip install -q -r tests/requirements-frameworks.txt
 	@touch $@
 
 setup: $(BIN)/torchtop
