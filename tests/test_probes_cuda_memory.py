@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from torchtop.agent.probes.cuda_memory import SOURCE_CUDA, CudaMemoryProbe
+from torchtop.agent.probes.cuda_memory import SOURCE_CUDA, CudaMemoryProbe, gpu_uuid
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GIB = 1 << 30
@@ -72,10 +72,27 @@ class FakeCuda:
         return self.names[device]
 
 
+class TorchUuid:
+    """torch's ``_CUuuid``: prints the 16 bytes as bare 8-4-4-4-12 hex groups."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+#: What torch prints for an H200's ``get_device_properties(0).uuid``; NVML and DCGM's exporter
+#: spell the same UUID with a ``GPU-`` prefix.
+TORCH_UUID = "604ac76c-d9cf-fef3-62e9-d92044ab6e52"
+
+
 class FakeCudaWithProperties(FakeCuda):
     def get_device_properties(self, device: int) -> SimpleNamespace:
         self._count("get_device_properties", device)
-        return SimpleNamespace(name=self.names[device], total_memory=H200_TOTAL)
+        return SimpleNamespace(
+            name=self.names[device], total_memory=H200_TOTAL, uuid=TorchUuid(TORCH_UUID)
+        )
 
 
 # --- the fixtures themselves -----------------------------------------------------------------
@@ -241,6 +258,26 @@ def test_devices_once_initialized_have_names_and_sizes() -> None:
     cuda = FakeCudaWithProperties([fixture("after_oom")], names=["NVIDIA H200"])
     (device,) = CudaMemoryProbe(cuda).devices()
     assert (device.id, device.name, device.total_bytes) == ("cuda:0", "NVIDIA H200", H200_TOTAL)
+
+
+def test_devices_carry_the_uuid_as_dcgm_spells_it() -> None:
+    cuda = FakeCudaWithProperties([fixture("after_oom")])
+    (device,) = CudaMemoryProbe(cuda).devices()
+    assert device.uuid == f"GPU-{TORCH_UUID}"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (TORCH_UUID.upper(), f"GPU-{TORCH_UUID}"),
+        (TORCH_UUID.replace("-", ""), f"GPU-{TORCH_UUID}"),
+        (f"GPU-{TORCH_UUID}", f"GPU-{TORCH_UUID}"),
+        ("not a uuid", None),
+        (None, None),
+    ],
+)
+def test_gpu_uuid_spelling(value: object, expected: str | None) -> None:
+    assert gpu_uuid(value) == expected
 
 
 def test_devices_fall_back_to_get_device_name() -> None:

@@ -44,11 +44,16 @@ class Message:
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """A device the job can use: ``cpu`` or ``cuda:N``."""
+    """A device the job can use: ``cpu`` or ``cuda:N``.
+
+    ``uuid`` is a GPU's UUID as NVML and DCGM spell it (``GPU-xxxxxxxx-…``), so that figures
+    about the device join DCGM's; ``None`` for the CPU or where it cannot be read.
+    """
 
     id: str
     name: str
     total_bytes: int | None = None
+    uuid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,12 @@ class ClientHello(Message):
 
 @dataclass(frozen=True)
 class Hello(Message):
-    """First frame from the agent: who the job is."""
+    """First frame from the agent: who the job is.
+
+    A rank of a distributed job also says which: ``rank``, ``local_rank``, ``world_size`` and
+    ``node_rank`` (``GROUP_RANK``), ``run_id`` (``TORCHELASTIC_RUN_ID``) and ``restart_count``,
+    read from the environment torchrun (or the user) set; ``None`` for a single process.
+    """
 
     KIND: ClassVar[str] = "hello"
     protocol: int
@@ -76,6 +86,12 @@ class Hello(Message):
     devices: list[DeviceInfo]
     interval_s: float
     hostname: str = ""
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    node_rank: int | None = None
+    run_id: str | None = None
+    restart_count: int | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
+from torchtop.agent.identity import rank_identity
 from torchtop.agent.oom import OomController
 from torchtop.agent.ops import PROBE as OPS_PROBE
 from torchtop.agent.ops import OpsSampler, quiet_kineto
@@ -219,6 +220,7 @@ class Agent:
                 devices=self._devices(),
                 interval_s=self.config.interval_s,
                 hostname=socket.gethostname(),
+                **rank_identity(),
             )
         )
 

@@ -135,11 +135,32 @@ class CudaMemoryProbe:
             if properties is not None:
                 props = properties(index)
                 return DeviceInfo(
-                    id=f"cuda:{index}", name=str(props.name), total_bytes=int(props.total_memory)
+                    id=f"cuda:{index}",
+                    name=str(props.name),
+                    total_bytes=int(props.total_memory),
+                    uuid=gpu_uuid(getattr(props, "uuid", None)),
                 )
             return DeviceInfo(id=f"cuda:{index}", name=str(cuda.get_device_name(index)))
         except Exception:
             return fallback
+
+
+def gpu_uuid(value: Any) -> str | None:
+    """A device property's UUID spelled as NVML and DCGM spell it: ``GPU-`` and 32 hex digits
+    in 8-4-4-4-12 groups (torch prints the bare groups)."""
+    if value is None:
+        return None
+    try:
+        text = str(value).strip()
+    except Exception:
+        return None
+    if text.startswith(("GPU-", "MIG-")):
+        return text
+    digits = text.replace("-", "")
+    if len(digits) != 32 or any(c not in "0123456789abcdefABCDEF" for c in digits):
+        return None
+    d = digits.lower()
+    return f"GPU-{d[:8]}-{d[8:12]}-{d[12:16]}-{d[16:20]}-{d[20:]}"
 
 
 def _int(stats: Mapping[str, Any], key: str) -> int | None:
