@@ -2,7 +2,9 @@
 
 :class:`AgentFeed` waits for the agent to listen, connects, and hands every decoded message to a
 callback, writing each frame to a recording on the way. It ends when the agent closes the
-connection (the job exited or died), when it is closed, or on a malformed frame.
+connection (the job exited or died), when it is closed, or on a malformed frame. An agent that
+stays connected but sends nothing for many sampling intervals is reported through
+``on_silence(seconds)``, once a second, until it speaks again.
 """
 
 from __future__ import annotations
@@ -11,9 +13,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from torchtop.protocol import JobExited, Message, ProtocolError, decode
+from torchtop.protocol import Hello, JobExited, Message, ProtocolError, decode
 from torchtop.recording import RecordingWriter
 from torchtop.transport import AgentConnection, AgentInfo, TransportError, wait_for_agent
+
+#: An agent is silent after this many sampling intervals without a frame (at least
+#: SILENCE_MIN_S): viewers then say "no data for N s" instead of "live".
+SILENCE_INTERVALS = 20
+SILENCE_MIN_S = 3.0
 
 
 class AgentFeed:
@@ -30,6 +37,7 @@ class AgentFeed:
         on_message: Callable[[Message], None] | None = None,
         on_connect: Callable[[AgentInfo | str], None] | None = None,
         on_end: Callable[[str], None] | None = None,
+        on_silence: Callable[[float], None] | None = None,
         client: str = "viewer",
     ) -> None:
         if pid is None and address is None:
@@ -42,7 +50,11 @@ class AgentFeed:
         self._on_message = on_message
         self._on_connect = on_connect
         self._on_end = on_end
+        self._on_silence = on_silence
         self._client = client
+        #: The agent's sampling interval (from its hello) and when its last frame arrived.
+        self._interval_s = 0.1
+        self._last_frame = time.monotonic()
         self._conn: AgentConnection | None = None
         self._closed = threading.Event()
         self.saw_exit: JobExited | None = None
@@ -85,6 +97,17 @@ class AgentFeed:
             if self._on_end is not None:
                 self._on_end(reason)
 
+    @property
+    def silence_after_s(self) -> float:
+        """How long without a frame before the agent counts as silent: it samples every
+        interval, so many missed intervals mean it (or the job's whole process) is stuck."""
+        return max(SILENCE_MIN_S, SILENCE_INTERVALS * self._interval_s)
+
+    def _check_silence(self) -> None:
+        silent = time.monotonic() - self._last_frame
+        if self._on_silence is not None and silent >= self.silence_after_s:
+            self._on_silence(silent)
+
     def _stream(self) -> str:
         address = self.address
         if address is None:
@@ -115,8 +138,10 @@ class AgentFeed:
         self.connected.set()
         if self._on_connect is not None:
             self._on_connect(address)
+        self._last_frame = time.monotonic()
         try:
-            for frame in self._conn.frames():
+            for frame in self._conn.frames(on_idle=self._check_silence):
+                self._last_frame = time.monotonic()
                 message = decode(frame)
                 if self.writer is not None:
                     self.writer.write_frame(frame)
@@ -125,6 +150,8 @@ class AgentFeed:
                     continue
                 if isinstance(message, JobExited):
                     self.saw_exit = message
+                elif isinstance(message, Hello) and message.interval_s > 0:
+                    self._interval_s = message.interval_s
                 if self._on_message is not None:
                     self._on_message(message)
         except ProtocolError as exc:

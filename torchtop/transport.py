@@ -209,11 +209,22 @@ class AgentConnection:
         self._splitter = FrameSplitter()
         self._send_lock = threading.Lock()
 
-    def frames(self) -> Iterator[bytes]:
-        """Raw frames as they arrive (for recording), each without its newline."""
+    def frames(
+        self, on_idle: Callable[[], None] | None = None, idle_s: float = 1.0
+    ) -> Iterator[bytes]:
+        """Raw frames as they arrive (for recording), each without its newline.
+
+        ``on_idle`` is called every ``idle_s`` seconds in which nothing arrives.
+        """
+        if on_idle is not None:
+            self.sock.settimeout(idle_s)
         while True:
             try:
                 data = self.sock.recv(1 << 16)
+            except TimeoutError:
+                if on_idle is not None:
+                    on_idle()
+                continue
             except OSError:
                 return
             if not data:

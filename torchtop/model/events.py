@@ -36,6 +36,16 @@ class SourceDisconnected(Message):
 
 
 @dataclass(frozen=True)
+class SourceSilent(Message):
+    """The agent is connected but has sent nothing for ``silent_s`` seconds (repeated while
+    it stays silent; any later message means it speaks again)."""
+
+    KIND: ClassVar[str] = "x-source-silent"
+    t: float
+    silent_s: float
+
+
+@dataclass(frozen=True)
 class SourceStatus(Message):
     """A line of what the source is doing ("starting the job", "waiting for the agent")."""
 

@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from torchtop.model.captures import MemoryCaptures
-from torchtop.model.events import SourceConnected, SourceDisconnected, SourceStatus
+from torchtop.model.events import (
+    SourceConnected,
+    SourceDisconnected,
+    SourceSilent,
+    SourceStatus,
+)
 from torchtop.model.training import TrainingState
 from torchtop.protocol import (
     DeviceInfo,
@@ -197,6 +202,8 @@ class JobModel:
     disconnect_reason: str = ""
     address: str = ""
     status_text: str = ""
+    #: Seconds the connected agent has sent nothing, once the source calls it silent.
+    silent_s: float | None = None
     #: Steps and DataLoaders (``steps`` and ``loaders`` messages).
     training: TrainingState = field(default_factory=TrainingState)
     #: Out-of-memory failures and snapshots (``oom``, ``memory_snapshot``, ``oom_resumed``).
@@ -229,6 +236,14 @@ class JobModel:
     def _apply(self, message: Message) -> bool:
         t = getattr(message, "t", None)
         changed = self._advance_time(t) if isinstance(t, float | int) else False
+        if isinstance(message, SourceSilent):
+            if message.silent_s == self.silent_s:
+                return changed
+            self.silent_s = message.silent_s
+            return True
+        if self.silent_s is not None:  # anything else: the agent speaks again
+            self.silent_s = None
+            changed = True
         if isinstance(message, Sample):
             return self._apply_sample(message) or changed
         if isinstance(message, GpuSample):

@@ -67,7 +67,11 @@ HELP_KEYS = (
     ("w", "ops: the last window, or all windows so far"),
 )
 HELP_PANELS = (
-    ("Header", "command, pid, uptime; ● live, ■ ended · exit N or ✕ connection lost"),
+    (
+        "Header",
+        "command, pid, uptime; ● live, ◌ no data for N s (the job is stuck or stopped), "
+        "■ ended · exit N or ✕ connection lost",
+    ),
     (
         "Memory",
         "the first GPU, else the CPU. [cyan]allocated[/]: tensors; [magenta]reserved[/]: "

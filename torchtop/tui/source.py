@@ -11,12 +11,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
-from torchtop.model.events import SourceConnected, SourceDisconnected, SourceStatus
+from torchtop.model.events import (
+    SourceConnected,
+    SourceDisconnected,
+    SourceSilent,
+    SourceStatus,
+)
 from torchtop.protocol import Message
 
 Sink = Callable[[Message], None]
 
-__all__ = ["Sink", "Source", "SourceConnected", "SourceDisconnected", "SourceStatus"]
+__all__ = [
+    "Sink",
+    "Source",
+    "SourceConnected",
+    "SourceDisconnected",
+    "SourceSilent",
+    "SourceStatus",
+]
 
 
 class Source:

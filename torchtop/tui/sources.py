@@ -6,6 +6,7 @@ import itertools
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from torchtop.feed import AgentFeed
 from torchtop.protocol import JobExited, LogLine, Message, Request
@@ -17,6 +18,7 @@ from torchtop.tui.source import (
     Source,
     SourceConnected,
     SourceDisconnected,
+    SourceSilent,
     SourceStatus,
 )
 
@@ -49,6 +51,7 @@ class LiveSource(Source):
             on_message=sink,
             on_connect=connected,
             on_end=ended,
+            on_silence=_silence_to(sink),
         ).start()
 
     def close(self) -> None:
@@ -92,6 +95,7 @@ class RunSource(Source):
             on_message=sink,
             on_connect=connected,
             on_end=self._ended,
+            on_silence=_silence_to(sink),
         ).start()
 
     def _ended(self, reason: str) -> None:
@@ -247,6 +251,11 @@ class RecordingSource(Source):
     @property
     def speed(self) -> float:
         return self._speed
+
+
+def _silence_to(sink: Sink) -> Callable[[float], None]:
+    """The feed's silence callback: tell the viewer how long the agent has said nothing."""
+    return lambda silent_s: sink(SourceSilent(t=time.time(), silent_s=round(silent_s)))
 
 
 _request_ids = itertools.count(1)

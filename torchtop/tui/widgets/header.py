@@ -31,7 +31,8 @@ def _speed(speed: float) -> str:
 
 
 def connection_badge(state: JobModel, playback: Playback | None = None) -> Text:
-    """``● live``, ``■ ended · exit 0``, ``✕ connection lost``, ``⏸ replay paused x2``."""
+    """``● live``, ``◌ no data for 12 s``, ``■ ended · exit 0``, ``✕ connection lost``,
+    ``⏸ replay paused x2``."""
     if state.connection == "ended":
         code = state.exit_code
         if code is None:
@@ -49,6 +50,8 @@ def connection_badge(state: JobModel, playback: Playback | None = None) -> Text:
         return Text(f"▶ replay {_speed(playback.speed)}", "bold green")
     if state.connection == "connecting":
         return Text("◌ connecting", "bold yellow")
+    if state.silent_s is not None:
+        return Text(f"◌ no data for {state.silent_s:.0f} s", "bold yellow")
     return Text("● running" if state.mode == "run" else "● live", "bold green")
 
 
