@@ -90,6 +90,73 @@ def test_module_mode_and_phases(tmp_path: Path) -> None:
     assert phases[1]["peak_rss_bytes"] - phases[0]["peak_rss_bytes"] > 32 << 20
 
 
+def test_module_options_belong_to_the_module(tmp_path: Path) -> None:
+    """As under ``python -m``: everything after the module name is the module's, even options
+    that look like torchtop's."""
+    pkg = tmp_path / "jobpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "main.py").write_text("import sys\nprint('args', sys.argv[1:])\n")
+    out = torchtop(
+        "run", "--headless", "-m", "jobpkg.main", "--epochs", "3", "--record", "x", cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert "args ['--epochs', '3', '--record', 'x']" in out.stdout
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "ddp.py").write_text(
+        "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+    )
+    out = torchtop(
+        "run", "--headless", "--no-ops", "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node=2", "ddp.py", cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "rank 0 of 2" in out.stdout and "rank 1 of 2" in out.stdout
+
+
+def test_file_is_absolute_as_under_python(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text("print('file', __file__)\n")
+    out = torchtop("run", "--headless", "--no-ops", "job.py", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert f"file {tmp_path / 'job.py'}\n" in out.stdout
+
+
+CTRL_C_JOB = """\
+import time
+
+def train():
+    print("training", flush=True)
+    time.sleep(60)
+
+train()
+"""
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchtop"])
+def test_ctrl_c_shows_the_jobs_frames_and_dies_by_sigint(tmp_path: Path, launcher: str) -> None:
+    """Ctrl-C at the terminal (SIGINT to the foreground process group) ends torchtop as it ends
+    plain python: the job's frames only, and death by SIGINT."""
+    (tmp_path / "job.py").write_text(CTRL_C_JOB)
+    prefix = [sys.executable] if launcher == "python" else [sys.executable, "-m", "torchtop"]
+    args = [] if launcher == "python" else ["run", "--headless", "--no-ops"]
+    proc = subprocess.Popen(
+        [*prefix, *args, "job.py"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "training\n"
+    os.killpg(proc.pid, signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGINT, err
+    assert "Traceback (most recent call last)" in err and "KeyboardInterrupt" in err
+    assert 'job.py", line 7, in <module>' in err and "in train" in err
+    assert "bootstrap" not in err and "runpy" not in err, err
+
+
 def test_clear_errors_not_tracebacks(tmp_path: Path) -> None:
     for args, expected in [
         (["run", "--headless", "nope.py"], "no such script: nope.py"),

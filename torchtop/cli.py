@@ -7,14 +7,18 @@ nothing here imports torch. Expected failures print one line naming the problem 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any, NoReturn
 
 EXIT_USAGE = 2
+#: What a shell reports for a process that died by SIGINT.
+EXIT_INTERRUPTED = 128 + 2
 
 DESCRIPTION = """\
 A terminal monitor for PyTorch training: GPU and allocator memory, host load, phases and the
@@ -236,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_oom_options(run)
     _add_ops_options(run)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
-    run.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]")
+    run.add_argument("target", nargs="*", metavar="SCRIPT [ARGS...]")
 
     ps = sub.add_parser(
         "ps", help="list running agents", description="List the running agents of this user."
@@ -302,6 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise KeyError(name)
+
+
 def _version() -> str:
     from torchtop import __version__
 
@@ -311,18 +323,33 @@ def _version() -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def split_run_argv(run: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """``run``'s own options, and the job's command line: the script or ``-m MODULE`` and
+    everything after it, which belongs to the job as it does under ``python``."""
+    options = run._option_string_actions
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[:i], argv[i + 1 :]
+        if arg == "-m":
+            return argv[:i], ["-m", *argv[i + 1 : i + 2], *argv[i + 2 :]]
+        if arg.startswith("-m") and not arg.startswith("--"):
+            return argv[:i], ["-m", arg[2:], *argv[i + 1 :]]
+        if not arg.startswith("-") or arg == "-":
+            return argv[:i], argv[i:]
+        action = options.get(arg.split("=", 1)[0])
+        takes_value = action is not None and action.nargs != 0
+        i += 2 if takes_value and "=" not in arg else 1
+    return argv, []
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from torchtop.runner import RunError, RunSpec
 
     target = list(args.target)
-    if args.module:
-        target = ["-m", args.module, *target]
-    if target and target[0] == "--":
-        target = target[1:]
     if not target:
         raise CliError("nothing to run: give a script or -m MODULE (see `torchtop run --help`)")
-    if target[0].startswith("-") and target[0] != "-m":
-        raise CliError(f"unknown option {target[0]} (see `torchtop run --help`)")
     spec = RunSpec(
         target=target,
         agent_options={
@@ -613,19 +640,37 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The parsed command line; :class:`CliError` for one it does not accept."""
     parser = build_parser()
+    if argv[:1] == ["run"]:
+        # argparse would take the job's own options for ours: split the job off first.
+        options, target = split_run_argv(_subparser(parser, "run"), argv[1:])
+        args = parser.parse_args(["run", *options])
+        args.target = target
+        return args
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        args = parser.parse_args(argv)
+        return run_command(argv)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def run_command(argv: list[str] | None = None) -> int:
+    """:func:`main`, except that Ctrl-C (at torchtop, or the job's death by it) propagates as
+    :class:`KeyboardInterrupt`."""
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else list(argv))
         if args.command is None:
-            parser.print_help()
+            build_parser().print_help()
             return EXIT_USAGE
         return COMMANDS[args.command](args)
     except CliError as exc:
         print(f"torchtop: {exc}", file=sys.stderr)
         return exc.code
-    except KeyboardInterrupt:
-        return 130
     except BrokenPipeError:
         # `torchtop report x | head`: the reader went away; that is not an error.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -633,4 +678,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_entry() -> None:
-    sys.exit(main())
+    try:
+        code = run_command()
+    except KeyboardInterrupt:
+        # End as Python ends on Ctrl-C: by SIGINT, so a shell's `torchtop ...; next` stops too.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = EXIT_INTERRUPTED
+    sys.exit(code)

@@ -197,4 +197,6 @@ def run_headless(spec: RunSpec) -> int:
                 f"`torchtop report {spec.record}` explains it",
                 file=sys.stderr,
             )
+    if returncode == -signal.SIGINT:
+        raise KeyboardInterrupt  # the job ended by Ctrl-C: so do we, as python would
     return code

@@ -3,8 +3,9 @@
 ``python -m torchtop.agent.bootstrap SCRIPT [ARGS...]`` or ``... -m MODULE [ARGS...]``. The
 agent's options arrive as JSON in ``TORCHTOP_AGENT_OPTIONS``, removed from the environment before
 the user's code runs so that processes the job starts do not inherit them. The script runs as
-``__main__`` with the ``sys.argv`` and ``sys.path[0]`` it would have under plain ``python``; its
-exit code and its own traceback come through unchanged.
+``__main__`` with the ``sys.argv``, ``sys.path[0]`` and (absolute) ``__file__`` it would have under
+plain ``python``; its exit code and its own traceback come through unchanged, and on Ctrl-C it
+ends as Python does: the job's frames only, then death by SIGINT.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 import os
 import runpy
 import sys
-import traceback
 from types import TracebackType
 
 OPTIONS_ENV = "TORCHTOP_AGENT_OPTIONS"
@@ -40,6 +40,16 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
     while tb is not None and is_ours(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     return tb
+
+
+def _print_job_traceback(exc: BaseException) -> None:
+    """The job's own traceback, as plain `python` would print it, through any hook it set."""
+    trimmed = _user_frames(exc.__traceback__)
+    sys.excepthook(type(exc), exc.with_traceback(trimmed), trimmed)
+
+
+def _already_printed(*_args: object) -> None:
+    pass
 
 
 def main(argv: list[str]) -> int:
@@ -82,21 +92,24 @@ def main(argv: list[str]) -> int:
         if module is not None:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(script, run_name="__main__")
+            # `python SCRIPT` makes __main__.__file__ absolute (tracebacks and warnings name it so).
+            runpy.run_path(os.path.abspath(script), run_name="__main__")
     except SystemExit as exc:
         code = _exit_code(exc)
         if code != 0 and not isinstance(exc.code, int) and exc.code is not None:
             print(exc.code, file=sys.stderr)
         core.finish(code, f"exited with code {code}")
         return code
-    except KeyboardInterrupt:
-        traceback.print_exc()
+    except KeyboardInterrupt as exc:
+        _print_job_traceback(exc)
         core.finish(130, "interrupted")
-        return 130
+        # Uncaught at the top, KeyboardInterrupt makes Python run its exit handlers and then
+        # die by SIGINT, so a shell's `cmd; next` stops as it does for plain python. Its
+        # traceback is already printed, with the job's frames only.
+        sys.excepthook = _already_printed
+        raise KeyboardInterrupt from None
     except BaseException as exc:
-        # The job's own traceback, as plain `python` would print it, through any hook it set.
-        trimmed = _user_frames(exc.__traceback__)
-        sys.excepthook(type(exc), exc.with_traceback(trimmed), trimmed)
+        _print_job_traceback(exc)
         core.finish(1, f"uncaught {type(exc).__name__}: {exc}")
         return 1
     core.finish(0, "finished")
