@@ -8,9 +8,11 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: setup demo test lint check bench clean
 
-$(BIN)/torchtop: pyproject.toml tests/requirements-frameworks.txt
+# torch's wheel leaves numpy out; without it every job starts with "Failed to initialize NumPy".
+$(BIN)/torchtop: pyproject.toml tests/requirements-frameworks.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/python -c "import numpy" 2>/dev/null || $(BIN)/pip install -q numpy
 	$(BIN)/pip install -q -e '.[dev]'
 # Real frameworks for the tests only (Lightning, the HF Trainer); the package needs none.
 	$(BIN)/pip install -q -r tests/requirements-frameworks.txt
