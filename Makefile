@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # machines carry; on a GPU machine use e.g. `make TORCH=torch demo` for the CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test lint check bench clean
+.PHONY: setup demo test lint check bench gpu-check clean
 
 # torch's wheel leaves numpy out; without it every job starts with "Failed to initialize NumPy".
 $(BIN)/torchtop: pyproject.toml tests/requirements-frameworks.txt Makefile
@@ -38,6 +38,12 @@ bench: setup
 	$(BIN)/python -m benchmarks.hook_cost
 	$(BIN)/python -m benchmarks.stalled_viewer
 	$(BIN)/python -m benchmarks.tracker_overhead
+
+# On a GPU machine, with the system's PyTorch (CUDA), nvidia-ml-py, psutil and rich: no venv,
+# no install, nothing fetched. See README "Checking on a GPU".
+OUT ?= gpu-check-out
+gpu-check:
+	PYTHONPATH=. $(PYTHON) -m benchmarks.gpu_check --out $(OUT)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

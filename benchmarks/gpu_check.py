@@ -1,0 +1,592 @@
+"""One command that checks every CUDA and NVML path of torchtop on a real GPU.
+
+    PYTHONPATH=. python -m benchmarks.gpu_check --out DIR      # or: make gpu-check OUT=DIR
+
+Needs PyTorch with CUDA, nvidia-ml-py, psutil and nvidia-smi; no Textual, no network, no install
+step. It runs jobs under ``torchtop run --headless --record`` (see benchmarks/gpu_check_jobs.py)
+and the demos on CUDA, holds what the agent recorded against what the job and the machine read
+themselves (benchmarks/gpu_check_compare.py), and prints a table: check, expected, measured,
+result. Every step has a timeout and one failing check does not stop the others; the whole run
+takes about 4 minutes and stops starting new groups at 5.5. In ``DIR`` it leaves four files:
+``report.txt`` (the table), ``results.json``, ``fixtures.tar.gz`` (what it read, in the format of
+tests/fixtures/, at most 5 MB unpacked) and ``logs.tar.gz`` (each step's output). Exit 0 when
+every check passed, 1 when one failed, 2 when no CUDA device is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks import gpu_check_compare as cmp
+from benchmarks.gpu_check_compare import Check, check
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBS = ROOT / "benchmarks" / "gpu_check_jobs.py"
+#: No group starts after this many seconds; the whole run stays under 6 minutes.
+DEADLINE_S = 330.0
+#: Fixtures kept, unpacked, at most (the rest are left out and said so).
+FIXTURE_BUDGET = 5 * 1024 * 1024
+LOG_LIMIT = 200_000
+PAUSE_TIMEOUT_S = 3.0
+#: Every bundled demo, each with what it must show.
+DEMOS = tuple(cmp.DIRECTIONS)
+
+
+def no_cuda_reason() -> str | None:
+    """Why no CUDA device is visible, at once where there is no NVIDIA device node; else asks
+    PyTorch in a child process (this process never imports torch)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
+    if not Path("/dev/nvidiactl").exists() and not Path("/dev/nvidia0").exists():
+        return "there is no /dev/nvidia* device on this machine"
+    probe = "import torch; print(torch.cuda.is_available())"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        return "PyTorch did not answer whether CUDA is available within 120 s"
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["?"])[-1]
+        return f"PyTorch cannot be imported ({last})"
+    if out.stdout.strip() != "True":
+        return "PyTorch sees no CUDA device (a CPU build, or no driver)"
+    return None
+
+
+@dataclass
+class Step:
+    """One command's outcome."""
+
+    name: str
+    rc: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+@dataclass
+class Session:
+    """The work folder, the log of every step, the fixtures, and the clock."""
+
+    work: Path
+    started: float = field(default_factory=time.monotonic)
+    steps: list[Step] = field(default_factory=list)
+    fixtures: dict[str, bytes] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def left(self) -> float:
+        return DEADLINE_S - (time.monotonic() - self.started)
+
+    def env(self) -> dict[str, str]:
+        runtime = self.work / "runtime"
+        runtime.mkdir(mode=0o700, exist_ok=True)
+        path = os.environ.get("PYTHONPATH", "")
+        return {
+            **os.environ,
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONWARNINGS": "ignore",
+            "TORCHTOP_RUNTIME_DIR": str(runtime),
+            "TORCHTOP_DEMO_RESULT": "1",
+            "TMPDIR": str(self.work),
+        }
+
+    def run(self, name: str, command: Sequence[str], timeout: float) -> Step:
+        """Run a command with a timeout (killed with its process group past it)."""
+        timeout = max(1.0, min(timeout, self.left() + 30))
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            list(command),
+            cwd=ROOT,
+            env=self.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            rc: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            out, err = proc.communicate()
+            rc = None
+            err += f"\n[gpu_check: killed after {timeout:.0f} s]"
+        step = Step(name, rc, out, err, time.monotonic() - t0)
+        with self.lock:
+            self.steps.append(step)
+        return step
+
+    def torchtop(self, name: str, record: Path, args: Sequence[str], timeout: float) -> Step:
+        command = [sys.executable, "-m", "torchtop", "run", "--headless", "--record", str(record)]
+        return self.run(name, [*command, *args], timeout)
+
+    def keep(self, name: str, payload: Any) -> None:
+        data = payload if isinstance(payload, bytes) else json.dumps(payload, indent=1).encode()
+        with self.lock:
+            self.fixtures[name] = data
+
+
+def load_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def load_frames(path: Path) -> list[dict[str, Any]]:
+    try:
+        return cmp.read_frames(path.read_text(errors="replace"))
+    except OSError:
+        return []
+
+
+def failed(name: str, step: Step | None, what: str = "") -> Check:
+    """A row for a step that did not give what its checks need."""
+    if step is None:
+        return check(name, "the step runs", what or "not run", False)
+    tail = (step.stderr.strip().splitlines() or [""])[-1][:80]
+    return check(name, "the step runs", what or f"exit {step.rc}: {tail}", False)
+
+
+# --------------------------------------------------------------------------------------------
+# nvidia-smi, read beside the agent's NVML
+# --------------------------------------------------------------------------------------------
+
+
+class SmiPoller:
+    """Reads ``nvidia-smi --query-gpu`` in a thread, as often as it answers, with the time."""
+
+    def __init__(self) -> None:
+        self.reads: list[dict[str, Any]] = []
+        self.fields = list(cmp.SMI_FIELDS)
+        self.error = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def query(self) -> list[dict[str, Any]] | None:
+        command = [
+            "nvidia-smi",
+            f"--query-gpu={','.join(self.fields)}",
+            "--format=csv,noheader,nounits",
+        ]
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            self.error = str(exc)
+            return None
+        if out.returncode != 0:
+            self.error = (out.stdout + out.stderr).strip()[:200]
+            return None
+        return cmp.parse_smi(out.stdout, self.fields)
+
+    def start(self) -> None:
+        if self.query() is None and "memory.reserved" in self.fields:
+            self.fields.remove("memory.reserved")  # an older nvidia-smi
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.time()
+            rows = self.query()
+            t1 = time.time()
+            if rows:
+                self.reads.append({"t": (t0 + t1) / 2, "span_s": t1 - t0, "rows": rows})
+            self._stop.wait(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+
+# --------------------------------------------------------------------------------------------
+# the groups of checks
+# --------------------------------------------------------------------------------------------
+
+
+def shown_devices(record: Path) -> list[str] | None:
+    """The devices the memory view shows for a recording, as the model says (whichever of its
+    names this checkout has); ``None`` when the model gives no answer."""
+    from torchtop.recording import read_recording
+
+    messages = read_recording(record).messages
+    for module, name in (
+        ("torchtop.model.job", "JobModel"),
+        ("torchtop.model", "JobModel"),
+        ("torchtop.tui.state", "MonitorState"),
+    ):
+        try:
+            cls = getattr(importlib.import_module(module), name)
+            state = cls()
+        except Exception:
+            continue
+        state.apply_all(messages)
+        for attr in ("memory_devices", "shown_devices", "used_devices", "devices_in_use"):
+            value = getattr(state, attr, None)
+            if value is not None:
+                value = value() if callable(value) else value
+                return [str(getattr(d, "id", d)) for d in value]
+        primary = getattr(state, "primary_device", None)
+        return None if primary is None else [str(primary)]
+    return None
+
+
+def group_allocator(s: Session) -> list[Check]:
+    """Allocator figures against the job's memory_stats(), NVML against nvidia-smi, the job's
+    GPU by UUID, the devices the view shows for a CUDA job and a CPU job."""
+    record, out = s.work / "allocator.ttr", s.work / "allocator.json"
+    poller = SmiPoller()
+    poller.start()
+    try:
+        step = s.torchtop(
+            "allocator",
+            record,
+            ["--interval", "0.05", "--nvml-interval", "0.25", str(JOBS), "allocator", str(out)],
+            timeout=150,
+        )
+    finally:
+        poller.stop()
+    truth = load_json(out)
+    frames = load_frames(record)
+    s.keep(
+        "nvml_readings_h200.json", {"gpu": cmp.of_kind(frames, "gpu"), "nvidia_smi": poller.reads}
+    )
+    if truth is None:
+        return [failed("allocator: job", step)]
+    s.keep("cuda_memory_stats_training_h200.json", dict(sorted(truth["final_stats"].items())))
+    s.keep("cuda_memory_stats_plateaus_h200.json", truth["plateaus"])
+    with contextlib.suppress(OSError):
+        s.keep("recording_allocator_h200.ttr", record.read_bytes())
+    plateaus = truth["plateaus"]
+    rows = [
+        cmp.allocator_matches_job(frames, plateaus),
+        cmp.nvml_memory_matches_smi(frames, poller.reads, plateaus),
+        cmp.nvml_utilization_matches_smi(frames, poller.reads, plateaus),
+        cmp.nvml_gpu_matched_by_uuid(
+            frames, truth["uuid"], poller.reads[-1]["rows"] if poller.reads else []
+        ),
+        cmp.shown_devices_match(_shown(record), [f"cuda:{truth['current_device']}"], "CUDA job"),
+    ]
+    if not poller.reads:
+        rows.append(check("nvml: nvidia-smi read", "answers", poller.error or "no reads", False))
+    return rows
+
+
+def _shown(record: Path) -> list[str] | None:
+    try:
+        return shown_devices(record)
+    except Exception:
+        return None
+
+
+def group_cpu_job(s: Session) -> list[Check]:
+    record, out = s.work / "cpu.ttr", s.work / "cpu.json"
+    step = s.torchtop("cpu job", record, [str(JOBS), "cpu", str(out)], timeout=90)
+    truth = load_json(out)
+    if truth is None:
+        return [failed("view: devices shown (CPU job)", step)]
+    return [cmp.shown_devices_match(_shown(record), ["cpu"], "CPU job on a GPU machine")]
+
+
+def _observer_fixture(truth: dict[str, Any]) -> dict[str, Any] | None:
+    """The tests/fixtures/cuda_snapshot_*.json format: observer arguments, memory_stats(),
+    snapshot."""
+    calls = truth.get("observer") or []
+    if not calls or truth.get("snapshot") is None:
+        return None
+    call = calls[0]
+    return {
+        "observer": {k: call[k] for k in ("device", "alloc", "device_total", "device_free")},
+        "memory_stats": dict(sorted(call["memory_stats"].items())),
+        "snapshot": truth["snapshot"],
+        "requested": truth.get("requested"),
+        "message": truth.get("message", ""),
+    }
+
+
+#: The out-of-memory runs: key -> (label, torchtop options or None for plain python, job
+#: arguments). Each writes ``<key>.json`` and, under torchtop, records ``<key>.ttr``.
+OOM_RUNS: dict[str, tuple[str, list[str] | None, list[str]]] = {
+    "full": ("oom full (caught)", [], ["oom-full", "catch"]),
+    "plain": ("oom full (plain python)", None, ["oom-full"]),
+    "watched": ("oom full (torchtop)", [], ["oom-full"]),
+    "paused": (
+        "oom full (--pause-on-oom)",
+        ["--pause-on-oom", "--pause-timeout", str(PAUSE_TIMEOUT_S)],
+        ["oom-full"],
+    ),
+    "fragmented": ("oom fragmented", [], ["oom-fragmented"]),
+    "handled": ("oom handled by cuDNN", [], ["oom-handled"]),
+}
+
+
+def group_oom(s: Session) -> list[Check]:
+    """A full and a fragmented OOM, the job's error with and without torchtop, the pause, and
+    OOMs torch handles itself, run side by side (each under its own cap)."""
+    w = s.work
+    source = JOBS.read_text()
+
+    def launch(key: str) -> Step:
+        label, options, (job, *rest) = OOM_RUNS[key]
+        args = [str(JOBS), job, str(w / f"{key}.json"), *rest]
+        if options is None:
+            return s.run(label, [sys.executable, *args], 120)
+        return s.torchtop(label, w / f"{key}.ttr", [*options, *args], 120)
+
+    with ThreadPoolExecutor(max_workers=len(OOM_RUNS)) as pool:
+        steps = dict(zip(OOM_RUNS, pool.map(launch, OOM_RUNS), strict=True))
+    rows: list[Check] = []
+    for key, fragmented in (("full", False), ("fragmented", True)):
+        truth = load_json(w / f"{key}.json")
+        frames = load_frames(w / f"{key}.ttr")
+        if truth is None:
+            rows.append(failed(f"oom {key}: job", steps[key]))
+            continue
+        fixture = _observer_fixture(truth)
+        if fixture is not None:
+            s.keep(f"cuda_snapshot_{key}_h200.json", fixture)
+        rows += cmp.oom_event_checks(
+            key,
+            frames,
+            truth,
+            fragmented=fragmented,
+            top_site=(JOBS.name, cmp.marker_line(source, f"{key} top site")),
+        )
+        if key == "full":
+            rows.append(_memory_viz(s, frames))
+    plain = (steps["plain"].rc, steps["plain"].stderr)
+    for key, label in (("watched", "torchtop run"), ("paused", "--pause-on-oom")):
+        rows.append(cmp.job_error_unchanged(label, plain, (steps[key].rc, steps[key].stderr)))
+    rows.append(cmp.pause_timed_out(load_frames(w / "paused.ttr"), PAUSE_TIMEOUT_S))
+    handled = load_json(w / "handled.json")
+    if handled is None:
+        rows.append(failed("oom: handled inside torch not published", steps["handled"]))
+    else:
+        s.keep("oom_handled_trials_h200.json", handled)
+        rows.append(
+            cmp.handled_ooms_not_published(load_frames(w / "handled.ttr"), handled["trials"])
+        )
+    return rows
+
+
+def _memory_viz(s: Session, frames: list[dict[str, Any]]) -> Check:
+    oom = cmp.of_kind(frames, "oom")
+    path = oom[0].get("snapshot_path") if oom else None
+    mode = rc = None
+    output = ""
+    if path and Path(path).exists():
+        mode = Path(path).stat().st_mode & 0o777
+        step = s.run(
+            "_memory_viz stats", [sys.executable, "-m", "torch.cuda._memory_viz", "stats", path], 60
+        )
+        rc, output = step.rc, step.stdout + step.stderr
+    return cmp.snapshot_loads(path, mode, rc, output)
+
+
+def group_ops(s: Session) -> list[Check]:
+    record, out = s.work / "ops.ttr", s.work / "ops.json"
+    step = s.torchtop("ops", record, [str(JOBS), "ops", str(out)], timeout=120)
+    truth = load_json(out)
+    frames = load_frames(record)
+    if truth is None:
+        return [failed("ops: job", step)]
+    windows = {name: cmp.window_in(frames, span) for name, span in truth["phases"].items()}
+    s.keep(
+        "ops_window_cuda_h200.json",
+        {
+            "events": truth["events"],
+            "ops_frames": cmp.of_kind(frames, "ops"),
+            "key_averages": truth["key_averages"],
+        },
+    )
+    return [
+        cmp.kernels_attributed(windows["item"], truth["key_averages"]),
+        cmp.per_step(windows["item"], "sync_points", 1.0, ".item() every step -> syncs"),
+        cmp.per_step(windows["pinned"], "copies", 1.0, "one H2D copy a step -> copies"),
+        cmp.per_step(windows["pinned"], "sync_points", 0.0, "pinned non_blocking -> no sync"),
+        cmp.copies_kinds(windows["pinned"], windows["pageable"]),
+    ]
+
+
+def group_demos(s: Session) -> list[Check]:
+    def one(name: str) -> Check:
+        if s.left() < 20:
+            return check(f"demo {name}", "runs", "out of time", None)
+        step = s.run(
+            f"demo {name}",
+            [
+                sys.executable,
+                "-m",
+                "torchtop",
+                "demo",
+                name,
+                "--device",
+                "cuda",
+                "--headless",
+                "--quick",
+            ],
+            timeout=120,
+        )
+        return cmp.demo_direction(name, step.rc, step.stdout + step.stderr)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return list(pool.map(one, DEMOS))
+
+
+def group_cost(s: Session) -> list[Check]:
+    out = s.work / "overhead.json"
+    step = s.run("overhead", [sys.executable, str(JOBS), "overhead", str(out)], timeout=120)
+    result = load_json(out)
+    rows = [cmp.overhead(result) if result else failed("cost: agent on/off, GPU step", step)]
+    arms: dict[str, list[float]] = {"plain": [], "history": []}
+    for i in range(2):
+        for arm in arms:
+            path = s.work / f"history-{arm}-{i}.json"
+            s.run(
+                f"history {arm}", [sys.executable, str(JOBS), "history", str(path), arm], timeout=60
+            )
+            got = load_json(path)
+            if got is not None:
+                arms[arm].append(float(got["per_alloc_s"]))
+    rows.append(cmp.history_cost(arms["plain"], arms["history"]))
+    return rows
+
+
+#: (name, function, seconds it needs at least): run in this order.
+GROUPS: list[tuple[str, Callable[[Session], list[Check]], float]] = [
+    ("allocator and NVML", group_allocator, 40),
+    ("CPU job", group_cpu_job, 15),
+    ("out of memory", group_oom, 30),
+    ("op windows", group_ops, 25),
+    ("cost", group_cost, 50),
+    ("demos", group_demos, 40),
+]
+
+
+def run_groups(s: Session, only: set[str] | None) -> list[Check]:
+    rows: list[Check] = []
+    for name, fn, needs in GROUPS:
+        if only and not any(word in name for word in only):
+            continue
+        if s.left() < needs:
+            rows.append(check(name, "runs", f"not started: {s.left():.0f} s left", None))
+            continue
+        t0 = time.monotonic()
+        try:
+            got = fn(s)
+        except Exception as exc:  # one group's failure never stops the others
+            got = [check(name, "runs", f"crashed: {exc!r}"[:120], False)]
+        print(f"[{name}: {time.monotonic() - t0:.0f} s]", file=sys.stderr, flush=True)
+        rows += got
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# packing
+# --------------------------------------------------------------------------------------------
+
+
+def within_budget(
+    files: dict[str, bytes], budget: int = FIXTURE_BUDGET
+) -> tuple[dict[str, bytes], list[str]]:
+    """The fixtures that fit in ``budget`` bytes, smallest first, and the names left out."""
+    kept: dict[str, bytes] = {}
+    left_out = []
+    used = 0
+    for name, data in sorted(files.items(), key=lambda item: len(item[1])):
+        if used + len(data) <= budget:
+            kept[name] = data
+            used += len(data)
+        else:
+            left_out.append(f"{name} ({len(data)} bytes)")
+    return kept, left_out
+
+
+def pack(path: Path, files: dict[str, bytes]) -> None:
+    """A gzipped tar of ``files`` (flat, one folder), mode 0600."""
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in sorted(files.items()):
+            info = tarfile.TarInfo(f"{path.name.split('.')[0]}/{name}")
+            info.size = len(data)
+            info.mode = 0o600
+            info.mtime = int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    os.chmod(path, 0o600)
+
+
+def write_outputs(out: Path, s: Session, rows: list[Check], report: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    kept, left_out = within_budget(s.fixtures)
+    pack(out / "fixtures.tar.gz", kept)
+    logs = {
+        f"{i:02d}-{step.name.replace(' ', '_').replace('/', '_')}.log": (
+            f"$ exit {step.rc} after {step.seconds:.1f} s\n--- stdout\n{step.stdout[-LOG_LIMIT:]}"
+            f"\n--- stderr\n{step.stderr[-LOG_LIMIT:]}"
+        ).encode()
+        for i, step in enumerate(s.steps)
+    }
+    pack(out / "logs.tar.gz", logs)
+    (out / "report.txt").write_text(report + "\n")
+    payload = {
+        "checks": [asdict(r) for r in rows],
+        "fixtures": sorted(kept),
+        "fixtures_left_out": left_out,
+        "steps": [
+            {"name": st.name, "rc": st.rc, "seconds": round(st.seconds, 2)} for st in s.steps
+        ],
+        "seconds": round(time.monotonic() - s.started, 1),
+    }
+    (out / "results.json").write_text(json.dumps(payload, indent=1))
+    for name in ("report.txt", "results.json"):
+        os.chmod(out / name, 0o600)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="folder for the report and fixtures"
+    )
+    parser.add_argument(
+        "--only", action="append", help="run only the groups whose name contains this (repeatable)"
+    )
+    args = parser.parse_args(argv)
+    reason = no_cuda_reason()
+    if reason is not None:
+        print(f"gpu_check: no CUDA device is visible: {reason}; run it where one is")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as folder:
+        s = Session(Path(folder))
+        rows = run_groups(s, set(args.only) if args.only else None)
+        report = cmp.table(rows)
+        print(report, flush=True)
+        write_outputs(args.out, s, rows, report)
+    print(f"report, fixtures and logs in {args.out}")
+    return 1 if any(r.failed for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

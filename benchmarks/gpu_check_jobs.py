@@ -1,0 +1,493 @@
+"""The jobs the GPU check runs (needs CUDA): each writes what the job itself read to a JSON file.
+
+``python benchmarks/gpu_check_jobs.py JOB OUT.json [ARGS]``, usually under ``torchtop run
+--headless --record``. What a job writes is the independent source of truth that
+:mod:`benchmarks.gpu_check_compare` holds the agent's frames against: ``torch.cuda.memory_stats()``
+read in the job, the allocator's out-of-memory observer's own arguments, the snapshot at the
+failure, the job's own ``torch.profiler`` tables, timings. Lines that the checks look up by
+their marker comment (``# gpu_check: ...``) must keep it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def _write(path: str, payload: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(payload, default=str))
+    os.chmod(path, 0o600)
+
+
+def _stats() -> dict[str, Any]:
+    import torch
+
+    return dict(torch.cuda.memory_stats(0))
+
+
+def _uuid(props: Any) -> str:
+    return str(getattr(props, "uuid", ""))
+
+
+def _bounded_snapshot(snapshot: dict[str, Any], entries: int = 300) -> dict[str, Any]:
+    """The snapshot with the last ``entries`` history entries and 8 frames a stack: a fixture
+    small enough to commit."""
+
+    def frames(item: dict[str, Any]) -> dict[str, Any]:
+        if "frames" in item:
+            item = {**item, "frames": item["frames"][:8]}
+        return item
+
+    segments = []
+    for segment in snapshot.get("segments", []):
+        blocks = [frames(b) for b in segment.get("blocks", [])]
+        segments.append({**segment, "blocks": blocks})
+    traces = [[frames(e) for e in trace[-entries:]] for trace in snapshot.get("device_traces", [])]
+    return {"segments": segments, "device_traces": traces}
+
+
+class Observer:
+    """The job's own out-of-memory observer, attached beside the agent's: the allocator's
+    arguments and its counters at the moment of the failure."""
+
+    def __init__(self, keep_snapshot: bool) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.keep_snapshot = keep_snapshot
+        self.snapshot: dict[str, Any] | None = None
+
+    def __call__(self, device: int, alloc: int, device_total: int, device_free: int) -> None:
+        import torch
+
+        call: dict[str, Any] = {
+            "t": time.time(),
+            "device": int(device),
+            "alloc": int(alloc),
+            "device_total": int(device_total),
+            "device_free": int(device_free),
+            "memory_stats": dict(torch.cuda.memory_stats(device)),
+        }
+        snapshot = torch.cuda.memory._snapshot()
+        ooms = [e for e in snapshot["device_traces"][device] if e.get("action") == "oom"]
+        call["trace_oom_size"] = int(ooms[-1]["size"]) if ooms else None
+        call["trace_oom_device_free"] = int(ooms[-1].get("device_free", -1)) if ooms else None
+        free_blocks = [
+            int(b["size"])
+            for s in snapshot["segments"]
+            if s.get("device", device) == device
+            for b in s["blocks"]
+            if b["state"] == "inactive"
+        ]
+        call["largest_free_block"] = max(free_blocks, default=0)
+        call["free_in_segments"] = sum(free_blocks)
+        if self.keep_snapshot and self.snapshot is None:
+            self.snapshot = _bounded_snapshot(snapshot)
+        self.calls.append(call)
+
+    def attach(self) -> None:
+        import torch
+
+        torch._C._cuda_attach_out_of_memory_observer(self)  # type: ignore[attr-defined]
+
+
+def _cap(fraction_bytes: int) -> float:
+    """Cap the process at ``fraction_bytes`` of device memory; the fraction torch was given."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = fraction_bytes / total
+    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    return fraction
+
+
+# --------------------------------------------------------------------------------------------
+# allocator and NVML: plateaus where the job's memory and load hold still
+# --------------------------------------------------------------------------------------------
+
+
+def job_allocator(out: str) -> None:
+    """Training steps with plateaus between them: memory still and GPU idle, and memory still
+    and GPU busy (matmuls into a preallocated output). Each plateau's ``memory_stats()`` is read
+    at its start and end, with its wall-clock times."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0)
+    model = nn.Sequential(nn.Linear(2048, 4096), nn.GELU(), nn.Linear(4096, 2048)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(512, 2048, device=device)
+    plateaus: list[dict[str, Any]] = []
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            opt.step()
+        torch.cuda.synchronize()
+
+    def plateau(kind: str, seconds: float, work: Any = None) -> None:
+        torch.cuda.synchronize()
+        before = _stats()
+        free, total = torch.cuda.mem_get_info(0)
+        t0 = time.time()
+        end = t0 + seconds
+        while time.time() < end:
+            if work is None:
+                time.sleep(0.01)
+            else:
+                work()
+        torch.cuda.synchronize()
+        t1 = time.time()
+        plateaus.append(
+            {
+                "kind": kind,
+                "t0": t0,
+                "t1": t1,
+                "before": before,
+                "after": _stats(),
+                "mem_get_info": [int(free), int(total)],
+            }
+        )
+
+    train(20)
+    plateau("idle", 1.5)
+    a = torch.randn(8192, 8192, device=device)
+    b = torch.randn(8192, 8192, device=device)
+    c = torch.empty(8192, 8192, device=device)
+    torch.matmul(a, b, out=c)  # cuBLAS's workspace is allocated here, before the plateau
+
+    def matmuls() -> None:
+        for _ in range(8):
+            torch.matmul(a, b, out=c)
+        torch.cuda.synchronize()
+
+    plateau("busy", 4.0, matmuls)
+    plateau("idle", 4.0)
+    train(20)
+    plateau("idle", 1.5)
+    props = torch.cuda.get_device_properties(0)
+    _write(
+        out,
+        {
+            "plateaus": plateaus,
+            "uuid": _uuid(props),
+            "name": props.name,
+            "total_memory": int(props.total_memory),
+            "current_device": torch.cuda.current_device(),
+            "final_stats": _stats(),
+        },
+    )
+
+
+def job_cpu(out: str) -> None:
+    """A CPU job on a GPU machine: imports torch, never touches CUDA."""
+    import torch
+    from torch import nn
+
+    model = nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 256)
+    end = time.time() + 2.0
+    steps = 0
+    while time.time() < end:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        steps += 1
+    _write(out, {"steps": steps, "cuda_initialized": torch.cuda.is_initialized()})
+
+
+# --------------------------------------------------------------------------------------------
+# out of memory
+# --------------------------------------------------------------------------------------------
+
+FULL_CAP = 2 * GIB
+FULL_WIDTH = 1024
+
+
+def job_oom_full(out: str, catch: bool) -> None:
+    """A batch that doubles under a 2 GiB cap until it no longer fits. Each new batch is made
+    while the previous one is alive, so at the failure the previous batch is the top site.
+    ``catch``: the job catches the error and writes what it read; else the error ends it."""
+    import torch
+    from torch import nn
+
+    observer = Observer(keep_snapshot=True)
+    torch.cuda.init()
+    observer.attach()
+    fraction = _cap(FULL_CAP)
+    device = torch.device("cuda", 0)
+    model = nn.Linear(FULL_WIDTH, 1).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = 1024
+    x = None
+    requested = 0
+    payload: dict[str, Any] = {"fraction": fraction, "cap": FULL_CAP}
+    try:
+        while True:
+            requested = batch * FULL_WIDTH * 4
+            x = torch.randn(batch, FULL_WIDTH, device=device)  # gpu_check: full top site
+            opt.zero_grad(set_to_none=True)
+            model(x).mean().backward()
+            opt.step()
+            torch.cuda.synchronize()
+            batch *= 2
+    except torch.OutOfMemoryError as exc:
+        if not catch:
+            raise
+        payload["message"] = str(exc)
+        payload["caught_at"] = time.time()
+    payload.update(requested=requested, observer=observer.calls, snapshot=observer.snapshot)
+    _write(out, payload)
+
+
+FRAG_CAP = 1 * GIB
+FRAG_BLOCK = 4 * MIB
+FRAG_SEGMENTS = 50
+#: A request above 10 MiB is rounded up to 2 MiB: 64.5 MiB asks the allocator for a 66 MiB
+#: segment, so the request and the segment size differ.
+FRAG_REQUEST = 64 * MIB + 512 * 1024
+
+
+def job_oom_fragmented(out: str) -> None:
+    """Fragmented on purpose, under a 1 GiB cap: 4 MiB blocks fill 50 segments of 20 MiB (five
+    each), every other block is freed, and a 64.5 MiB request fails although 600 MiB is free in
+    the segments (in 4 MiB pieces) and 24 MiB under the cap."""
+    import torch
+
+    observer = Observer(keep_snapshot=True)
+    torch.cuda.init()
+    observer.attach()
+    fraction = _cap(FRAG_CAP)
+    device = torch.device("cuda", 0)
+    count = FRAG_SEGMENTS * 5
+    blocks = [
+        torch.empty(FRAG_BLOCK // 4, device=device)  # gpu_check: fragmented top site
+        for _ in range(count)
+    ]
+    for i in range(0, count, 5):
+        for j in (0, 2, 4):
+            blocks[i + j] = None  # type: ignore[call-overload]
+    payload: dict[str, Any] = {"fraction": fraction, "cap": FRAG_CAP, "requested": FRAG_REQUEST}
+    payload["before"] = _stats()
+    try:
+        torch.empty(FRAG_REQUEST // 4, device=device)
+        payload["message"] = ""
+    except torch.OutOfMemoryError as exc:
+        payload["message"] = str(exc)
+    payload["caught_at"] = time.time()
+    payload.update(observer=observer.calls, snapshot=observer.snapshot)
+    _write(out, payload)
+
+
+def job_oom_handled(out: str) -> None:
+    """OOMs torch handles itself: cuDNN's algorithm search under a tight cap, where a workspace
+    that does not fit is retried smaller. Each trial records whether the allocator counted an
+    OOM (``num_ooms``) and whether an error reached this code."""
+    import torch
+    from torch import nn
+
+    torch.backends.cudnn.benchmark = True
+    torch.cuda.init()
+    device = torch.device("cuda", 0)
+    conv = nn.Conv2d(64, 64, 5, padding=2).to(device)
+    trials: list[dict[str, Any]] = []
+    total = torch.cuda.get_device_properties(0).total_memory
+    for i, headroom in enumerate((128 * MIB, 512 * MIB, 2 * GIB)):
+        batch = 16 + i  # a new shape: cuDNN searches again
+        x = torch.randn(batch, 64, 192, 192, device=device)
+        torch.cuda.synchronize()
+        out_bytes = x.numel() * 4
+        cap = torch.cuda.memory_reserved(0) + out_bytes + headroom
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
+        before = int(_stats().get("num_ooms", 0))
+        t0 = time.time()
+        raised = ""
+        try:
+            with torch.no_grad():
+                y = conv(x)
+            torch.cuda.synchronize()
+            del y
+        except torch.OutOfMemoryError as exc:
+            raised = str(exc).splitlines()[0]
+        t1 = time.time()
+        after = int(_stats().get("num_ooms", 0))
+        trials.append({"t0": t0, "t1": t1, "ooms": after - before, "raised": raised})
+        del x
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        torch.cuda.empty_cache()
+    _write(out, {"trials": trials})
+
+
+# --------------------------------------------------------------------------------------------
+# op windows
+# --------------------------------------------------------------------------------------------
+
+OPS_STEPS = 4
+
+
+def job_ops(out: str) -> None:
+    """Explicit op windows of 4 steps each (the sampled ones are paused): ``.item()`` every
+    step, one pinned host-to-device copy a step, one pageable copy a step. Then the job's own
+    ``torch.profiler`` over the same model: its ``key_averages`` are the truth the agent's
+    attribution of kernels to ops is held against, and its events are kept as a fixture."""
+    import torch
+    from torch import nn
+
+    from torchtop.agent.ops import paused, read_events, window
+
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0)
+    model = nn.Sequential(
+        nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10)
+    ).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x_dev = torch.randn(256, 1024, device=device)
+    y_dev = torch.randint(0, 10, (256,), device=device)
+    x_pinned = torch.randn(256, 1024).pin_memory()
+    x_pageable = torch.randn(256, 1024)
+
+    def step(x: Any, item: bool) -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x), y_dev)
+        loss.backward()
+        opt.step()
+        if item:
+            loss.item()
+
+    phases: dict[str, list[float]] = {}
+    with paused():
+        for _ in range(5):
+            step(x_dev, item=True)  # warm-up: cuBLAS handles, the optimizer's state
+        torch.cuda.synchronize()
+        for name, source, item, non_blocking in (
+            ("item", x_dev, True, False),
+            ("pinned", x_pinned, False, True),
+            ("pageable", x_pageable, False, False),
+        ):
+            t0 = time.time()
+            with window() as opened:
+                for _ in range(OPS_STEPS):
+                    step(source.to(device, non_blocking=non_blocking), item=item)
+                torch.cuda.synchronize()
+            phases[name] = [t0, time.time(), float(opened)]
+            time.sleep(0.3)
+        time.sleep(1.0)  # the agent's thread reads the windows
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(OPS_STEPS):
+            step(x_dev, item=False)
+        torch.cuda.synchronize()
+    table = []
+    for avg in prof.key_averages():
+        self_device = getattr(avg, "self_device_time_total", None)
+        if self_device is None:
+            self_device = getattr(avg, "self_cuda_time_total", 0)
+        table.append(
+            {"name": avg.key, "calls": int(avg.count), "self_device_us": float(self_device or 0)}
+        )
+    events = read_events(prof.profiler.kineto_results, record_shapes=False)
+    _write(
+        out,
+        {
+            "phases": phases,
+            "steps": OPS_STEPS,
+            "key_averages": table,
+            "events": [
+                {
+                    "name": e.name,
+                    "start": e.start,
+                    "end": e.end,
+                    "thread": e.thread,
+                    "device": e.device,
+                    "correlation": e.correlation,
+                    "linked": e.linked,
+                }
+                for e in events
+            ],
+        },
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# cost
+# --------------------------------------------------------------------------------------------
+
+
+def job_overhead(out: str) -> None:
+    """The agent on against off on a GPU training step, in paired blocks (the CPU benchmark's
+    method, benchmarks/agent_overhead.py, with the model on the GPU)."""
+    import torch
+    from torch import nn
+
+    from benchmarks import agent_overhead
+
+    device = torch.device("cuda", 0)
+
+    def build() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+        model = nn.Sequential(
+            nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10)
+        ).to(device)
+        return (
+            model,
+            torch.randn(512, 2048, device=device),
+            torch.randint(0, 10, (512,), device=device),
+        )
+
+    result = agent_overhead.measure("gpu mlp", build, rounds=12, seconds=0.5)
+    _write(out, result)
+
+
+def job_history(out: str, arm: str) -> None:
+    """The time of one allocation and free, with or without the allocator history torchtop
+    records (the agent's exact call), in a process of its own (history cannot be turned off
+    cleanly)."""
+    import torch
+
+    torch.cuda.init()
+    if arm == "history":
+        torch.cuda.memory._record_memory_history(
+            enabled="all", context="alloc", stacks="python", max_entries=10_000
+        )
+    device = torch.device("cuda", 0)
+    for _ in range(2000):
+        torch.empty(1024, device=device)
+    medians = []
+    for _ in range(5):
+        n = 4000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.empty(1024, device=device)
+        medians.append((time.perf_counter() - t0) / n)
+    _write(out, {"arm": arm, "per_alloc_s": statistics.median(medians)})
+
+
+JOBS = {
+    "allocator": lambda a: job_allocator(a[0]),
+    "cpu": lambda a: job_cpu(a[0]),
+    "oom-full": lambda a: job_oom_full(a[0], catch=len(a) > 1 and a[1] == "catch"),
+    "oom-fragmented": lambda a: job_oom_fragmented(a[0]),
+    "oom-handled": lambda a: job_oom_handled(a[0]),
+    "ops": lambda a: job_ops(a[0]),
+    "overhead": lambda a: job_overhead(a[0]),
+    "history": lambda a: job_history(a[0], a[1]),
+}
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] not in JOBS:
+        sys.exit(f"usage: gpu_check_jobs.py {{{','.join(JOBS)}}} OUT.json [ARGS]")
+    JOBS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,514 @@
+"""The GPU check's comparisons on recorded data, each with a case that must fail.
+
+The agent's frames come from the agent's own code fed with the CUDA fixtures (tests/fixtures/)
+and the fake NVML backend, so each comparison is run on the shapes a real GPU run gives; the
+truth is what the GPU check's jobs write (benchmarks/gpu_check_jobs.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fakes.nvml import MIB, FakeGpu, FakeNvmlBackend
+
+from benchmarks import gpu_check
+from benchmarks import gpu_check_compare as cmp
+from torchtop.agent.core import AgentConfig
+from torchtop.agent.oom import OomController
+from torchtop.agent.ops import Event, aggregate, ranked
+from torchtop.agent.probes.cuda_memory import CudaMemoryProbe
+from torchtop.agent.probes.nvml import NvmlProbe
+from torchtop.protocol import GpuSample, Message, OutOfMemory, Sample, to_dict
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+ROOT = FIXTURES.parent.parent
+GIB = 1 << 30
+
+
+def fixture(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / name).read_text())
+
+
+def statuses(rows: list[cmp.Check]) -> list[str]:
+    return [r.status for r in rows]
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path / "g")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device is visible" in lines[0], proc.stdout
+    assert proc.stderr == ""
+    assert not (tmp_path / "g").exists()
+    assert time.monotonic() - t0 < 30  # it never imports torch to find out
+
+
+def test_no_cuda_reason_on_this_machine() -> None:
+    if Path("/dev/nvidiactl").exists():
+        pytest.skip("this machine has an NVIDIA device")
+    assert "no /dev/nvidia" in (gpu_check.no_cuda_reason() or "")
+
+
+# -- allocator against memory_stats() ----------------------------------------------------------
+
+
+def cuda_module(stats: dict[str, Any], free: int, total: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        device_count=lambda: 1,
+        memory_stats=lambda device: stats,
+        mem_get_info=lambda device: (free, total),
+        get_device_name=lambda device: "NVIDIA H200",
+    )
+
+
+def samples(
+    stats: dict[str, Any], times: list[float], free: int, total: int
+) -> list[dict[str, Any]]:
+    probe = CudaMemoryProbe(cuda_module(stats, free, total))
+    return [to_dict(Sample(t=t, host=None, memory=probe.read())) for t in times]
+
+
+def test_allocator_samples_equal_the_jobs_memory_stats() -> None:
+    stats = fixture("cuda_memory_stats_idle_after_training.json")
+    free, total = 120 * GIB, 140 * GIB
+    plateau = {"kind": "idle", "t0": 10.0, "t1": 11.0, "before": stats, "after": stats,
+               "mem_get_info": [free, total]}  # fmt: skip
+    frames = samples(stats, [9.5, 10.2, 10.5, 10.9, 11.5], free, total)
+    row = cmp.allocator_matches_job(frames, [plateau])
+    assert row.status == cmp.PASS and row.measured.startswith("3 samples in 1"), row
+
+    # The agent read another number than the job (another stat: the OOM fixture's).
+    other = fixture("cuda_memory_stats_after_oom.json")
+    wrong = samples(other, [10.5], free, total)
+    row = cmp.allocator_matches_job(wrong, [plateau])
+    assert row.status == cmp.FAIL and "differ" in row.measured, row
+    # No sample inside a still plateau proves nothing.
+    assert cmp.allocator_matches_job(frames[:1], [plateau]).status == cmp.FAIL
+    moving = {**plateau, "after": other}
+    assert cmp.allocator_matches_job(frames, [moving]).status == cmp.FAIL
+
+
+# -- NVML against nvidia-smi -------------------------------------------------------------------
+
+
+def gpu_frames(backend: FakeNvmlBackend, times: list[float]) -> list[dict[str, Any]]:
+    probe = NvmlProbe(backend)
+    return [to_dict(GpuSample(t=t, gpus=probe.read())) for t in times]
+
+
+def smi_read(t: float, gpus: list[FakeGpu], **change: float) -> dict[str, Any]:
+    fields = cmp.SMI_FIELDS
+    lines = []
+    for i, gpu in enumerate(gpus):
+        values = {
+            "index": i,
+            "uuid": f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd",
+            "memory.used": gpu.memory_used // MIB + change.get("used", 0),
+            "memory.total": gpu.memory_total // MIB,
+            "memory.reserved": "[N/A]",
+            "utilization.gpu": gpu.util_gpu + change.get("util", 0),
+        }
+        lines.append(", ".join(str(values[f]) for f in fields))
+    return {"t": t, "rows": cmp.parse_smi("\n".join(lines))}
+
+
+PLATEAUS = [{"kind": "busy", "t0": 0.0, "t1": 4.0}, {"kind": "idle", "t0": 4.0, "t1": 8.0}]
+
+
+def test_nvml_memory_and_utilization_against_nvidia_smi() -> None:
+    busy = FakeNvmlBackend.two_h200()
+    idle = FakeNvmlBackend([FakeGpu(util_gpu=0.0), FakeGpu(util_gpu=0.0, memory_used=97_001 * MIB)])
+    frames = gpu_frames(busy, [2.0, 3.0]) + gpu_frames(idle, [6.0, 7.0])
+    reads = [smi_read(2.1, busy.gpus), smi_read(3.0, busy.gpus), smi_read(6.9, idle.gpus)]
+    assert cmp.nvml_memory_matches_smi(frames, reads, PLATEAUS).status == cmp.PASS
+    row = cmp.nvml_utilization_matches_smi(frames, reads, PLATEAUS)
+    assert row.status == cmp.PASS and row.measured.startswith("4 busy and 2 idle"), row
+
+    far = [smi_read(2.1, busy.gpus, used=100), smi_read(6.9, idle.gpus, util=40)]
+    assert cmp.nvml_memory_matches_smi(frames, far, PLATEAUS).status == cmp.FAIL
+    assert cmp.nvml_utilization_matches_smi(frames, far, PLATEAUS).status == cmp.FAIL
+    # Reads too far apart in time are not paired.
+    late = [smi_read(2.6, busy.gpus)]
+    assert "no NVML read paired" in cmp.nvml_memory_matches_smi(frames, late, PLATEAUS).measured
+
+
+def test_the_jobs_gpu_is_found_by_uuid_first_and_marked() -> None:
+    backend = FakeNvmlBackend.two_h200()
+    rows = smi_read(1.0, backend.gpus)["rows"]
+    job_uuid = "00000001-aaaa-bbbb-cccc-dddddddddddd"  # torch's form: no "GPU-"
+    frames = gpu_frames(backend, [1.0])
+    # The fake backend, as the agent reads it today, gives no UUID: the check says so.
+    row = cmp.nvml_gpu_matched_by_uuid(frames, job_uuid, rows)
+    assert row.status == cmp.FAIL and "no UUID" in row.measured
+    # NVML orders by PCI bus: the job's CUDA device 0 is NVML's GPU 1.
+    gpus = frames[0]["gpus"]
+    matched = [
+        {**gpus[1], "uuid": rows[1]["uuid"], "cuda_device": "cuda:0"},
+        {**gpus[0], "uuid": rows[0]["uuid"], "cuda_device": None},
+    ]
+    good = [{**frames[0], "gpus": matched}]
+    assert cmp.nvml_gpu_matched_by_uuid(good, job_uuid, rows).status == cmp.PASS
+    unordered = [{**frames[0], "gpus": matched[::-1]}]
+    assert cmp.nvml_gpu_matched_by_uuid(unordered, job_uuid, rows).status == cmp.FAIL
+    unmarked = [{**frames[0], "gpus": [{**g, "cuda_device": None} for g in matched]}]
+    assert cmp.nvml_gpu_matched_by_uuid(unmarked, job_uuid, rows).status == cmp.FAIL
+
+
+def test_shown_devices() -> None:
+    assert cmp.shown_devices_match(["cpu"], ["cpu"], "CPU job").status == cmp.PASS
+    assert cmp.shown_devices_match(["cuda:0"], ["cpu"], "CPU job").status == cmp.FAIL
+    assert cmp.shown_devices_match(None, ["cpu"], "CPU job").status == cmp.FAIL
+
+
+def test_shown_devices_reads_a_recording_through_the_model(tmp_path: Path) -> None:
+    from torchtop.protocol import DeviceInfo, Hello, encode
+
+    hello = Hello(protocol=1, pid=1, argv=["x"], cwd="/", started_at=0.0, python="3", torch="2",
+                  devices=[DeviceInfo(id="cpu", name="cpu")], interval_s=0.1)  # fmt: skip
+    record = tmp_path / "r.ttr"
+    record.write_bytes(encode(hello))
+    assert gpu_check.shown_devices(record) == ["cpu"]
+
+
+# -- out of memory -----------------------------------------------------------------------------
+
+
+def agent_oom_event(tmp_path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """The agent's own flow, fed the fixture's observer call, memory_stats() and snapshot."""
+    messages: list[Message] = []
+    controller = OomController(AgentConfig(), messages.append, pid=4242, snapshot_dir=tmp_path)
+    controller.cuda_sources = {
+        "snapshot": lambda: data["snapshot"],
+        "stats": lambda device: data["memory_stats"],
+        "grad_enabled": lambda: True,
+    }
+    obs = data["observer"]
+    controller.observe_cuda_oom(
+        obs["device"], obs["alloc"], obs["device_total"], obs["device_free"]
+    )
+    (event,) = [m for m in messages if isinstance(m, OutOfMemory)]
+    return to_dict(event)
+
+
+def truth_of(data: dict[str, Any]) -> dict[str, Any]:
+    """What the GPU check's job writes, from a snapshot fixture."""
+    ooms = [e for e in data["snapshot"]["device_traces"][0] if e["action"] == "oom"]
+    observer = {**data["observer"], "memory_stats": data["memory_stats"],
+                "trace_oom_size": ooms[-1]["size"]}  # fmt: skip
+    return {"requested": ooms[-1]["size"], "observer": [observer]}
+
+
+@pytest.mark.parametrize(
+    ("name", "fragmented", "top"),
+    [("full", False, ("model.py", 88)), ("fragmented", True, ("train.py", 150))],
+)
+def test_oom_event_against_the_allocators_numbers(
+    tmp_path: Path, name: str, fragmented: bool, top: tuple[str, int]
+) -> None:
+    """The fixtures' largest live blocks were allocated at these lines of the job."""
+    data = fixture(f"cuda_snapshot_{name}.json")
+    event = agent_oom_event(tmp_path, data)
+    truth = truth_of(data)
+    rows = cmp.oom_event_checks(name, [event], truth, fragmented=fragmented, top_site=top)
+    assert statuses(rows) == [cmp.PASS] * 5, rows
+
+    # Each figure, when the agent's differs, fails its row.
+    wrong = {**event, "reserved_bytes": event["reserved_bytes"] + MIB}
+    assert cmp.oom_event_checks(name, [wrong], truth, fragmented=fragmented, top_site=top)[0].failed
+    # The segment size in place of the request (issue 19, point 8).
+    segment = {**event, "requested_bytes": event["requested_bytes"] + 2 * MIB}
+    rows = cmp.oom_event_checks(name, [segment], truth, fragmented=fragmented, top_site=top)
+    assert statuses(rows)[:2] == [cmp.FAIL, cmp.FAIL]
+    other_verdict = {**event, "fragmented": not fragmented}
+    rows = cmp.oom_event_checks(name, [other_verdict], truth, fragmented=fragmented, top_site=top)
+    assert rows[3].failed
+    rows = cmp.oom_event_checks(name, [event], truth, fragmented=fragmented, top_site=("x.py", 1))
+    assert rows[4].failed
+    assert cmp.oom_event_checks(name, [], truth, fragmented=fragmented, top_site=top)[0].failed
+
+
+def test_free_under_a_memory_fraction_is_the_cap_less_reserved() -> None:
+    """Issue 19, point 2: a 4 GiB cap on a 141 GiB card, with 135 GiB free on the device."""
+    stats = {
+        "reserved_bytes.all.current": 3 * GIB + 512 * MIB,
+        "allocated_bytes.all.current": 3 * GIB,
+    }
+    observer = {"device": 0, "alloc": GIB, "device_total": 4 * GIB, "device_free": 135 * GIB,
+                "memory_stats": stats}  # fmt: skip
+    assert cmp.expected_free(observer) == 512 * MIB
+    truth = {"requested": GIB, "observer": [observer]}
+    event = {"kind": "oom", "requested_bytes": GIB, "allocated_bytes": 3 * GIB,
+             "reserved_bytes": stats["reserved_bytes.all.current"],
+             "fragmented": False, "top_sites": []}  # fmt: skip
+    capped = cmp.oom_event_checks(
+        "x", [{**event, "free_bytes": 512 * MIB}], truth, fragmented=False, top_site=("a", 1)
+    )
+    assert capped[2].status == cmp.PASS
+    device_free = cmp.oom_event_checks(
+        "x", [{**event, "free_bytes": 135 * GIB}], truth, fragmented=False, top_site=("a", 1)
+    )
+    assert device_free[2].failed
+
+
+def test_marker_lines_are_in_the_jobs_file() -> None:
+    source = (ROOT / "benchmarks" / "gpu_check_jobs.py").read_text()
+    for marker in ("full top site", "fragmented top site"):
+        line = cmp.marker_line(source, marker)
+        assert "torch." in source.splitlines()[line - 1]
+    with pytest.raises(ValueError):
+        cmp.marker_line(source, "nothing")
+
+
+def test_snapshot_loads() -> None:
+    assert cmp.snapshot_loads("/s.pickle", 0o600, 0, "Total: 12 MiB").status == cmp.PASS
+    assert cmp.snapshot_loads("/s.pickle", 0o644, 0, "Total").failed
+    assert cmp.snapshot_loads("/s.pickle", 0o600, 1, "Traceback\nKeyError").failed
+    assert cmp.snapshot_loads(None, None, None, "").failed
+
+
+def oom_stderr(prefix: str = "", line: int = 213, tried: str = "2.00 GiB") -> str:
+    return (
+        f"{prefix}Traceback (most recent call last):\n"
+        '  File "/r/benchmarks/gpu_check_jobs.py", line 460, in <module>\n'
+        "    main(sys.argv[1:])\n"
+        f'  File "/r/benchmarks/gpu_check_jobs.py", line {line}, in job_oom_full\n'
+        "    x = torch.randn(batch, FULL_WIDTH, device=device)\n"
+        f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {tried}. GPU 0 has a "
+        "total capacity of 139.81 GiB of which 137.1 GiB is free.\n"
+    )
+
+
+def test_the_jobs_error_is_unchanged() -> None:
+    runner = (
+        "Traceback (most recent call last):\n"
+        '  File "<frozen runpy>", line 198, in _run_module_as_main\n'
+    )
+    plain = (1, oom_stderr())
+    # Under torchtop, the runner's frames come first and torchtop may print after the error.
+    watched = (1, oom_stderr().replace("Traceback (most recent call last):\n", runner)
+               + "torchtop: OOM snapshot: /tmp/r.oom-1.pickle\n")  # fmt: skip
+    assert cmp.job_error_unchanged("run", plain, watched).status == cmp.PASS
+    assert cmp.job_error_unchanged("run", plain, (0, "")).failed
+    assert cmp.job_error_unchanged("run", plain, (1, oom_stderr(line=214))).failed
+    assert cmp.job_error_unchanged("run", plain, (1, oom_stderr(tried="1.00 GiB"))).failed
+    assert cmp.job_error_unchanged("run", plain, (-9, oom_stderr())).failed
+
+
+def test_pause_resumes_at_the_timeout() -> None:
+    oom = {"kind": "oom", "t": 100.0, "paused": True}
+    good = [oom, {"kind": "oom_resumed", "t": 103.1, "reason": "timeout"}]
+    assert cmp.pause_timed_out(good, 3.0).status == cmp.PASS
+    assert cmp.pause_timed_out([oom], 3.0).failed
+    assert cmp.pause_timed_out([{**oom, "paused": False}, good[1]], 3.0).failed
+    assert cmp.pause_timed_out([oom, {**good[1], "t": 100.1, "reason": "viewer"}], 3.0).failed
+
+
+def test_ooms_handled_inside_torch_are_not_published() -> None:
+    trials = [
+        {"t0": 10.0, "t1": 11.0, "ooms": 3, "raised": ""},  # cuDNN retried smaller
+        {"t0": 12.0, "t1": 13.0, "ooms": 1, "raised": "CUDA out of memory."},
+        {"t0": 14.0, "t1": 15.0, "ooms": 0, "raised": ""},
+    ]
+    right = [{"kind": "oom", "t": 12.5}]
+    assert cmp.handled_ooms_not_published(right, trials).status == cmp.PASS
+    published = [{"kind": "oom", "t": 10.4}, *right]
+    assert cmp.handled_ooms_not_published(published, trials).failed
+    assert cmp.handled_ooms_not_published([], trials).failed  # the one the job saw is missing
+    assert cmp.handled_ooms_not_published([], trials[2:]).status == cmp.SKIP
+
+
+# -- op windows --------------------------------------------------------------------------------
+
+
+def ev(name: str, start: int, end: int, **kw: Any) -> Event:
+    return Event(name=name, start=start, end=end, thread=kw.pop("thread", 1), **kw)
+
+
+def step_events(offset: int, *, item: bool, copy: str | None, orphan: bool = False) -> list[Event]:
+    """One training step's events as kineto gives them: ops, their runtime calls, kernels
+    (``orphan``: the matmul kernel's link to its op is missing)."""
+    o = offset
+    events = [
+        ev("aten::addmm", o, o + 100, correlation=o + 1),
+        ev("cudaLaunchKernel", o + 10, o + 20, correlation=o + 2, linked=o + 1),
+        ev("sm90_xmma_gemm_f32f32", o + 30, o + 330, device=True, linked=0 if orphan else o + 1),
+        ev("aten::relu", o + 110, o + 150, correlation=o + 3),
+        ev("vectorized_elementwise_kernel", o + 340, o + 360, device=True, linked=o + 3),
+        ev("Optimizer.step#SGD.step", o + 400, o + 450, correlation=o + 4),
+    ]
+    if item:
+        events += [
+            ev("aten::item", o + 500, o + 600, correlation=o + 5),
+            ev("aten::_local_scalar_dense", o + 510, o + 590, correlation=o + 6),
+            ev("cudaStreamSynchronize", o + 520, o + 580),
+            ev("Memcpy DtoH (Device -> Pageable)", o + 530, o + 532, device=True, linked=o + 6),
+        ]
+    if copy:
+        events += [
+            ev("aten::copy_", o + 700, o + 720, correlation=o + 7),
+            ev(f"Memcpy HtoD ({copy} -> Device)", o + 705, o + 715, device=True, linked=o + 7),
+        ]
+    return events
+
+
+def window_frame(began: float, steps: int, **kinds: Any) -> dict[str, Any]:
+    events = [e for i in range(steps) for e in step_events(i * 1000, **kinds)]
+    totals = aggregate(events)
+    ops, _ = ranked(totals.ops, device=totals.device)
+    return {"kind": "ops", "began": began, "steps": steps, "sync_points": totals.sync_points,
+            "copies": totals.copies, "ops": [to_dict_op(op) for op in ops]}  # fmt: skip
+
+
+def to_dict_op(op: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(op)
+
+
+KEY_AVERAGES = [
+    {"name": "aten::addmm", "calls": 4, "self_device_us": 1200.0},
+    {"name": "aten::relu", "calls": 4, "self_device_us": 80.0},
+    {"name": "sm90_xmma_gemm_f32f32", "calls": 4, "self_device_us": 1200.0},
+]
+
+
+def test_op_windows_on_cuda() -> None:
+    item = window_frame(10.0, 4, item=True, copy=None)
+    pinned = window_frame(20.0, 4, item=False, copy="Pinned")
+    pageable = window_frame(30.0, 4, item=False, copy="Pageable")
+    frames = [item, pinned, pageable]
+    assert cmp.window_in(frames, [19.9, 21.0]) is pinned
+    assert cmp.window_in(frames, [40.0, 41.0]) is None
+
+    assert cmp.kernels_attributed(item, KEY_AVERAGES).status == cmp.PASS
+    assert cmp.per_step(item, "sync_points", 1.0, "syncs").status == cmp.PASS
+    assert cmp.per_step(pinned, "copies", 1.0, "copies").status == cmp.PASS
+    assert cmp.per_step(pinned, "sync_points", 0.0, "syncs").status == cmp.PASS
+    assert cmp.copies_kinds(pinned, pageable).status == cmp.PASS
+
+    # Kernels that found no launching op; another op on top than the profiler's own table.
+    orphan = window_frame(10.0, 4, item=True, copy=None, orphan=True)
+    row = cmp.kernels_attributed(orphan, KEY_AVERAGES)
+    assert row.failed and row.measured.startswith("ratio 0.068"), row
+    others = [{"name": f"aten::op{i}", "calls": 1, "self_device_us": 5000.0} for i in range(3)]
+    assert cmp.kernels_attributed(item, [*KEY_AVERAGES, *others]).failed
+    assert cmp.kernels_attributed(None, KEY_AVERAGES).failed
+    assert cmp.per_step(pinned, "sync_points", 1.0, "syncs").failed
+    assert cmp.per_step({**item, "steps": 0}, "sync_points", 1.0, "syncs").failed
+    assert cmp.copies_kinds(pageable, pinned).failed
+    assert cmp.copies_kinds(pinned, None).failed
+
+
+# -- demos -------------------------------------------------------------------------------------
+
+
+def demo_output(results: list[dict[str, Any]], device: str = "cuda") -> str:
+    payload = json.dumps({"results": results})
+    return f"device: {device}\n| table |\nconclusion\n{cmp.RESULT_PREFIX}{payload}\n"
+
+
+def entry(name: str, peak: int = 0, seconds: float = 1.0, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "peak_bytes": peak, "seconds": seconds, "extra": extra}
+
+
+def test_demo_direction() -> None:
+    good = [entry("broadcasting", 32), entry("repeat", 64), entry("expand().contiguous()", 64)]
+    assert cmp.demo_direction("broadcasting", 0, demo_output(good)).status == cmp.PASS
+    bad = [entry("broadcasting", 64), entry("repeat", 64), entry("expand().contiguous()", 64)]
+    row = cmp.demo_direction("broadcasting", 0, demo_output(bad))
+    assert row.failed and "broadcast < repeat" in row.measured
+    assert cmp.demo_direction("broadcasting", 0, demo_output(good, "cpu")).failed
+    assert cmp.demo_direction("broadcasting", 1, "Traceback\nboom").failed
+    assert cmp.demo_direction("broadcasting", 0, "no result").failed
+    assert "missing" in cmp.demo_direction("broadcasting", 0, demo_output(good[:1])).measured
+
+
+def test_every_demo_has_directions() -> None:
+    from torchtop.demo_catalog import list_demos
+
+    assert {d.name for d in list_demos()} == set(gpu_check.DEMOS)
+
+
+# -- cost ----------------------------------------------------------------------------------------
+
+
+def test_cost_rows() -> None:
+    result = {
+        "ratio": 1.01,
+        "mean_ratio": 1.03,
+        "median_pair_ratio": 1.0,
+        "median_step_off_ms": 2.1,
+    }
+    assert cmp.overhead(result).status == cmp.PASS
+    assert cmp.overhead({**result, "ratio": 1.2}).failed
+    assert cmp.overhead({**result, "mean_ratio": 1.2}).failed
+    assert cmp.overhead(None).failed
+    assert cmp.history_cost([4e-6, 5e-6], [6e-6, 7e-6]).status == cmp.PASS
+    assert cmp.history_cost([4e-6], [40e-6]).failed
+    assert cmp.history_cost([], [4e-6]).failed
+
+
+# -- the table and the outputs -----------------------------------------------------------------
+
+
+def test_table_lists_every_row_and_the_counts() -> None:
+    rows = [
+        cmp.check("a", "1", "1", True),
+        cmp.check("b", "1", "2", False),
+        cmp.check("c", "x", "y", None),
+    ]
+    text = cmp.table(rows)
+    assert text.splitlines()[0].split() == ["check", "expected", "measured", "result"]
+    assert text.splitlines()[-1] == "1 passed, 1 failed, 1 skipped"
+    assert "FAIL" in text.splitlines()[3]
+
+
+def test_outputs_fit_what_a_device_call_brings_back(tmp_path: Path) -> None:
+    session = gpu_check.Session(tmp_path / "work")
+    (tmp_path / "work").mkdir()
+    session.keep("a.json", {"x": 1})
+    session.keep("big.bin", b"0" * (gpu_check.FIXTURE_BUDGET + 1))
+    session.steps.append(gpu_check.Step("demo oom", 0, "out", "err", 1.0))
+    out = tmp_path / "g"
+    gpu_check.write_outputs(out, session, [cmp.check("a", "1", "1", True)], "table")
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    assert [p.name for p in files] == [
+        "fixtures.tar.gz",
+        "logs.tar.gz",
+        "report.txt",
+        "results.json",
+    ]
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in files)
+    with tarfile.open(out / "fixtures.tar.gz") as tar:
+        assert tar.getnames() == ["fixtures/a.json"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["fixtures_left_out"] == [f"big.bin ({gpu_check.FIXTURE_BUDGET + 1} bytes)"]
+
+
+def test_a_step_past_its_timeout_is_killed(tmp_path: Path) -> None:
+    session = gpu_check.Session(tmp_path)
+    step = session.run("sleep", [sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
+    assert step.rc is None and "killed after" in step.stderr
