@@ -416,6 +416,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
                         "started_at": a.started_at,
                         "address": a.address,
                         "cwd": a.cwd,
+                        **a.identity,
                     }
                     for a in agents
                 ],
@@ -426,10 +427,17 @@ def cmd_ps(args: argparse.Namespace) -> int:
     if not agents:
         print("no running agents (start one with `torchtop run SCRIPT` or torchtop.start())")
         return 0
-    print(f"{'PID':>8}  {'STARTED':19}  {'ADDRESS':40}  COMMAND")
+    # Ranks of a distributed run: which rank of how many, and which run, before the command
+    # (every rank runs the same one). The columns appear only when some agent is a rank.
+    ranked = any(a.rank_label for a in agents)
+    rank_w = max([len("RANK"), *(len(a.rank_label) for a in agents)])
+    run_w = max([len("RUN"), *(len(a.run_label) for a in agents)])
+    rank_head = f"{'RANK':>{rank_w}}  {'RUN':{run_w}}  " if ranked else ""
+    print(f"{'PID':>8}  {'STARTED':19}  {rank_head}{'ADDRESS':40}  COMMAND")
     for a in agents:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.started_at))
-        print(f"{a.pid:>8}  {started:19}  {a.address:40}  {a.command}")
+        rank = f"{a.rank_label:>{rank_w}}  {a.run_label:{run_w}}  " if ranked else ""
+        print(f"{a.pid:>8}  {started:19}  {rank}{a.address:40}  {a.command}")
     return 0
 
 

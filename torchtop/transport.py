@@ -15,9 +15,10 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torchtop.protocol import (
     PROTOCOL_VERSION,
@@ -84,10 +85,30 @@ class AgentInfo:
     started_at: float
     address: str
     cwd: str = ""
+    #: Which rank of which distributed run, as the agent's ``Hello`` says it (``rank``,
+    #: ``local_rank``, ``world_size``, ``node_rank``, ``run_id``, ``restart_count``); empty for a
+    #: single process.
+    identity: dict[str, int | str | None] = field(default_factory=dict)
 
     @property
     def command(self) -> str:
         return " ".join(self.argv)
+
+    @property
+    def rank_label(self) -> str:
+        """``1/2`` (rank of world size), ``1`` without a world size, ``""`` for a single process."""
+        rank, world_size = self.identity.get("rank"), self.identity.get("world_size")
+        if rank is None:
+            return ""
+        return f"{rank}/{world_size}" if world_size is not None else str(rank)
+
+    @property
+    def run_label(self) -> str:
+        """The run a rank belongs to, and its restart once restarted: ``abc123 (restart 1)``."""
+        run_id, restarts = self.identity.get("run_id"), self.identity.get("restart_count")
+        if run_id is None:
+            return ""
+        return f"{run_id} (restart {restarts})" if restarts else str(run_id)
 
     @property
     def socket_path(self) -> str:
@@ -98,8 +119,11 @@ def socket_path_for(pid: int, directory: Path | None = None) -> Path:
     return (directory or runtime_dir()) / f"{pid}.sock"
 
 
-def bind_server(pid: int, argv: list[str], started_at: float) -> tuple[socket.socket, AgentInfo]:
-    """Bind the agent's listening socket (mode 0600) and write its description file."""
+def bind_server(
+    pid: int, argv: list[str], started_at: float, identity: Mapping[str, Any] | None = None
+) -> tuple[socket.socket, AgentInfo]:
+    """Bind the agent's listening socket (mode 0600) and write its description file, with the
+    rank's ``identity`` (``rank``, ``world_size``, ``run_id``, ...) so ``ps`` tells ranks apart."""
     directory = ensure_runtime_dir()
     path = socket_path_for(pid, directory)
     # A socket of the same name is left by a dead process whose pid we now have.
@@ -114,7 +138,12 @@ def bind_server(pid: int, argv: list[str], started_at: float) -> tuple[socket.so
         raise TransportError(f"cannot listen on {path}: {exc.strerror}") from None
     server.setblocking(False)
     info = AgentInfo(
-        pid=pid, argv=list(argv), started_at=started_at, address=f"unix:{path}", cwd=os.getcwd()
+        pid=pid,
+        argv=list(argv),
+        started_at=started_at,
+        address=f"unix:{path}",
+        cwd=os.getcwd(),
+        identity=_identity(identity or {}),
     )
     meta = directory / f"{pid}.json"
     tmp = meta.with_suffix(".json.tmp")
@@ -163,6 +192,7 @@ def list_agents(clean_stale: bool = True) -> list[AgentInfo]:
                 started_at=float(raw["started_at"]),
                 address=str(raw["address"]),
                 cwd=str(raw.get("cwd", "")),
+                identity=_identity(raw.get("identity") or {}),
             )
         except (OSError, ValueError, KeyError, TypeError):
             continue
@@ -173,6 +203,17 @@ def list_agents(clean_stale: bool = True) -> list[AgentInfo]:
         agents.append(info)
     agents.sort(key=lambda a: a.started_at)
     return agents
+
+
+def _identity(raw: Mapping[str, Any]) -> dict[str, int | str | None]:
+    """The identity fields that are plain values (a damaged file yields fewer, never a crash)."""
+    if not isinstance(raw, Mapping):
+        return {}
+    return {
+        str(k): v
+        for k, v in raw.items()
+        if v is None or (isinstance(v, (int, str)) and not isinstance(v, bool))
+    }
 
 
 def find_agent(pid: int) -> AgentInfo | None:

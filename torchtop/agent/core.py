@@ -149,7 +149,7 @@ class Agent:
             flush_events=lambda: self.sampler.drain_events(),
         )
 
-        listener, self.info = bind_server(self.pid, sys.argv, self.started_at)
+        listener, self.info = bind_server(self.pid, sys.argv, self.started_at, rank_identity())
         samples_ring = int(config.history_s / config.interval_s) + int(
             config.history_s / config.nvml_interval_s
         )

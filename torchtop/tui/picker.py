@@ -12,6 +12,16 @@ from textual.widgets.option_list import Option
 from torchtop.transport import AgentInfo, list_agents
 
 
+def describe(agent: AgentInfo) -> str:
+    """One line per agent: pid, start, and for a rank of a distributed run its rank and run."""
+    started = time.strftime("%H:%M:%S", time.localtime(agent.started_at))
+    rank = ""
+    if agent.rank_label:
+        run = f" of run {agent.run_label}" if agent.run_label else ""
+        rank = f"  rank {agent.rank_label}{run}"
+    return f"{agent.pid:>8}  {started}{rank}  {agent.command}"
+
+
 class AgentPicker(App[AgentInfo | None]):
     """Lists the running agents; enter attaches to the highlighted one, q cancels."""
 
@@ -24,14 +34,7 @@ class AgentPicker(App[AgentInfo | None]):
 
     def compose(self) -> ComposeResult:
         yield Header()
-        options = [
-            Option(
-                f"{a.pid:>8}  {time.strftime('%H:%M:%S', time.localtime(a.started_at))}"
-                f"  {a.command}",
-                id=str(a.pid),
-            )
-            for a in self.agents
-        ]
+        options = [Option(describe(a), id=str(a.pid)) for a in self.agents]
         yield OptionList(*options)
         yield Footer()
 

@@ -1,0 +1,64 @@
+"""Ranks of a torchrun job that calls torchtop.start() are told apart in `ps` and the picker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import torchtop
+from torchtop.transport import list_agents
+from torchtop.tui.picker import AgentPicker, describe
+
+JOB = """\
+import time, torchtop
+torchtop.start(ops=False)
+for _ in range(600):
+    time.sleep(0.1)
+"""
+
+
+def test_ps_and_the_picker_show_rank_world_size_and_run(tmp_path: Path) -> None:
+    (tmp_path / "ddp.py").write_text(JOB)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "ddp.py"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(list_agents()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        agents = list_agents()
+        assert len(agents) == 2
+        listed = json.loads(torchtop("ps", "--json").stdout)
+        assert sorted((a["rank"], a["local_rank"], a["world_size"]) for a in listed) == [
+            (0, 0, 2),
+            (1, 1, 2),
+        ]
+        (run_id,) = {a["run_id"] for a in listed}
+        assert run_id and all(a["restart_count"] == 0 and a["node_rank"] == 0 for a in listed)
+        table = torchtop("ps").stdout.splitlines()
+        assert table[0].split()[:4] == ["PID", "STARTED", "RANK", "RUN"]
+        for agent in agents:
+            (row,) = [line for line in table if line.split()[0] == str(agent.pid)]
+            assert f"{agent.identity['rank']}/2  {run_id}" in row
+        for agent in agents:
+            assert f"rank {agent.identity['rank']}/2 of run {run_id}  ddp.py" in describe(agent)
+
+        async def shown() -> list[str]:
+            app = AgentPicker()
+            async with app.run_test(size=(120, 20)) as pilot:
+                await pilot.pause()
+                options = app.query_one("OptionList")
+                return [str(options.get_option_at_index(i).prompt) for i in range(2)]
+
+        assert sorted(asyncio.run(shown())) == sorted(describe(a) for a in agents)
+    finally:
+        launcher.terminate()
+        launcher.wait(30)
