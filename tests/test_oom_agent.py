@@ -18,7 +18,7 @@ from torch.cuda import _memory_viz
 from torchtop.agent.core import AgentConfig
 from torchtop.agent.memory_limit import SOURCE_TENSORS, MemoryLimitTracker, oom_message
 from torchtop.agent.oom import OomController, _arm_after_import, _ArmAfterImport
-from torchtop.agent.server import EVENTS, SAMPLES, AgentServer
+from torchtop.agent.server import EVENTS, SAMPLES, AgentServer, RingLimit
 from torchtop.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -414,7 +414,11 @@ def test_requests_go_to_the_worker_thread(tmp_path: Path) -> None:
 def test_the_server_hands_requests_over(tmp_path: Path) -> None:
     hello = Hello(PROTOCOL_VERSION, 1, ["x"], "/", 0.0, "3", None, [], 0.1)
     listener, info = bind_server(os.getpid(), ["test"], time.time())
-    server = AgentServer(listener, lambda: encode(hello), ring_sizes={SAMPLES: 5, EVENTS: 5})
+    server = AgentServer(
+        listener,
+        lambda: encode(hello),
+        rings={SAMPLES: RingLimit(5, 1 << 20), EVENTS: RingLimit(5, 1 << 20)},
+    )
     received: list[Request] = []
     server.on_request = received.append
     server.start()

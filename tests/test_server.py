@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from torchtop.agent import server as server_module
-from torchtop.agent.server import EVENTS, SAMPLES, AgentServer
+from torchtop.agent.server import ANSWERS, EVENTS, SAMPLES, AgentServer, RingLimit
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
@@ -19,6 +19,8 @@ from torchtop.protocol import (
     Hello,
     Marked,
     Message,
+    PhaseBegan,
+    Request,
     decode,
     encode,
 )
@@ -41,7 +43,10 @@ HELLO = Hello(
 def server() -> Iterator[AgentServer]:
     listener, info = bind_server(os.getpid(), ["test"], time.time())
     srv = AgentServer(
-        listener, lambda: encode(HELLO), ring_sizes={SAMPLES: 50, EVENTS: 50}, client_queue=20
+        listener,
+        lambda: encode(HELLO),
+        rings={SAMPLES: RingLimit(50, 1 << 20), EVENTS: RingLimit(50, 1 << 20)},
+        client_queue=20,
     )
     srv.address = info.socket_path  # type: ignore[attr-defined]
     srv.start()
@@ -179,3 +184,178 @@ def test_stalled_viewer_costs_only_its_bounded_queue(server: AgentServer) -> Non
     stalled.settimeout(1)
     dropped = [m for m in _read(stalled, 400) if isinstance(m, Dropped)]
     assert dropped and dropped[-1].count == server.total_dropped()
+
+
+def _server(**kwargs: object) -> AgentServer:
+    listener, info = bind_server(os.getpid(), ["test"], time.time())
+    srv = AgentServer(
+        listener,
+        lambda: encode(HELLO),
+        rings={
+            SAMPLES: RingLimit(1000, 1 << 20),
+            EVENTS: RingLimit(1000, 1 << 20),
+            ANSWERS: RingLimit(5, 1 << 20),
+        },
+        **kwargs,  # type: ignore[arg-type]
+    )
+    srv.address = info.socket_path  # type: ignore[attr-defined]
+    return srv
+
+
+def _fail_once(
+    monkeypatch: pytest.MonkeyPatch, srv: AgentServer, method: str, exc: BaseException
+) -> None:
+    """Make ``srv.method`` raise ``exc`` on its first call only."""
+    original = getattr(srv, method)
+    calls = []
+
+    def failing_once() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise exc
+        original()
+
+    monkeypatch.setattr(srv, method, failing_once)
+
+
+def test_a_failing_io_thread_is_restarted_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    errors: list[str] = []
+    srv = _server(on_error=errors.append)
+    _fail_once(monkeypatch, srv, "_pump", RuntimeError("boom"))
+    srv.start()
+    try:
+        assert isinstance(_read(_connect(srv), 1)[0], Hello)
+        assert errors and "RuntimeError('boom')" in errors[0] and "restarted" in errors[0]
+        assert srv.failures == 1 and srv.alive
+    finally:
+        srv.stop(drain_s=0)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_io_thread_is_noticed_and_restarted(monkeypatch: pytest.MonkeyPatch) -> None:
+    errors: list[str] = []
+    srv = _server(on_error=errors.append)
+    _fail_once(monkeypatch, srv, "_serve", SystemExit())  # not an Exception: the thread ends
+    srv.start()
+    try:
+        deadline = time.monotonic() + 5
+        while srv.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not srv.alive
+        srv.check()  # the agent's sampler calls this once a second
+        assert srv.alive and errors and "I/O thread ended" in errors[0]
+        assert isinstance(_read(_connect(srv), 1)[0], Hello)
+    finally:
+        srv.stop(drain_s=0)
+
+
+def test_a_server_that_keeps_failing_closes_its_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    gave_up: list[str] = []
+    srv = _server(on_give_up=gave_up.append)
+
+    def always_failing() -> None:
+        raise OSError("selector broken")
+
+    monkeypatch.setattr(srv, "_serve", always_failing)
+    srv.start()
+    deadline = time.monotonic() + 5
+    while not gave_up and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gave_up and f"failed {server_module.MAX_FAILURES} times" in gave_up[0]
+    assert srv.gave_up and not srv.alive
+    with pytest.raises(OSError):
+        _connect(srv).recv(1)
+
+
+def test_frequent_frames_never_push_out_rare_events() -> None:
+    srv = _server()
+    srv.start()
+    try:
+        srv.publish(encode(PhaseBegan(t=1.0, name="warmup", id=1)), EVENTS)
+        for i in range(12_000):
+            srv.publish(_mark(i), ANSWERS)
+        messages = _read(_connect(srv), 7)
+        assert isinstance(messages[1], PhaseBegan)
+        assert [m.name for m in messages[2:]] == [f"m{i}" for i in range(11_995, 12_000)]  # type: ignore[attr-defined]
+    finally:
+        srv.stop(drain_s=0)
+
+
+def test_history_is_bounded_in_bytes_and_aged_frames_are_summarized() -> None:
+    listener, info = bind_server(os.getpid(), ["test"], time.time())
+    srv = AgentServer(listener, lambda: encode(HELLO), rings={SAMPLES: RingLimit(10_000, 50_000)})
+    srv.address = info.socket_path  # type: ignore[attr-defined]
+    srv.start()
+    try:
+        big = encode(Marked(t=0.0, name="x" * 1000))
+        for _ in range(1000):
+            srv.publish(big, SAMPLES, aged=_mark(0))
+        srv.publish(_mark(1), SAMPLES)
+        assert srv.history_bytes() <= 50_000
+        messages = _read(_connect(srv), 200, timeout=2)[1:]
+        # Every frame but the last arrived as its summary; the latest is whole.
+        assert [m.name for m in messages[:-1]] == ["m0"] * (len(messages) - 1)  # type: ignore[attr-defined]
+        assert messages[-1].name == "m1"  # type: ignore[attr-defined]
+    finally:
+        srv.stop(drain_s=0)
+
+
+def test_requests_are_rate_limited_per_action() -> None:
+    srv = _server()
+    served: list[Request] = []
+    srv.on_request = served.append
+    srv.start()
+    try:
+        sock = _connect(srv)
+        _read(sock, 1)
+        started = time.monotonic()
+        sock.sendall(encode(Request(action="snapshot")) * 200 + encode(Request(action="profile")))
+        deadline = time.monotonic() + 5
+        while (
+            srv.requests_dropped < 199 - server_module.REQUEST_BURST and time.monotonic() < deadline
+        ):
+            time.sleep(0.01)
+        elapsed = time.monotonic() - started
+        snapshots = [r for r in served if r.action == "snapshot"]
+        assert (
+            len(snapshots) <= server_module.REQUEST_BURST + elapsed / server_module.REQUEST_EVERY_S
+        )
+        assert [r.action for r in served].count("profile") == 1  # its own budget
+    finally:
+        srv.stop(drain_s=0)
+
+
+def test_clients_beyond_the_cap_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server_module, "MAX_CLIENTS", 3)
+    srv = _server()
+    srv.start()
+    try:
+        kept = [_connect(srv) for _ in range(3)]
+        for sock in kept:
+            assert isinstance(_read(sock, 1)[0], Hello)
+        assert _closed(_connect(srv))
+        assert srv.refused == 1
+        kept[0].close()
+        time.sleep(0.2)
+        assert isinstance(_read(_connect(srv), 1)[0], Hello)
+    finally:
+        srv.stop(drain_s=0)
+
+
+def test_queues_are_bounded_in_bytes_for_all_clients(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server_module, "TOTAL_QUEUE_BYTES", 200_000)
+    srv = _server(client_queue=100_000)
+    srv.start()
+    try:
+        stalled = [_connect(srv) for _ in range(5)]
+        for sock in stalled:
+            _read(sock, 1)
+        time.sleep(0.2)
+        frame = encode(Marked(t=0.0, name="x" * 1000))
+        for _ in range(5000):
+            srv.publish(frame)
+        # Five stalled viewers together cost at most the total bound plus their send buffers.
+        assert srv.pending_bytes() <= 200_000 + 5 * (server_module.SEND_CHUNK + len(frame))
+        assert srv.total_dropped() > 0
+    finally:
+        srv.stop(drain_s=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import platform
 import socket
@@ -24,11 +25,12 @@ from torchtop.agent.ops import PROBE as OPS_PROBE
 from torchtop.agent.ops import OpsSampler, quiet_kineto
 from torchtop.agent.output import OutputCapture
 from torchtop.agent.sampler import Sampler, SamplerStats, torch_imported
-from torchtop.agent.server import EVENTS, LOGS, SAMPLES, AgentServer
+from torchtop.agent.server import ANSWERS, EVENTS, LOGS, OPS, SAMPLES, AgentServer, RingLimit
 from torchtop.agent.training import TrainingMonitor
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     REQUEST_PROFILE,
+    REQUEST_SNAPSHOT,
     AgentStats,
     DeviceInfo,
     GpuSample,
@@ -36,7 +38,9 @@ from torchtop.protocol import (
     JobExited,
     LoaderInfo,
     LogLine,
+    MemorySnapshotTaken,
     Message,
+    OpsWindow,
     ProbeStatus,
     Request,
     Sample,
@@ -44,6 +48,29 @@ from torchtop.protocol import (
     encode,
 )
 from torchtop.transport import bind_server, remove_server_files, runtime_dir
+
+#: Bytes of history each ring keeps, whatever ``history_s`` asks (the agent's memory stays
+#: bounded over a job of any length), and the frames kept in the rings not sized by time.
+HISTORY_BYTES = {
+    SAMPLES: 8 << 20,
+    EVENTS: 4 << 20,
+    LOGS: 1 << 20,
+    OPS: 1 << 20,
+    ANSWERS: 1 << 20,
+}
+RINGS = {EVENTS: 10_000, LOGS: 2_000, OPS: 500, ANSWERS: 20}
+#: Snapshots a job's viewers may request (each writes a file of up to ``snapshot_max_bytes``).
+MAX_REQUESTED_SNAPSHOTS = 20
+#: ``probe_status`` names for the agent's own parts.
+SERVER_PROBE = "server"
+SNAPSHOTS_PROBE = "snapshots"
+
+
+def _say(message: str) -> None:
+    """One line on the job's stderr, written to the fd so that a replaced sys.stderr or a
+    dying interpreter cannot lose it."""
+    with contextlib.suppress(OSError):
+        os.write(2, f"torchtop: {message}\n".encode(errors="replace"))
 
 
 @dataclass
@@ -167,11 +194,18 @@ class Agent:
                 with_stack=config.profile_stack,
             )
         self.training = TrainingMonitor(ops=self.ops)
+        self._hello_cache: tuple[bool, bytes] | None = None
+        self._snapshots_requested = 0
         self.server = AgentServer(
             listener,
             self._hello_frame,
-            ring_sizes={SAMPLES: samples_ring, EVENTS: 10_000, LOGS: 2_000},
+            rings={
+                SAMPLES: RingLimit(frames=samples_ring, bytes=HISTORY_BYTES[SAMPLES]),
+                **{name: RingLimit(frames, HISTORY_BYTES[name]) for name, frames in RINGS.items()},
+            },
             client_queue=config.client_queue,
+            on_error=self._server_failed,
+            on_give_up=self._server_gave_up,
         )
         self.server.on_request = self._on_request
         self.sampler = Sampler(
@@ -190,12 +224,44 @@ class Agent:
         )
 
     def _on_request(self, request: Request) -> None:
-        """A viewer's request, in the server's I/O thread: hand it over and return."""
+        """A viewer's request, in the server's I/O thread: hand it over and return.
+
+        The server has rate-limited it already; snapshots, which write a file each, are also
+        capped per job.
+        """
         if request.action == REQUEST_PROFILE:
             if self.ops is not None:
                 self.ops.request_window()
-        else:
-            self.oom.handle_request(request)
+            return
+        if request.action == REQUEST_SNAPSHOT:
+            self._snapshots_requested += 1
+            if self._snapshots_requested > MAX_REQUESTED_SNAPSHOTS:
+                if self._snapshots_requested == MAX_REQUESTED_SNAPSHOTS + 1:
+                    detail = (
+                        f"at most {MAX_REQUESTED_SNAPSHOTS} requested snapshots per job; "
+                        f"the saved ones are in {self.oom.snapshot_dir}"
+                    )
+                    self.publish(
+                        ProbeStatus(
+                            t=time.time(), probe=SNAPSHOTS_PROBE, available=False, detail=detail
+                        )
+                    )
+                return
+        self.oom.handle_request(request)
+
+    def _server_failed(self, message: str) -> None:
+        """The server's I/O thread failed and was restarted: say so, on stderr and to viewers."""
+        _say(message)
+        self.publish(ProbeStatus(t=time.time(), probe=SERVER_PROBE, available=True, detail=message))
+
+    def _server_gave_up(self, message: str) -> None:
+        """The server stopped for good: say so and remove its socket, so `ps` no longer lists
+        an agent that cannot be attached."""
+        _say(message)
+        self.publish(
+            ProbeStatus(t=time.time(), probe=SERVER_PROBE, available=False, detail=message)
+        )
+        remove_server_files(self.pid)
 
     def _devices(self) -> list[DeviceInfo]:
         devices = [DeviceInfo(id="cpu", name=platform.processor() or platform.machine())]
@@ -205,8 +271,19 @@ class Agent:
         return devices
 
     def _hello_frame(self) -> bytes:
+        """The agent's hello, built once before torch is imported and once after (a burst of
+        viewers must not make the agent query its devices for each)."""
+        imported = torch_imported()
+        cached = self._hello_cache
+        if cached is not None and cached[0] == imported:
+            return cached[1]
+        frame = self._build_hello(imported)
+        self._hello_cache = (imported, frame)
+        return frame
+
+    def _build_hello(self, imported: bool) -> bytes:
         torch_version = None
-        if torch_imported():
+        if imported:
             torch_version = str(getattr(sys.modules["torch"], "__version__", None))
         return encode(
             Hello(
@@ -225,6 +302,7 @@ class Agent:
         )
 
     def _agent_stats(self, stats: SamplerStats) -> AgentStats:
+        self.server.check()  # about once a second: restart the I/O thread if it died
         return AgentStats(
             t=time.time(),
             clients=self.server.client_count,
@@ -241,13 +319,22 @@ class Agent:
             frame = encode(message)
         except Exception:
             return
+        aged = None
         if isinstance(message, (Sample, GpuSample, AgentStats, StepStats, LoaderInfo)):
             ring = SAMPLES
         elif isinstance(message, LogLine):
             ring = LOGS
+        elif isinstance(message, OpsWindow):
+            ring = OPS
+            # Older windows keep their figures but not their op tables: the latest window's
+            # cumulative table covers them all.
+            with contextlib.suppress(Exception):
+                aged = encode(dataclasses.replace(message, ops=[], cumulative=[]))
+        elif isinstance(message, MemorySnapshotTaken):
+            ring = ANSWERS
         else:
-            ring = EVENTS
-        self.server.publish(frame, ring)
+            ring = EVENTS  # rare and important: phases, marks, statuses, OOMs, the exit
+        self.server.publish(frame, ring, aged)
 
     def start(self) -> None:
         self.server.start()

@@ -6,6 +6,15 @@ touches a socket, so it never blocks. A full queue drops its oldest frame and co
 One I/O thread accepts connections, checks the peer's uid and hello, replays the history to a new
 client, and writes queued frames with non-blocking sends. A client that stops reading only ever
 costs its own queue.
+
+Everything is bounded in bytes: each history ring (rare events such as phases, marks, statuses,
+OOMs and the exit have a ring of their own, so frequent frames never push them out), each
+client's queue, all clients' queues together, and the number of clients. A hello costs a copy of
+references to the history, taken under the lock; the frames themselves are sent from the I/O
+thread as the client's socket takes them. Viewer requests are rate-limited per action. Any
+exception a peer provokes closes only that peer; if the I/O thread fails anyway it is restarted
+(and the failure reported), and after repeated failures the server closes its socket so that no
+viewer waits on an agent that no longer serves.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from torchtop.protocol import (
@@ -33,12 +42,63 @@ from torchtop.protocol import (
 )
 from torchtop.transport import peer_uid
 
-#: Ring categories: each has its own bound so that chatty samples never push out phases.
-SAMPLES, EVENTS, LOGS = "samples", "events", "logs"
+#: History rings. Frequent frames (samples, logs, op windows, snapshot answers) each have their
+#: own, so none of them can push out the rare events a late viewer needs (phases, marks, probe
+#: statuses, OOMs, the exit).
+SAMPLES, EVENTS, LOGS, OPS, ANSWERS = "samples", "events", "logs", "ops", "answers"
 #: A client must say hello within this many seconds.
 HELLO_TIMEOUT_S = 5.0
-#: Bytes moved from a client's queue into its send buffer at a time.
+#: Bytes moved from a client's queue (or its history replay) into its send buffer at a time.
 SEND_CHUNK = 1 << 16
+#: Connections served at once (viewers, recorders, and peers that have not said hello yet);
+#: more are closed as soon as they are accepted.
+MAX_CLIENTS = 64
+#: Bytes queued for one client, and for all clients together, before the oldest are dropped.
+CLIENT_QUEUE_BYTES = 8 << 20
+TOTAL_QUEUE_BYTES = 32 << 20
+#: Viewer requests: each action may come ``REQUEST_BURST`` times at once, then once every
+#: ``REQUEST_EVERY_S``; more are dropped (and counted).
+REQUEST_BURST = 3
+REQUEST_EVERY_S = 2.0
+#: Distinct request actions tracked; further unknown ones share one budget.
+MAX_REQUEST_ACTIONS = 16
+#: Failures of the I/O thread after which the server closes its socket for good.
+MAX_FAILURES = 5
+
+
+@dataclass(frozen=True)
+class RingLimit:
+    """How much history one ring keeps: at most ``frames`` frames and ``bytes`` bytes."""
+
+    frames: int
+    bytes: int
+
+
+class _Ring:
+    """A history ring bounded in frames and bytes; the oldest frames go first.
+
+    A frame may come with an ``aged`` form (a summary): it replaces the frame in the ring as
+    soon as a newer frame arrives, so only the latest is kept in full.
+    """
+
+    def __init__(self, limit: RingLimit) -> None:
+        self.limit = limit
+        self.items: deque[tuple[int, bytes]] = deque()
+        self.nbytes = 0
+        self._aged: bytes | None = None
+
+    def append(self, seq: int, frame: bytes, aged: bytes | None) -> None:
+        if self._aged is not None and self.items:
+            old_seq, old = self.items.pop()
+            self.items.append((old_seq, self._aged))
+            self.nbytes += len(self._aged) - len(old)
+        self._aged = aged
+        self.items.append((seq, frame))
+        self.nbytes += len(frame)
+        while len(self.items) > 1 and (
+            len(self.items) > self.limit.frames or self.nbytes > self.limit.bytes
+        ):
+            self.nbytes -= len(self.items.popleft()[1])
 
 
 @dataclass
@@ -47,7 +107,10 @@ class _Client:
     connected_at: float
     splitter: FrameSplitter = field(default_factory=lambda: FrameSplitter(limit=64 * 1024))
     greeted: bool = False
+    #: The history at the hello, not yet sent (references into the rings, never copies).
+    replay: Iterator[tuple[int, bytes]] | None = None
     queue: deque[bytes] = field(default_factory=deque)
+    queued_bytes: int = 0
     dropped: int = 0
     reported_dropped: int = 0
     outbuf: bytearray = field(default_factory=bytearray)
@@ -62,46 +125,73 @@ class AgentServer:
         listener: socket.socket,
         hello_frame: Callable[[], bytes],
         *,
-        ring_sizes: dict[str, int],
+        rings: dict[str, RingLimit],
         client_queue: int = 4096,
         on_error: Callable[[str], None] | None = None,
+        on_give_up: Callable[[str], None] | None = None,
     ) -> None:
         self._listener = listener
         self._hello_frame = hello_frame
-        self._rings: dict[str, deque[tuple[int, bytes]]] = {
-            name: deque(maxlen=size) for name, size in ring_sizes.items()
-        }
+        self._rings = {name: _Ring(limit) for name, limit in rings.items()}
         self._client_queue = client_queue
         self._on_error = on_error or (lambda _msg: None)
+        self._on_give_up = on_give_up or (lambda _msg: None)
         self._lock = threading.Lock()
         self._clients: dict[int, _Client] = {}
+        self._queued_bytes = 0
         self._seq = 0
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="torchtop-server", daemon=True)
+        self._thread = self._new_thread()
+        self._request_budget: dict[str, tuple[float, float]] = {}
         self.clients_seen = 0
+        #: Connections closed because ``MAX_CLIENTS`` were already served.
+        self.refused = 0
+        #: Peers closed for a malformed frame or any error they provoked.
+        self.bad_peers = 0
+        #: Viewer requests dropped by the rate limit.
+        self.requests_dropped = 0
+        #: Failures of the I/O thread so far; the server gave up after ``MAX_FAILURES``.
+        self.failures = 0
+        self.gave_up = False
         #: Called on the I/O thread with each viewer ``request``; must return at once.
         self.on_request: Callable[[Request], None] = lambda _request: None
 
+    def _new_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._run, name="torchtop-server", daemon=True)
+
     # -- producers ----------------------------------------------------------------------------
 
-    def publish(self, frame: bytes, ring: str = SAMPLES) -> None:
-        """Queue an encoded frame for every client and keep it in the history ring."""
+    def publish(self, frame: bytes, ring: str = SAMPLES, aged: bytes | None = None) -> None:
+        """Queue an encoded frame for every client and keep it in the history ring.
+
+        ``aged``: a summary of this frame that replaces it in the history once the ring gets
+        its next frame (op windows keep only the latest in full).
+        """
+        size = len(frame)
         with self._lock:
             self._seq += 1
-            self._rings[ring].append((self._seq, frame))
+            self._rings[ring].append(self._seq, frame, aged)
             if not self._clients:
                 return
             for client in self._clients.values():
                 if not client.greeted:
                     continue
-                if len(client.queue) >= self._client_queue:
-                    client.queue.popleft()
-                    client.dropped += 1
                 client.queue.append(frame)
+                client.queued_bytes += size
+                self._queued_bytes += size
+                while client.queue and (
+                    len(client.queue) > self._client_queue
+                    or client.queued_bytes > CLIENT_QUEUE_BYTES
+                    or self._queued_bytes > TOTAL_QUEUE_BYTES
+                ):
+                    old = len(client.queue.popleft())
+                    client.queued_bytes -= old
+                    self._queued_bytes -= old
+                    client.dropped += 1
         self._wake()
 
     @property
@@ -112,7 +202,12 @@ class AgentServer:
     def pending_bytes(self) -> int:
         """Bytes queued for all clients: the agent's memory that viewers can cost it."""
         with self._lock:
-            return sum(len(c.outbuf) + sum(map(len, c.queue)) for c in self._clients.values())
+            return self._queued_bytes + sum(len(c.outbuf) for c in self._clients.values())
+
+    def history_bytes(self) -> int:
+        """Bytes the history rings hold."""
+        with self._lock:
+            return sum(ring.nbytes for ring in self._rings.values())
 
     def total_dropped(self) -> int:
         with self._lock:
@@ -125,19 +220,37 @@ class AgentServer:
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def check(self) -> None:
+        """Restart the I/O thread if it died (any thread may call this, e.g. once a second)."""
+        if self._stopping.is_set() or self.gave_up or self._thread.is_alive():
+            return
+        if not self._thread.ident:
+            return  # never started
+        if self._count_failure("the I/O thread ended"):
+            self._thread = self._new_thread()
+            self._thread.start()
+
     def stop(self, drain_s: float = 1.0) -> None:
         """Send what is queued (for up to ``drain_s``), then close every connection."""
         deadline = time.monotonic() + drain_s
-        while time.monotonic() < deadline and self.pending_bytes() > 0:
+        while time.monotonic() < deadline and self.pending_bytes() > 0 and self.alive:
             self._wake()
             time.sleep(0.01)
         self._stopping.set()
         self._wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=1.0)
+        self._close_all()
+
+    def _close_all(self) -> None:
         with self._lock:
             clients = list(self._clients.values())
             self._clients.clear()
+            self._queued_bytes = 0
         for client in clients:
             _close(client.sock)
         _close(self._listener)
@@ -147,7 +260,7 @@ class AgentServer:
     def wait_for_clients_drained(self, timeout: float) -> None:
         """Wait until some client has connected and everything queued is sent, or time runs out."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.alive:
             if self.clients_seen and self.pending_bytes() == 0:
                 return
             time.sleep(0.02)
@@ -166,25 +279,49 @@ class AgentServer:
             self._wake_w.send(b"\0")
 
     def _run(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                for key, mask in self._selector.select(timeout=0.5):
-                    if key.data == "listen":
-                        self._accept()
-                    elif key.data == "wake":
-                        with contextlib.suppress(OSError):
-                            while self._wake_r.recv(4096):
-                                pass
-                    else:
-                        client = key.data
+        while not self._stopping.is_set():
+            try:
+                self._serve()
+            except Exception as exc:  # never let the server take down the job
+                if not self._count_failure(repr(exc)):
+                    return
+
+    def _count_failure(self, what: str) -> bool:
+        """Report a failure of the I/O thread; True to go on, False once the server gave up."""
+        self.failures += 1
+        if self.failures >= MAX_FAILURES:
+            self.gave_up = True
+            self._stopping.set()
+            self._close_all()
+            self._on_give_up(
+                f"the agent's socket server failed {self.failures} times (last: {what}); "
+                "it closed its socket: the job runs on, but no viewer can attach"
+            )
+            return False
+        self._on_error(f"the agent's socket server failed ({what}); restarted it")
+        return True
+
+    def _serve(self) -> None:
+        while not self._stopping.is_set():
+            for key, mask in self._selector.select(timeout=0.5):
+                if key.data == "listen":
+                    self._accept()
+                elif key.data == "wake":
+                    with contextlib.suppress(OSError):
+                        while self._wake_r.recv(4096):
+                            pass
+                else:
+                    client = key.data
+                    try:
                         if mask & selectors.EVENT_READ:
                             self._read(client)
                         if mask & selectors.EVENT_WRITE and client.sock.fileno() >= 0:
                             self._write(client)
-                self._pump()
-                self._expire_handshakes()
-        except Exception as exc:  # never let the server take down the job
-            self._on_error(f"socket server stopped: {exc!r}")
+                    except Exception:  # whatever a peer provokes closes only that peer
+                        self.bad_peers += 1
+                        self._drop_client(client)
+            self._pump()
+            self._expire_handshakes()
 
     def _accept(self) -> None:
         while True:
@@ -200,6 +337,12 @@ class AgentServer:
             except OSError:
                 uid = None
             if uid is not None and uid != os.getuid():
+                _close(sock)
+                continue
+            with self._lock:
+                full = len(self._clients) >= MAX_CLIENTS
+            if full:
+                self.refused += 1
                 _close(sock)
                 continue
             sock.setblocking(False)
@@ -228,39 +371,74 @@ class AgentServer:
                     if message.protocol != PROTOCOL_VERSION:
                         raise ProtocolError(f"unsupported protocol version {message.protocol}")
                     self._greet(client)
-                elif isinstance(message, Request):
+                elif isinstance(message, Request) and self._allow_request(message.action):
                     # Handed over, never served here: this thread must keep moving frames.
                     with contextlib.suppress(Exception):
                         self.on_request(message)
                 # Later frames of kinds we don't know are ignored.
         except Exception:  # ProtocolError, or anything a bad peer provokes: only it goes
+            self.bad_peers += 1
             self._drop_client(client)
 
+    def _allow_request(self, action: str) -> bool:
+        """A token bucket per action: a burst of ``REQUEST_BURST``, then one per interval."""
+        if action not in self._request_budget and len(self._request_budget) >= MAX_REQUEST_ACTIONS:
+            action = "\0other"
+        now = time.monotonic()
+        tokens, last = self._request_budget.get(action, (float(REQUEST_BURST), now))
+        tokens = min(float(REQUEST_BURST), tokens + (now - last) / REQUEST_EVERY_S)
+        if tokens < 1.0:
+            self._request_budget[action] = (tokens, now)
+            self.requests_dropped += 1
+            return False
+        self._request_budget[action] = (tokens - 1.0, now)
+        return True
+
     def _greet(self, client: _Client) -> None:
+        hello = self._hello_frame()
         with self._lock:
-            history = heapq.merge(*self._rings.values())
-            client.outbuf += self._hello_frame()
-            for _seq, frame in history:
-                client.outbuf += frame
+            # References only: the frames are sent later, outside the lock, as the socket
+            # takes them. Frames published from now on go to the client's queue.
+            snapshot = [list(ring.items) for ring in self._rings.values() if ring.items]
             client.greeted = True
             self.clients_seen += 1
+        client.outbuf += hello
+        client.replay = heapq.merge(*snapshot)
 
     def _pump(self) -> None:
         """Move queued frames into send buffers and send what the sockets take."""
         with self._lock:
             clients = [c for c in self._clients.values() if c.greeted]
         for client in clients:
-            self._write(client)
+            try:
+                self._write(client)
+            except Exception:
+                self.bad_peers += 1
+                self._drop_client(client)
 
-    def _write(self, client: _Client) -> None:
-        if not client.greeted:
-            return
+    def _fill(self, client: _Client) -> None:
+        """Top up the send buffer: the rest of the history replay first, then the queue."""
+        if client.replay is not None:
+            for _seq, frame in client.replay:
+                client.outbuf += frame
+                if len(client.outbuf) >= SEND_CHUNK:
+                    return
+            client.replay = None
         with self._lock:
             if client.dropped != client.reported_dropped and len(client.outbuf) < SEND_CHUNK:
                 client.reported_dropped = client.dropped
                 client.outbuf += encode(Dropped(t=time.time(), count=client.dropped))
             while client.queue and len(client.outbuf) < SEND_CHUNK:
-                client.outbuf += client.queue.popleft()
+                frame = client.queue.popleft()
+                client.queued_bytes -= len(frame)
+                self._queued_bytes -= len(frame)
+                client.outbuf += frame
+
+    def _write(self, client: _Client) -> None:
+        if not client.greeted:
+            return
+        if len(client.outbuf) < SEND_CHUNK:
+            self._fill(client)
         while client.outbuf:
             try:
                 sent = client.sock.send(client.outbuf)
@@ -271,9 +449,7 @@ class AgentServer:
                 return
             del client.outbuf[:sent]
             if not client.outbuf:
-                with self._lock:
-                    while client.queue and len(client.outbuf) < SEND_CHUNK:
-                        client.outbuf += client.queue.popleft()
+                self._fill(client)
         want_write = bool(client.outbuf)
         if want_write != client.want_write:
             client.want_write = want_write
@@ -297,6 +473,10 @@ class AgentServer:
             for key, value in list(self._clients.items()):
                 if value is client:
                     del self._clients[key]
+                    self._queued_bytes -= client.queued_bytes
+            client.queue.clear()
+            client.queued_bytes = 0
+        client.replay = None
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(client.sock)
         _close(client.sock)
