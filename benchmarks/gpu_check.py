@@ -251,6 +251,11 @@ def shown_devices(record: Path) -> list[str] | None:
     return None
 
 
+#: Samples often, NVML often; no op windows (a profiler left open over a plateau could move
+#: device memory).
+ALLOCATOR_OPTIONS = ["--interval", "0.05", "--nvml-interval", "0.25", "--no-ops"]
+
+
 def group_allocator(s: Session) -> list[Check]:
     """Allocator figures against the job's memory_stats(), NVML against nvidia-smi, the job's
     GPU by UUID, the devices the view shows for a CUDA job and a CPU job."""
@@ -261,7 +266,7 @@ def group_allocator(s: Session) -> list[Check]:
         step = s.torchtop(
             "allocator",
             record,
-            ["--interval", "0.05", "--nvml-interval", "0.25", str(JOBS), "allocator", str(out)],
+            [*ALLOCATOR_OPTIONS, str(JOBS), "allocator", str(out)],
             timeout=150,
         )
     finally:
@@ -278,13 +283,13 @@ def group_allocator(s: Session) -> list[Check]:
     with contextlib.suppress(OSError):
         s.keep("recording_allocator_h200.ttr", record.read_bytes())
     plateaus = truth["plateaus"]
+    smi_rows = poller.reads[-1]["rows"] if poller.reads else []
     rows = [
         cmp.allocator_matches_job(frames, plateaus),
         cmp.nvml_memory_matches_smi(frames, poller.reads, plateaus),
         cmp.nvml_utilization_matches_smi(frames, poller.reads, plateaus),
-        cmp.nvml_gpu_matched_by_uuid(
-            frames, truth["uuid"], poller.reads[-1]["rows"] if poller.reads else []
-        ),
+        cmp.nvml_gpu_matched_by_uuid(frames, truth["uuid"], smi_rows),
+        cmp.hello_uuid(frames, truth["uuid"], smi_rows),
         cmp.shown_devices_match(_shown(record), [f"cuda:{truth['current_device']}"], "CUDA job"),
     ]
     if not poller.reads:

@@ -159,7 +159,7 @@ def parse_smi(text: str, fields: Sequence[str] = SMI_FIELDS) -> list[dict[str, A
 def normal_uuid(uuid: str | None) -> str:
     """``GPU-1b2c…`` (NVML, nvidia-smi) and ``1b2c…`` (torch) compare equal."""
     text = (uuid or "").strip().lower()
-    return text[4:] if text.startswith("gpu-") else text
+    return (text[4:] if text.startswith("gpu-") else text).replace("-", "")
 
 
 def _pairs(
@@ -277,6 +277,27 @@ def nvml_gpu_matched_by_uuid(
     others = [_job_mark(g) for i, g in enumerate(gpus) if i != position]
     ok = position == 0 and _marked(mark) and not any(_marked(m) for m in others)
     return check(name, expected, measured, ok)
+
+
+def hello_uuid(
+    frames: Sequence[Frame], job_uuid: str, smi_rows: Sequence[Mapping[str, Any]]
+) -> Check:
+    """The hello's ``cuda:0`` carries the UUID torch gives the job's device, which is the one
+    nvidia-smi lists (the key that joins CUDA devices to NVML's and DCGM's GPUs)."""
+    name = "hello: cuda:0 UUID = torch's = nvidia-smi's"
+    expected = job_uuid or "?"
+    uuids = [
+        d.get("uuid")
+        for f in of_kind(frames, "hello")
+        for d in f.get("devices", [])
+        if d.get("id") == "cuda:0" and d.get("uuid")
+    ]
+    if not uuids:
+        return check(name, expected, "no hello gives cuda:0 a UUID", False)
+    got = str(uuids[-1])
+    smi = {normal_uuid(r.get("uuid")) for r in smi_rows}
+    ok = normal_uuid(got) == normal_uuid(job_uuid) and normal_uuid(got) in smi
+    return check(name, expected, got, ok)
 
 
 def _job_mark(gpu: Mapping[str, Any]) -> Any:

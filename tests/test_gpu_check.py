@@ -177,6 +177,22 @@ def test_the_jobs_gpu_is_found_by_uuid_first_and_marked() -> None:
     assert cmp.nvml_gpu_matched_by_uuid(unmarked, job_uuid, rows).status == cmp.FAIL
 
 
+def test_the_hello_carries_the_jobs_uuid() -> None:
+    from torchtop.protocol import DeviceInfo
+
+    rows = smi_read(1.0, [FakeGpu()])["rows"]
+    torch_uuid = "00000000-aaaa-bbbb-cccc-dddddddddddd"
+
+    def hello(uuid: str | None) -> dict[str, Any]:
+        device = DeviceInfo(id="cuda:0", name="NVIDIA H200", uuid=uuid)
+        return {"kind": "hello", "devices": [to_dict_op(device)]}
+
+    assert cmp.hello_uuid([hello(rows[0]["uuid"])], torch_uuid, rows).status == cmp.PASS
+    assert cmp.hello_uuid([hello(None)], torch_uuid, rows).failed
+    other = "GPU-00000009-aaaa-bbbb-cccc-dddddddddddd"
+    assert cmp.hello_uuid([hello(other)], torch_uuid, rows).failed
+
+
 def test_shown_devices() -> None:
     assert cmp.shown_devices_match(["cpu"], ["cpu"], "CPU job").status == cmp.PASS
     assert cmp.shown_devices_match(["cuda:0"], ["cpu"], "CPU job").status == cmp.FAIL
