@@ -372,7 +372,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_spec(spec: Any) -> int:
     from torchtop.recording import RecordingError
     from torchtop.runner import RunError, run_headless
+    from torchtop.transport import TransportError, ensure_runtime_dir
 
+    try:
+        ensure_runtime_dir()  # before anything starts: a folder that is not private is refused
+    except TransportError as exc:
+        raise CliError(str(exc), code=1) from None
     try:
         if spec.headless:
             return run_headless(spec)

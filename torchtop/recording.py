@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from torchtop.private_files import open_private
 from torchtop.protocol import MAX_FRAME_BYTES, Message, decode, encode
 
 FLUSH_INTERVAL_S = 0.5
@@ -30,7 +31,7 @@ class RecordingWriter:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         try:
-            self._file: IO[bytes] = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+            self._file: IO[bytes] = open_private(self.path)  # closed in close()
         except OSError as exc:
             raise RecordingError(
                 f"cannot write the recording {self.path}: {exc.strerror}; "

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from torchtop.feed import AgentFeed
+from torchtop.private_files import open_private
 from torchtop.protocol import JobExited, OutOfMemory
 from torchtop.recording import RecordingWriter
-from torchtop.transport import ensure_runtime_dir
+from torchtop.transport import TransportError, ensure_runtime_dir
 
 OPTIONS_ENV = "TORCHTOP_AGENT_OPTIONS"
 #: How long a job has to stop after SIGINT before SIGTERM, and after SIGTERM before SIGKILL.
@@ -98,12 +99,16 @@ class Job:
         env.setdefault("PYTHONUNBUFFERED", "1")
         cmd = [sys.executable, "-m", "torchtop.agent.bootstrap", *spec.target]
         try:
+            # The agent listens there: a folder that is not the user's own is refused up front.
+            directory = ensure_runtime_dir()
+        except TransportError as exc:
+            raise RunError(str(exc)) from None
+        try:
             if spec.headless:
                 self.process = subprocess.Popen(cmd, env=env)
             else:
-                directory = ensure_runtime_dir()
                 self.log_path = directory / f"job-{int(time.time() * 1000)}.log"
-                with open(self.log_path, "wb") as log:
+                with open_private(self.log_path) as log:
                     self.process = subprocess.Popen(
                         cmd,
                         env=env,

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchtop.private_files import open_private
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
@@ -47,7 +48,9 @@ def runtime_dir() -> Path:
 
 
 def ensure_runtime_dir() -> Path:
-    """Create the socket directory with mode 0700, refusing one that another user owns."""
+    """The socket directory, created with mode 0700 if it does not exist. An existing one must be
+    the user's own private folder (a directory, owned by them, no access for group or others):
+    anything else is refused, never changed, since it may be someone else's or shared."""
     path = runtime_dir()
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -59,10 +62,16 @@ def ensure_runtime_dir() -> Path:
         ) from None
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         raise TransportError(
-            f"{path} is not a directory owned by you; remove it or set TORCHTOP_RUNTIME_DIR"
+            f"{path} is not a directory owned by you; remove it or set TORCHTOP_RUNTIME_DIR "
+            "to a new path (torchtop creates it, mode 0700)"
         )
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        os.chmod(path, 0o700)
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        raise TransportError(
+            f"{path} is open to other users (mode {mode:o}), so torchtop will not keep its "
+            f"sockets and files there: `chmod 700 {path}` if it is yours alone, or set "
+            "TORCHTOP_RUNTIME_DIR to a new path (torchtop creates it, mode 0700)"
+        )
     return path
 
 
@@ -147,9 +156,8 @@ def bind_server(
     )
     meta = directory / f"{pid}.json"
     tmp = meta.with_suffix(".json.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(info), f)
+    with open_private(tmp) as f:
+        f.write(json.dumps(asdict(info)).encode())
     os.replace(tmp, meta)
     return server, info
 

@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 from torchtop.agent import steps as step_hooks
+from torchtop.private_files import written_privately
 from torchtop.protocol import MAX_OPS, Message, OpStat, OpsWindow, ProbeStatus
 
 PROBE = "ops"
@@ -1049,14 +1050,11 @@ class OpsSampler:
             while len(self._kept_traces) > KEPT_TRACES:
                 with contextlib.suppress(OSError):
                     self._kept_traces.popleft().unlink()
-        partial = target.with_name(target.name + ".partial")
         try:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
-            closed.result.save(str(partial))
-            os.replace(partial, target)
+            with written_privately(target) as partial:  # 0600: traces name the job's files
+                closed.result.save(str(partial))
         except Exception:
-            with contextlib.suppress(OSError):
-                partial.unlink()
             return None
         return str(target)
 
