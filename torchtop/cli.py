@@ -28,6 +28,7 @@ examples:
   torchtop run train.py --lr 3e-4        watch a training script live
   torchtop run --headless --record r.ttr train.py
   torchtop attach                        watch a job that called torchtop.start()
+  torchtop attach PID                    watch a job started without torchtop
   torchtop report r.ttr --json           summarize a recording
   torchtop demo broadcasting             learn a practice, measured live
 """
@@ -249,11 +250,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     attach = sub.add_parser(
         "attach",
-        help="watch a running agent",
-        description="Attach the viewer (or a headless recorder) to a running agent.",
+        help="watch a running job (its agent, or one started in it now)",
+        description="Attach the viewer (or a headless recorder) to a running job. A Python job "
+        "started without torchtop gets an agent started in it (gdb on Python 3.10-3.13, "
+        "sys.remote_exec on 3.14+); the viewer asks first.",
     )
     attach.add_argument(
         "pid", nargs="?", type=int, help="the job's pid (default: the only agent, or pick one)"
+    )
+    attach.add_argument(
+        "--yes",
+        action="store_true",
+        help="start an agent in a job that has none without asking",
+    )
+    attach.add_argument(
+        "--python-path",
+        metavar="DIR",
+        help="a directory the job's Python can import torchtop from (when its environment "
+        "has no torchtop)",
     )
     attach.add_argument(
         "--headless", action="store_true", help="record without a viewer (needs --record)"
@@ -472,12 +486,12 @@ def cmd_attach(args: argparse.Namespace) -> int:
     if args.headless:
         if args.record is None:
             raise CliError("--headless records without a viewer: give --record FILE")
-        info = _pick_agent(args.pid, interactive=False)
+        info = _attach_target(args, ask=False)
         return _record_headless(info, args.record, args.duration)
     if args.duration is not None:
         raise CliError("--duration applies to --headless recording")
     _require_terminal(f"torchtop attach {args.pid or 'PID'} --headless --record FILE")
-    info = _pick_agent(args.pid, interactive=True)
+    info = _attach_target(args, ask=not args.yes)
     from torchtop.recording import RecordingError, RecordingWriter
     from torchtop.tui.app import TorchtopApp
     from torchtop.tui.sources import LiveSource, pick_agent_interactively
@@ -491,6 +505,43 @@ def cmd_attach(args: argparse.Namespace) -> int:
     except RecordingError as exc:
         raise CliError(str(exc), code=1) from None
     return _run_app(TorchtopApp(LiveSource(info.address, writer=writer), title=info.command))
+
+
+def _attach_target(args: argparse.Namespace, ask: bool) -> Any:
+    """The agent to attach to: a running one, or one started now in a job without one."""
+    from torchtop.transport import find_agent
+
+    if args.pid is None or find_agent(args.pid) is not None:
+        return _pick_agent(args.pid, interactive=not args.headless)
+    from torchtop.attach.inject import AttachRefused, read_target, start_agent
+
+    try:
+        if ask and not _confirm_start(read_target(args.pid)):
+            raise CliError(f"no agent started in pid {args.pid}", code=1)
+        started = start_agent(
+            args.pid,
+            python_path=args.python_path,
+            progress=lambda text: print(f"torchtop: {text}", file=sys.stderr),
+        )
+    except AttachRefused as exc:
+        raise CliError(str(exc), code=1) from None
+    return started.info
+
+
+def _confirm_start(target: Any) -> bool:
+    """Ask before starting an agent in someone's job (the live viewer; --yes skips this)."""
+    print(
+        f"pid {target.pid} ({target.exe or 'unknown'}) runs without torchtop. Start an agent in it"
+        " (it stays until the job ends; see README: Attach)? [y/N] ",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        answer = input()
+    except EOFError:
+        return False
+    return answer.strip().lower() in ("y", "yes")
 
 
 def _record_headless(info: Any, path: Path, duration: float | None) -> int:

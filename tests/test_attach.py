@@ -1,0 +1,273 @@
+"""``torchtop attach PID`` on jobs started with plain ``python``: an agent is started in them
+with gdb (Python 3.10-3.13), and every refusal says what to do. Real processes, real gdb."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import SCRIPTS, torchtop
+from torchtop.attach import inject
+from torchtop.protocol import OpsWindow, ProbeStatus, Sample, StepStats
+from torchtop.recording import read_recording
+from torchtop.transport import list_agents
+
+PLAIN_TRAIN = SCRIPTS / "plain_train.py"
+EXPECTED_STDOUT = "first step done\ntraining done\n"
+ATTACH = [sys.executable, "-m", "torchtop", "attach"]
+AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def _gdb_can_attach() -> str | None:
+    """Why gdb cannot attach in this container, or ``None`` when it can."""
+    if shutil.which("gdb") is None:
+        return "gdb is not installed"
+    if sys.version_info >= inject.REMOTE_EXEC_PYTHON:
+        return None
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.3)
+        out = subprocess.run(
+            ["gdb", "-batch", "-nx", "-p", str(child.pid), "-iex=set auto-solib-add off"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        child.kill()
+        child.wait()
+    if "ptrace:" in out.stdout + out.stderr:
+        return "ptrace is not permitted in this container (CAP_SYS_PTRACE, Yama)"
+    return None
+
+
+NO_ATTACH = _gdb_can_attach()
+needs_attach = pytest.mark.skipif(NO_ATTACH is not None, reason=str(NO_ATTACH))
+
+
+class Job:
+    """A plain training job (no torchtop) started by the test and stopped by its stop file."""
+
+    def __init__(self, tmp: Path, *args: str, python: str = sys.executable) -> None:
+        self.stop_file = tmp / "stop"
+        self.proc = subprocess.Popen(
+            [python, str(PLAIN_TRAIN), "--stop-file", str(self.stop_file), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
+        assert self.proc.stdout is not None
+        self.first_line = self.proc.stdout.readline()  # the job is training
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def finish(self) -> tuple[int, str, str]:
+        self.stop_file.touch()
+        out, err = self.proc.communicate(timeout=120)
+        return self.proc.returncode, self.first_line + out, err
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[Job]]:
+    started: list[Job] = []
+    yield started
+    for job in started:
+        job.kill()
+
+
+def _recorded(path: Path) -> dict[str, list[object]]:
+    kinds: dict[str, list[object]] = {"steps": [], "samples": [], "ops": [], "attach": []}
+    for message in read_recording(path).messages:
+        if isinstance(message, StepStats):
+            kinds["steps"].append(message)
+        elif isinstance(message, Sample):
+            kinds["samples"].append(message)
+        elif isinstance(message, OpsWindow):
+            kinds["ops"].append(message)
+        elif isinstance(message, ProbeStatus) and message.probe == "attach":
+            kinds["attach"].append(message)
+    return kinds
+
+
+def _attach_and_check(job: Job, tmp: Path) -> dict[str, list[object]]:
+    record = tmp / "r.ttr"
+    result = torchtop(
+        "attach", str(job.pid), "--headless", "--record", str(record), "--duration", "5"
+    )
+    assert result.returncode == 0, result.stderr
+    recorded = _recorded(record)
+    steps = [s for s in recorded["steps"] if isinstance(s, StepStats)]
+    assert sum(s.count for s in steps) > 0
+    assert sum(s.timed for s in steps) > 0 and all(s.time_s >= 0 for s in steps)
+    assert recorded["samples"], "no memory samples"
+    assert recorded["ops"], "no op window"
+    (status,) = recorded["attach"]
+    assert isinstance(status, ProbeStatus) and "before then are not seen" in status.detail
+    return recorded
+
+
+@needs_attach
+def test_attach_starts_an_agent_in_a_plain_job(tmp_path: Path, jobs: list[Job]) -> None:
+    job = Job(tmp_path, "--exit-code", "7")
+    jobs.append(job)
+    assert job.first_line == "first step done\n"
+    assert not list_agents()
+    _attach_and_check(job, tmp_path)
+    code, out, err = job.finish()
+    assert code == 7
+    assert out == EXPECTED_STDOUT
+    assert err.strip() == "stderr is the job's own"
+
+
+@needs_attach
+def test_attach_to_a_dataloader_loop_with_workers(tmp_path: Path, jobs: list[Job]) -> None:
+    job = Job(tmp_path, "--workers", "2", "--exit-code", "3")
+    jobs.append(job)
+    _attach_and_check(job, tmp_path)
+    workers = psutil.Process(job.pid).children()
+    assert workers, "the job runs DataLoader workers"
+    assert [a.pid for a in list_agents()] == [job.pid]  # the workers have no agent
+    code, out, err = job.finish()
+    assert (code, out) == (3, EXPECTED_STDOUT)
+    assert err.strip() == "stderr is the job's own"
+
+
+@needs_attach
+def test_twenty_attaches_leave_one_agent(tmp_path: Path, jobs: list[Job]) -> None:
+    job = Job(tmp_path, "--exit-code", "5")
+    jobs.append(job)
+    for i in range(20):
+        record = tmp_path / f"r{i}.ttr"
+        result = torchtop(
+            "attach", str(job.pid), "--headless", "--record", str(record), "--duration", "0.3"
+        )
+        assert result.returncode == 0, result.stderr
+        assert ("starting an agent" in result.stderr) == (i == 0)
+        assert [a.pid for a in list_agents()] == [job.pid]
+    assert job.proc.poll() is None  # still training, with its agent and no viewer
+    code, out, _ = job.finish()
+    assert (code, out) == (5, EXPECTED_STDOUT)
+
+
+# -- refusals -------------------------------------------------------------------------------
+
+
+def _sleeper(python: str = sys.executable, *flags: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [python, *flags, "-c", "import time\nwhile True: time.sleep(0.05)"], cwd="/tmp"
+    )
+    time.sleep(0.5)
+    return proc
+
+
+def test_refused_without_gdb(tmp_path: Path) -> None:
+    if sys.version_info >= inject.REMOTE_EXEC_PYTHON:
+        pytest.skip("Python 3.14+ attaches with sys.remote_exec, not gdb")
+    target = _sleeper()
+    try:
+        empty = tmp_path / "bin"
+        empty.mkdir()
+        result = subprocess.run(
+            [*ATTACH, str(target.pid), "--headless", "--record", str(tmp_path / "r.ttr")],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PATH": str(empty)},
+            timeout=120,
+        )
+    finally:
+        target.kill()
+        target.wait()
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("torchtop: gdb is not installed")
+    assert "apt install gdb" in lines[0] and "torchtop run" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_refused_for_another_users_job(tmp_path: Path) -> None:
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("running the attacher as another user needs root and setpriv")
+    target = _sleeper()  # ours (root); the attacher runs as nobody
+    runtime = f"/tmp/tt-nobody-{os.getpid()}"  # nobody cannot enter the test's own tmp_path
+    try:
+        result = subprocess.run(
+            [*AS_NOBODY, *ATTACH, str(target.pid), "--headless", "--record", "/dev/null"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, "TORCHTOP_RUNTIME_DIR": runtime, "HOME": "/tmp"},
+            timeout=120,
+        )
+    finally:
+        target.kill()
+        target.wait()
+        shutil.rmtree(runtime, ignore_errors=True)
+    assert result.returncode == 1, result.stderr
+    line = result.stderr.strip()
+    assert line.startswith(f"torchtop: pid {target.pid} belongs to root, not to you (nobody)")
+    assert "or with sudo" in line and "\n" not in line
+
+
+def test_yama_scope_refusals_name_the_fix(tmp_path: Path) -> None:
+    """A kernel with Yama: the refusal for each ptrace_scope (read from a /proc tree)."""
+    proc = tmp_path / "proc"
+    (proc / "sys/kernel/yama").mkdir(parents=True)
+    (proc / "self").mkdir()
+    (proc / "self/status").write_text("Name:\tx\nCapEff:\t0000000000000000\n")
+    target = inject.Target(pid=42, uid=os.getuid(), exe="/usr/bin/python3.11", python=(3, 11))
+    fixes = {1: "sudo sysctl kernel.yama.ptrace_scope=0", 2: "attach with sudo", 3: "torchtop run"}
+    for scope, fix in fixes.items():
+        (proc / "sys/kernel/yama/ptrace_scope").write_text(f"{scope}\n")
+        with pytest.raises(inject.AttachRefused, match=f"ptrace_scope={scope}") as refused:
+            inject.check_ptrace(target, proc)
+        assert fix in str(refused.value)
+    (proc / "self/status").write_text(f"CapEff:\t{1 << inject.CAP_SYS_PTRACE:016x}\n")
+    (proc / "sys/kernel/yama/ptrace_scope").write_text("1\n")
+    inject.check_ptrace(target, proc)  # CAP_SYS_PTRACE may trace under scope 1
+
+
+@needs_attach
+def test_refused_when_the_jobs_python_cannot_import_torchtop(tmp_path: Path) -> None:
+    base = getattr(sys, "_base_executable", sys.executable)
+    check = subprocess.run([base, "-I", "-c", "import torchtop"], capture_output=True, cwd="/tmp")
+    if check.returncode == 0:
+        pytest.skip(f"{base} imports torchtop: no Python without it here")
+    target = _sleeper(base, "-I")  # isolated: no venv, no site-packages of ours
+    try:
+        refused = torchtop(
+            "attach", str(target.pid), "--headless", "--record", str(tmp_path / "r.ttr")
+        )
+        assert refused.returncode == 1
+        line = refused.stderr.strip().splitlines()[-1]  # after "starting an agent in pid …"
+        assert line.startswith(f"torchtop: pid {target.pid}'s Python (")
+        assert "cannot import torchtop (ModuleNotFoundError: No module named 'torchtop')" in line
+        assert "torchtop run" in line and "Traceback" not in refused.stderr
+        # The fix it names works, and the job runs on.
+        fix = line.split("give --python-path ", 1)[1].split(",", 1)[0]
+        accepted = torchtop(
+            "attach", str(target.pid), "--headless", "--record", str(tmp_path / "r.ttr"),
+            "--duration", "1", "--python-path", fix,
+        )  # fmt: skip
+        assert accepted.returncode == 0, accepted.stderr
+        assert [a.pid for a in list_agents()] == [target.pid]
+        assert target.poll() is None
+    finally:
+        target.kill()
+        target.wait()
