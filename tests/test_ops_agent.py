@@ -94,6 +94,85 @@ def test_kernels_count_for_the_op_that_launched_them_and_copies_are_counted() ->
     assert ops["Memcpy DtoH (Device -> Pageable)"].calls == 1
 
 
+class _RawEvent:
+    """The part of torch's ``_KinetoEvent`` that read_events calls, with its method names."""
+
+    def __init__(self, name: str, start: int, end: int, device: str = "CPU", **kw: Any) -> None:
+        from torch.autograd import DeviceType
+
+        self._name, self._start, self._end = name, start * US, end * US
+        self._device = getattr(DeviceType, device)
+        self._correlation = kw.get("correlation", 0)
+        self._linked = kw.get("linked", 0)
+        self._annotation = kw.get("annotation", False)
+
+    def name(self) -> str:
+        return self._name
+
+    def start_ns(self) -> int:
+        return self._start
+
+    def end_ns(self) -> int:
+        return self._end
+
+    def start_thread_id(self) -> int:
+        return 1
+
+    def device_type(self) -> Any:
+        return self._device
+
+    def correlation_id(self) -> int:
+        return self._correlation
+
+    def linked_correlation_id(self) -> int:
+        return self._linked
+
+    def is_hidden_event(self) -> bool:
+        return False
+
+    def is_user_annotation(self) -> bool:
+        return self._annotation
+
+    def is_python_function(self) -> bool:
+        return False
+
+    def shapes(self) -> list[list[int]]:
+        return []
+
+
+class _RawResult:
+    def __init__(self, events: list[_RawEvent]) -> None:
+        self._events = events
+
+    def events(self) -> list[_RawEvent]:
+        return self._events
+
+
+def test_annotation_ranges_on_the_device_are_not_device_ops() -> None:
+    """An AdamW step on a GPU as kineto reports it: the ``record_function`` range on the CPU,
+    the same range again on the GPU's timeline (a user annotation), and the kernel inside."""
+    from torchtop.agent.ops import read_events
+
+    step = "Optimizer.step#AdamW.step"
+    raw = _RawResult(
+        [
+            _RawEvent(step, 0, 100, correlation=1, annotation=True),
+            _RawEvent("aten::_foreach_add_", 10, 60, correlation=2),
+            _RawEvent("cudaLaunchKernel", 20, 30, correlation=50, linked=2),
+            _RawEvent(step, 25, 300, device="CUDA", correlation=1, linked=1, annotation=True),
+            _RawEvent("foreach_kernel", 40, 240, device="CUDA", correlation=50, linked=2),
+        ]
+    )
+    events = read_events(raw, record_shapes=False)
+    window = aggregate(events)
+    device_ops = {key[0]: op for key, op in window.ops.items() if op.total_cpu == 0}
+    assert set(device_ops) == {"foreach_kernel"}
+    assert device_ops["foreach_kernel"].self_device == 200 * US
+    # The CPU range is still listed, with its kernel's time in its total (once, not twice).
+    (cpu_step,) = [op for key, op in window.ops.items() if key[0] == step]
+    assert cpu_step.calls == 1 and cpu_step.total_device == 200 * US
+
+
 def test_python_frames_give_ops_their_call_site_and_are_not_listed(tmp_path: Path) -> None:
     lib = tmp_path / "lib"
     site_of = site_reader([str(lib)])

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -52,6 +53,48 @@ def test_only_the_first_optimizer_to_step_is_the_clock() -> None:
     assert c.total == 3
     # The other optimizer's time counts as optimizer time in the step that follows.
     assert records[1].optimizer == pytest.approx(0.2)
+
+
+def test_the_clock_moves_to_the_optimizer_of_the_next_stage() -> None:
+    """Stage 1 trains with one optimizer, stage 2 with another: every step of both counts."""
+    c = StepCollector()
+    t = 0.0
+    for _ in range(100):  # stage 1: optimizer 1, 10 ms steps
+        t += 0.01
+        c.optimizer_step(t, 1, t - 0.002)
+    for _ in range(300):  # stage 2: optimizer 2 only, 10 ms steps
+        t += 0.01
+        c.optimizer_step(t, 2, t - 0.002)
+    records = c.take_records()
+    assert c.total == 400 and len(records) == 400
+    assert c.clock == 2
+    # The stage's first steps (before the clock moved) keep their own ends and times.
+    timed = [r for r in records if r.duration is not None]
+    assert all(r.duration == pytest.approx(0.01) for r in timed)
+    assert all(r.optimizer == pytest.approx(0.002) for r in timed)
+
+
+def test_a_critic_stepping_ten_times_per_generator_step_never_moves_the_clock() -> None:
+    c = StepCollector()
+    t = 0.0
+    for _ in range(200):
+        t += 0.01
+        c.optimizer_step(t, 1, t - 0.001)  # the generator: the clock from its first step
+        for _ in range(10):
+            t += 0.01
+            c.optimizer_step(t, 2, t - 0.001)  # the critic
+    records = c.take_records()
+    assert c.clock == 1 and c.total == 200
+    assert records[-1].optimizer == pytest.approx(0.011)  # its own and the critic's ten
+
+
+def test_a_closure_runs_as_compute_not_optimizer_time() -> None:
+    """``optimizer.step(closure)``: forward and backward inside the step are compute."""
+    c = StepCollector()
+    c.optimizer_step(1.0, 1, 0.9, 0.0)
+    c.optimizer_step(2.0, 1, 1.1, 0.8)  # 0.9 s in step(), 0.8 s of it in the closure
+    records = c.take_records()
+    assert records[1].optimizer == pytest.approx(0.1)
 
 
 def test_a_scaler_step_without_an_optimizer_step_is_a_skipped_step() -> None:
@@ -263,6 +306,58 @@ def test_hooks_count_optimizer_steps_and_time_next(monitor: TrainingMonitor) -> 
         6,
         2,
     )
+
+
+class _SlowModel(nn.Module):
+    """A forward pass that takes a known time at least (the closure's share of the step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword", "lbfgs"])
+def test_a_closures_forward_and_backward_are_not_optimizer_time(
+    monitor: TrainingMonitor, how: str
+) -> None:
+    model = _SlowModel()
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    if how == "lbfgs":
+        opt: torch.optim.Optimizer = torch.optim.LBFGS(model.parameters(), max_iter=3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = 0
+
+    def closure() -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(4):
+        loss = opt.step(closure) if how != "keyword" else opt.step(closure=closure)
+        assert isinstance(loss, torch.Tensor)  # what the closure returned passes through
+    (steps,) = [m for m in monitor.tick(1.0) if isinstance(m, StepStats)]
+    assert steps.total == 4
+    # Each step ran the closure (>= 20 ms each); the optimizer's own work is well under that.
+    assert steps.time_s >= 0.02 * (calls - calls // 4)
+    assert steps.optimizer_s < 0.2 * steps.time_s, (steps.optimizer_s, steps.time_s)
+
+
+def test_a_closure_that_raises_reaches_the_job(monitor: TrainingMonitor) -> None:
+    _, opt = _model()
+
+    def closure() -> None:
+        raise KeyError("from the job")
+
+    with pytest.raises(KeyError, match="from the job"):
+        opt.step(closure)
 
 
 def test_uninstall_puts_everything_back(monitor: TrainingMonitor) -> None:

@@ -296,12 +296,19 @@ def read_events(
     first = raw_events[0]
     has_ns = hasattr(first, "start_ns")  # torch 2.0: microseconds only
     has_hidden = hasattr(first, "is_hidden_event")
+    has_annotation = hasattr(first, "is_user_annotation")  # torch 2.1 on
     python = python and hasattr(first, "is_python_function")
     cpu_type = DeviceType.CPU
     out: list[Event] = []
     append = out.append
     for raw in raw_events:
         if has_hidden and raw.is_hidden_event():
+            continue
+        device = raw.device_type() != cpu_type
+        # A range of record_function on the device's timeline (``Optimizer.step#AdamW.step``
+        # around the kernels it launched) is no op: its time is its kernels' time, counted
+        # already. torch's own tables leave it out of device time too.
+        if device and has_annotation and raw.is_user_annotation():
             continue
         if has_ns:
             start = raw.start_ns()
@@ -316,7 +323,7 @@ def read_events(
                 start=start,
                 end=end,
                 thread=raw.start_thread_id(),
-                device=raw.device_type() != cpu_type,
+                device=device,
                 correlation=raw.correlation_id() if links else 0,
                 linked=raw.linked_correlation_id() if links else 0,
                 python=is_python,
@@ -470,6 +477,7 @@ class _Profiler:
 
     def start(self) -> bool:
         """Start; True when device activity is recorded too."""
+        _KINETO_STARTED[0] = True
         device = not self.device_failed and self._cuda.is_initialized()
         if device:
             try:
@@ -500,6 +508,37 @@ KEPT_TRACES = 20
 KINETO_QUIET = "6"
 #: The agent set KINETO_LOG_LEVEL (the job had not): taken back once kineto has read it.
 _KINETO_DEFAULTED = [False]
+#: A profiler (ours or the job's) has started in this process, so kineto's config thread runs.
+_KINETO_STARTED = [False]
+
+
+def kineto_started() -> bool:
+    """Has kineto started its config thread in this process (a profiler ran, or the job asked
+    for kineto's daemon mode, which starts it at import)?"""
+    return _KINETO_STARTED[0] or bool(os.environ.get("KINETO_USE_DAEMON"))
+
+
+def skip_inherited_destructors() -> bool:
+    """In a child forked from a process where kineto ran: end the child, once Python has
+    finished (its ``atexit`` handlers run and its files are flushed), without the C++
+    destructors of the state it inherited, as ``os._exit`` would, with the same exit status.
+
+    Kineto's config thread waits on a condition variable most of the time; a fork copies the
+    variable with that thread counted as a waiter, but not the thread, so destroying it in the
+    child (a static destructor, at exit) waits forever: ``sys.exit()`` in a forked child hung.
+    glibc's ``on_exit`` runs the handlers registered after the fork first, then this one,
+    which is ``_exit(status)`` itself (no Python runs that late). False where libc has no
+    ``on_exit``.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        on_exit = libc.on_exit
+        exit_now = ctypes.cast(libc._exit, ctypes.c_void_p)
+    except (OSError, AttributeError):
+        return False
+    on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    on_exit.restype = ctypes.c_int
+    return on_exit(exit_now, None) == 0
 
 
 def quiet_kineto() -> None:
@@ -665,11 +704,13 @@ class OpsSampler:
 
     def forget_in_child(self) -> None:
         """In a forked child: no agent, so no windows (a pending call queued before the fork
-        finds the pid changed and does nothing)."""
+        finds the pid changed and does nothing), and an exit that cannot hang in kineto."""
         self._stopped = True
         self._state = IDLE
         if _active[0] is self:
             _active[0] = None
+        if kineto_started():
+            skip_inherited_destructors()
 
     # -- requests from other threads ---------------------------------------------------------
 
@@ -830,6 +871,7 @@ class OpsSampler:
         Ours stops first, so that the job's own profile is complete and unchanged; the window
         is thrown away."""
         self._user_profiler = True
+        _KINETO_STARTED[0] = True
         if self._state == OPEN:
             self._close(keep=False)
             # Opened by another thread: its owner stops it at its next step boundary. Give it

@@ -10,12 +10,18 @@ microsecond (the pre hook only notes the time; the post hook sends one event per
 
 A step ends when the *step clock* finishes a step: the first optimizer that steps in the job
 (other optimizers' time counts as optimizer time, not as steps), or ``torchtop.step()`` from its
-first call on, for loops without a torch optimizer. A step lasts from the end of the previous
-one, so the job's first step has no duration.
+first call on, for loops without a torch optimizer. A job that trains in stages with one
+optimizer after another moves the clock: once the clock optimizer has stopped stepping while
+another steps on, the other becomes the clock, and its steps since the clock's last are counted.
+A step lasts from the end of the previous one, so the job's first step has no duration.
+
+``optimizer.step(closure)`` (LBFGS, Lightning) runs the forward and backward pass inside the
+step: the closure is timed apart, and its time is compute, not optimizer time.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,6 +48,8 @@ _append = PENDING.append
 BOUNDARY: list[Callable[[int | str], None] | None] = [None]
 #: When each optimizer's step began, from its pre hook to its post hook: one event per step.
 _began: dict[int, float] = {}
+#: Seconds each optimizer's current step has spent in its closure (forward and backward).
+_in_closure: dict[int, float] = {}
 
 
 def step() -> None:
@@ -59,13 +67,36 @@ def step() -> None:
 # -- hooks in the training thread ------------------------------------------------------------
 
 
-def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    _began[id(optimizer)] = _clock()
+def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> Any:
+    """Note when the step began; a closure passed to it is swapped for a timed one."""
+    key = id(optimizer)
+    _began[key] = _clock()
+    # ``args`` holds the optimizer itself, then the arguments of ``step``.
+    if len(args) > 1 and callable(args[1]):
+        return (args[0], _timed_closure(args[1], key), *args[2:]), kwargs
+    closure = kwargs.get("closure") if kwargs else None
+    if callable(closure):
+        return args, {**kwargs, "closure": _timed_closure(closure, key)}
+    return None
+
+
+def _timed_closure(closure: Callable[..., Any], key: int) -> Callable[..., Any]:
+    """``closure`` adding the seconds it runs to ``_in_closure[key]`` (LBFGS calls it several
+    times per step). What it returns or raises passes through untouched."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = _clock()
+        try:
+            return closure(*args, **kwargs)
+        finally:
+            _in_closure[key] = _in_closure.get(key, 0.0) + (_clock() - began)
+
+    return timed
 
 
 def optimizer_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     key = id(optimizer)
-    _append((OPT_STEP, _clock(), key, _began.pop(key, None)))
+    _append((OPT_STEP, _clock(), key, _began.pop(key, None), _in_closure.pop(key, 0.0)))
     boundary = BOUNDARY[0]
     if boundary is not None:
         boundary(key)
@@ -118,6 +149,27 @@ class _Interval:
     samples: dict[int, int] = field(default_factory=dict)
     last_loader: int | None = None
 
+    def add(self, later: _Interval) -> None:
+        """Take in what happened in ``later``, the interval that followed this one."""
+        self.wait += later.wait
+        self.startup += later.startup
+        self.optimizer += later.optimizer
+        for loader, count in later.samples.items():
+            self.samples[loader] = self.samples.get(loader, 0) + count
+        if later.last_loader is not None:
+            self.last_loader = later.last_loader
+
+
+#: The clock moves to another optimizer once the clock optimizer has not stepped for this many
+#: of its usual steps (and at least CLOCK_IDLE_MIN_S) while the other stepped CLOCK_MOVE_STEPS
+#: times: a GAN's critic stepping five times per generator step never moves it.
+CLOCK_IDLE_STEPS = 8
+CLOCK_IDLE_MIN_S = 1.0
+CLOCK_MOVE_STEPS = 8
+#: Other optimizers' steps remembered since the clock's last step (a stage's first steps, counted
+#: when the clock moves); past it, the oldest are merged and no longer counted as steps.
+MAX_OTHER_STEPS = 4096
+
 
 class StepCollector:
     """Folds optimizer, scaler and batch events into steps; builds ``steps`` frames."""
@@ -133,19 +185,76 @@ class StepCollector:
         self._records: list[StepRecord] = []
         #: The latest step durations (the op sampler's yardstick for a window's slowdown).
         self.recent: deque[float] = deque(maxlen=64)
+        #: Steps of other optimizers since the clock's last step, each with what happened
+        #: before it: (end, optimizer, interval). ``_interval`` runs from the last of them.
+        self._others: list[tuple[float, int, _Interval]] = []
+        #: When the clock optimizer last stepped.
+        self._clock_last: float | None = None
 
     # -- events ----------------------------------------------------------------------------
 
-    def optimizer_step(self, t: float, optimizer: int, began: float | None) -> None:
-        """An ``optimizer.step()`` that ran from ``began`` to ``t``."""
+    def optimizer_step(
+        self, t: float, optimizer: int, began: float | None, in_closure: float = 0.0
+    ) -> None:
+        """An ``optimizer.step()`` that ran from ``began`` to ``t``, ``in_closure`` seconds of
+        it in the closure passed to it (forward and backward: compute, not optimizer time)."""
         if began is not None:
-            self._interval.optimizer += t - began
+            self._interval.optimizer += max(0.0, t - began - in_closure)
         if optimizer in self._scaler_open:
             self._scaler_open[optimizer] = True
         if self.clock is None:
             self.clock = optimizer
         if self.clock == optimizer:
-            self._end_step(t, skipped=False)
+            self._clock_step(t, skipped=False)
+        elif self.clock != "explicit":
+            self._other_step(t, optimizer)
+
+    def _clock_step(self, t: float, *, skipped: bool) -> None:
+        """The clock's step: what other optimizers did since the last one belongs to it."""
+        if self._others:
+            merged = self._others[0][2]
+            for _, _, interval in self._others[1:]:
+                merged.add(interval)
+            merged.add(self._interval)
+            self._interval = merged
+            self._others = []
+        self._clock_last = t
+        self._end_step(t, skipped=skipped)
+
+    def _other_step(self, t: float, optimizer: int) -> None:
+        """A step of an optimizer that is not the clock; the clock moves to it if the clock
+        optimizer has stopped stepping (the job went on to its next stage)."""
+        others = self._others
+        others.append((t, optimizer, self._interval))
+        self._interval = _Interval()
+        if len(others) > MAX_OTHER_STEPS:
+            _, _, oldest = others.pop(0)
+            oldest.add(others[0][2])
+            others[0] = (others[0][0], others[0][1], oldest)
+        if self._clock_last is None or len(others) < CLOCK_MOVE_STEPS:
+            return
+        usual = statistics.median(self.recent) if self.recent else 0.0
+        if t - self._clock_last < max(CLOCK_IDLE_MIN_S, CLOCK_IDLE_STEPS * usual):
+            return
+        if sum(1 for _, key, _ in others if key == optimizer) < CLOCK_MOVE_STEPS:
+            return
+        # The new clock's steps since the old clock's last are steps; the others' time
+        # between them stays in the step it preceded.
+        self.clock = optimizer
+        self._others = []
+        pending: _Interval | None = None
+        for end, key, interval in others:
+            if pending is None:
+                pending = interval
+            else:
+                pending.add(interval)
+            if key == optimizer:
+                self._interval = pending
+                pending = None
+                self._clock_step(end, skipped=False)
+        if pending is not None:
+            pending.add(self._interval)
+            self._interval = pending
 
     def scaler_begin(self, t: float, optimizer: int) -> None:
         self._scaler_open[optimizer] = False
@@ -158,11 +267,11 @@ class StepCollector:
         if self.clock is None:
             self.clock = optimizer
         if self.clock == optimizer:
-            self._end_step(t, skipped=True)
+            self._clock_step(t, skipped=True)
 
     def explicit_step(self, t: float) -> None:
         self.clock = "explicit"
-        self._end_step(t, skipped=False)
+        self._clock_step(t, skipped=False)
 
     def batch(self, wait: float, *, first: bool, loader: int | None, samples: int | None) -> None:
         """A batch the training thread waited ``wait`` seconds for."""
@@ -184,6 +293,8 @@ class StepCollector:
         """The hooks were off: forget the open step, so the next one has no duration."""
         self._last_end = None
         self._interval = _Interval()
+        self._others = []
+        self._clock_last = None
         self._scaler_open.clear()
 
     def _end_step(self, t: float, *, skipped: bool) -> None:

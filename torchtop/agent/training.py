@@ -382,7 +382,7 @@ class TrainingMonitor:
                 first, index = loaders.batch(iterator, wait, size)
                 steps.batch(wait, first=first, loader=index, samples=size)
             elif kind == OPT_STEP:
-                steps.optimizer_step(event[1], event[2], event[3])
+                steps.optimizer_step(event[1], event[2], event[3], event[4])
             elif kind == ITERATOR:
                 loaders.iterator_created(*event[2:])
             elif kind == EXHAUSTED:
