@@ -282,18 +282,19 @@ def nvml_gpu_matched_by_uuid(
 def hello_uuid(
     frames: Sequence[Frame], job_uuid: str, smi_rows: Sequence[Mapping[str, Any]]
 ) -> Check:
-    """The hello's ``cuda:0`` carries the UUID torch gives the job's device, which is the one
-    nvidia-smi lists (the key that joins CUDA devices to NVML's and DCGM's GPUs)."""
-    name = "hello: cuda:0 UUID = torch's = nvidia-smi's"
+    """The devices the agent describes (the hello's, or any later frame's ``devices``) give
+    ``cuda:0`` the UUID torch gives the job's device, which is the one nvidia-smi lists: the
+    key that joins CUDA devices to NVML's and DCGM's GPUs."""
+    name = "devices: cuda:0 UUID = torch's = nvidia-smi's"
     expected = job_uuid or "?"
     uuids = [
         d.get("uuid")
-        for f in of_kind(frames, "hello")
-        for d in f.get("devices", [])
-        if d.get("id") == "cuda:0" and d.get("uuid")
+        for f in frames
+        for d in f.get("devices") or []
+        if isinstance(d, Mapping) and d.get("id") == "cuda:0" and d.get("uuid")
     ]
     if not uuids:
-        return check(name, expected, "no hello gives cuda:0 a UUID", False)
+        return check(name, expected, "no frame gives cuda:0 a UUID", False)
     got = str(uuids[-1])
     smi = {normal_uuid(r.get("uuid")) for r in smi_rows}
     ok = normal_uuid(got) == normal_uuid(job_uuid) and normal_uuid(got) in smi

@@ -64,6 +64,23 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path: Path) -> Non
     assert time.monotonic() - t0 < 30  # it never imports torch to find out
 
 
+@pytest.mark.slow
+def test_a_job_runs_under_torchtop_headless_without_textual(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lent GPU machine has no Textual: the check's jobs run through the headless paths
+    only (here, the CPU job and the model's view of its recording)."""
+    blocked = tmp_path / "blocked" / "textual"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('no Textual here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(blocked.parent))
+    (tmp_path / "work").mkdir()
+    session = gpu_check.Session(tmp_path / "work")
+    rows = gpu_check.group_cpu_job(session)
+    assert statuses(rows) == [cmp.PASS], (rows, session.steps[0].stderr)
+    assert session.steps[0].rc == 0
+
+
 def test_no_cuda_reason_on_this_machine() -> None:
     if Path("/dev/nvidiactl").exists():
         pytest.skip("this machine has an NVIDIA device")
