@@ -21,6 +21,7 @@ import importlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -54,8 +55,9 @@ def no_cuda_reason() -> str | None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
-    if not Path("/dev/nvidiactl").exists() and not Path("/dev/nvidia0").exists():
-        return "there is no /dev/nvidia* device on this machine"
+    nodes = Path("/dev/nvidiactl").exists() or Path("/dev/nvidia0").exists()
+    if not nodes and shutil.which("nvidia-smi") is None:
+        return "this machine has no /dev/nvidia* device and no nvidia-smi"
     probe = "import torch; print(torch.cuda.is_available())"
     try:
         out = subprocess.run(

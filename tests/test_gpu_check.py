@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -82,7 +83,7 @@ def test_a_job_runs_under_torchtop_headless_without_textual(
 
 
 def test_no_cuda_reason_on_this_machine() -> None:
-    if Path("/dev/nvidiactl").exists():
+    if Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi"):
         pytest.skip("this machine has an NVIDIA device")
     assert "no /dev/nvidia" in (gpu_check.no_cuda_reason() or "")
 
@@ -545,3 +546,38 @@ def test_a_step_past_its_timeout_is_killed(tmp_path: Path) -> None:
     session = gpu_check.Session(tmp_path)
     step = session.run("sleep", [sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
     assert step.rc is None and "killed after" in step.stderr
+
+
+def test_a_failing_or_crashing_group_does_not_stop_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def passing(s: gpu_check.Session) -> list[cmp.Check]:
+        s.keep("cuda_memory_stats_x.json", {"num_ooms": 0})
+        return [cmp.check("one", "1", "1", True)]
+
+    def crashing(s: gpu_check.Session) -> list[cmp.Check]:
+        raise KeyError("plateaus")
+
+    def failing(s: gpu_check.Session) -> list[cmp.Check]:
+        return [cmp.check("two", "1", "2", False)]
+
+    monkeypatch.setattr(gpu_check, "no_cuda_reason", lambda: None)
+    monkeypatch.setattr(
+        gpu_check,
+        "GROUPS",
+        [
+            ("first", passing, 1),
+            ("second", crashing, 1),
+            ("third", failing, 1),
+            ("too long", passing, gpu_check.DEADLINE_S + 1),
+        ],
+    )
+    assert gpu_check.main(["--out", str(tmp_path / "g")]) == 1
+    text = capsys.readouterr().out
+    assert "1 passed, 2 failed, 1 skipped" in text
+    report = (tmp_path / "g" / "report.txt").read_text()
+    assert "crashed: KeyError('plateaus')" in report and "not started" in report
+    with tarfile.open(tmp_path / "g" / "fixtures.tar.gz") as tar:
+        assert tar.getnames() == ["fixtures/cuda_memory_stats_x.json"]
+    monkeypatch.setattr(gpu_check, "GROUPS", [("first", passing, 1)])
+    assert gpu_check.main(["--out", str(tmp_path / "h"), "--only", "first"]) == 0
