@@ -187,6 +187,31 @@ def test_damaged_recording_reads_to_the_last_whole_frame(tmp_path: Path) -> None
     assert contents.truncated and contents.messages
     report = _report(cut)
     assert report["samples"] > 0 and report["recording"]["truncated"]
+    end = report["recording"]["end_byte"]
+    assert 0 < end <= len(data) // 2 and data[end - 1 : end] == b"\n"
+    text = torchtop("report", str(cut))
+    assert text.returncode == 0
+    assert f"the recording is cut: it ends mid-frame at byte {end:,}" in " ".join(
+        text.stdout.split()
+    )
+    assert "cut" not in torchtop("report", str(rec)).stdout
+
+
+def test_empty_or_unreadable_recordings_are_errors(tmp_path: Path) -> None:
+    for name, content, expected in [
+        ("empty.ttr", b"", "is empty: nothing was recorded in it"),
+        ("blank.ttr", b"\n\n", "is not a torchtop recording"),
+        ("text.ttr", b"hello world\nnot frames\n", "is not a torchtop recording"),
+        ("half.ttr", b'{"kind": "hel', "is not a torchtop recording"),
+    ]:
+        path = tmp_path / name
+        path.write_bytes(content)
+        for command in ("report", "replay"):
+            out = torchtop(command, str(path))
+            assert out.returncode == 1, (name, command, out.stderr)
+            (line,) = out.stderr.splitlines()
+            assert line.startswith(f"torchtop: {path} {expected}"), line
+            assert out.stdout == ""
 
 
 def _start_job(*extra: str) -> subprocess.Popen[str]:

@@ -614,6 +614,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         "path": str(args.file),
         "skipped_frames": contents.skipped,
         "truncated": contents.truncated,
+        "end_byte": contents.end_byte,
     }
     if args.json:
         print(json.dumps(report, indent=2))

@@ -78,17 +78,22 @@ class RecordingContents:
     skipped: int
     #: True when the file ended mid-frame (the writer was killed).
     truncated: bool
+    #: Where the whole frames end: the byte offset of the cut-off frame when ``truncated``.
+    end_byte: int = 0
 
 
 def read_recording(path: str | os.PathLike[str]) -> RecordingContents:
-    """All messages of a recording, skipping unknown kinds and damaged lines."""
+    """All messages of a recording, skipping unknown kinds and damaged lines. A file without a
+    single readable frame (empty, or not a recording) is a :class:`RecordingError`."""
     messages: list[Message] = []
     skipped = 0
     truncated = False
+    end_byte = 0
     for line, complete in _lines(path):
         if not complete:
             truncated = True
             break
+        end_byte += len(line) + 1
         if not line.strip():
             continue
         try:
@@ -98,9 +103,16 @@ def read_recording(path: str | os.PathLike[str]) -> RecordingContents:
             continue
         if message is not None:
             messages.append(message)
-    if not messages and skipped:
+    if not messages:
+        if end_byte == 0 and not truncated:
+            raise RecordingError(
+                f"{path} is empty: nothing was recorded in it; "
+                "record a job with `torchtop run --record FILE`"
+            )
         raise RecordingError(f"{path} is not a torchtop recording (no readable frames)")
-    return RecordingContents(messages=messages, skipped=skipped, truncated=truncated)
+    return RecordingContents(
+        messages=messages, skipped=skipped, truncated=truncated, end_byte=end_byte
+    )
 
 
 def _lines(path: str | os.PathLike[str]) -> Iterator[tuple[bytes, bool]]:

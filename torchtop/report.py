@@ -231,6 +231,14 @@ def render_text(report: dict[str, Any]) -> Any:
         f" · {report['dropped']} dropped · {report['exit_reason']}",
         style="green" if code == 0 else "red" if code else "yellow",
     )
+    recording = report.get("recording") or {}
+    if recording.get("truncated"):
+        head.append(
+            f"\nthe recording is cut: it ends mid-frame at byte {recording['end_byte']:,}, "
+            f"{report['duration_s']:.1f} s into the job (its writer stopped); "
+            "this report covers the job up to there",
+            style="yellow",
+        )
     devices = Table(title="memory", title_justify="left")
     for col in ("device", "kind", "peak allocated", "peak reserved", "OOMs", "retries"):
         devices.add_column(col, justify="right" if col not in ("device", "kind") else "left")
