@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from torch.cuda import _memory_viz
 
+import torchtop
 from torchtop.agent.memory_snapshot import (
     NO_STACK_FILE,
     bounded,
@@ -157,6 +158,10 @@ def test_library_frames() -> None:
     assert is_library_frame("<frozen runpy>")
     assert not is_library_frame("/home/alice/llm/train.py")
     assert not is_library_frame("/home/alice/torchvision_tricks/model.py")
+    # torchtop's own code is not the job's; the demos it ships are.
+    torchtop_dir = Path(torchtop.__file__).resolve().parent
+    assert is_library_frame(str(torchtop_dir / "agent" / "oom.py"))
+    assert not is_library_frame(str(torchtop_dir / "demos" / "oom.py"))
     only_torch = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "f"}]
     assert [f.function for f in site_stack(only_torch)] == ["f"]
 

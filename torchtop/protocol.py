@@ -128,6 +128,9 @@ class MemoryStats:
     num_ooms: int | None = None
     free_bytes: int | None = None
     total_bytes: int | None = None
+    #: Of ``num_ooms``, the failures the job never saw: torch caught them itself (cuDNN's
+    #: workspace search retries with a smaller workspace). ``None`` where not counted.
+    handled_ooms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,16 @@ class GpuStats:
     clock_memory_mhz: int | None = None
     processes: list[GpuProcess] | None = None
     lost: bool = False
+    #: NVML's UUID of the GPU (``GPU-…``) or MIG instance (``MIG-…``).
+    uuid: str | None = None
+    #: The job's CUDA device on this GPU (``cuda:N``), matched by UUID; ``None`` when the job
+    #: does not use it or has not initialized CUDA yet (then ``in_job`` is ``None`` too).
+    cuda_device: str | None = None
+    #: ``True`` for a GPU the job can use, ``False`` for another job's, ``None`` while unknown.
+    in_job: bool | None = None
+    #: For a MIG instance, the NVML index of its parent GPU (``index`` is then the instance's
+    #: index on that parent).
+    mig_parent: int | None = None
 
 
 @dataclass(frozen=True)
@@ -342,8 +355,12 @@ class MemoryCapture(Message):
     grad_enabled: bool | None = None
     #: Live allocations in all, of which ``top_sites`` shows the largest groups.
     live_count: int | None = None
-    #: The stack of the allocation that failed, innermost first (empty when unknown).
+    #: The stack of the allocation that failed, innermost first (empty when unknown). For a
+    #: failure in backward, the training thread's stack at that moment (the engine's threads
+    #: run no Python).
     requested_stack: list[StackFrame] = field(default_factory=list)
+    #: The failure came from the autograd engine's thread, in a backward pass.
+    in_backward: bool | None = None
 
 
 @dataclass(frozen=True)

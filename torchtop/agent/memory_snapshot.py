@@ -44,6 +44,8 @@ CONTEXT_FRAMES = 2
 PASS_THROUGH = frozenset({"_call_impl", "_wrapped_call_impl", "inner", "_fn", "wrapper"})
 
 _TORCHTOP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: The demos ship inside torchtop's package (``torchtop/demos``) but are the job's own code.
+_DEMOS_DIR = _TORCHTOP_DIR + "demos" + os.sep
 _LIBRARY_MARKERS = (
     f"{os.sep}site-packages{os.sep}torch{os.sep}",
     f"{os.sep}dist-packages{os.sep}torch{os.sep}",
@@ -65,11 +67,17 @@ def _torch_dir() -> str | None:
     return os.path.dirname(os.path.abspath(path)) + os.sep if path else None
 
 
+def _is_torchtop(filename: str) -> bool:
+    """torchtop's own code: the agent, the runner, the CLI; not the demos it ships."""
+    return filename.startswith(_TORCHTOP_DIR) and not filename.startswith(_DEMOS_DIR)
+
+
 def is_library_frame(filename: str, torch_dir: str | None = None) -> bool:
-    """True for a frame of torch, torchtop or the interpreter's runner, not the job's own code."""
+    """True for a frame of torch, torchtop (its demos aside) or the interpreter's runner; the
+    job's own frames are all the others."""
     if not filename:
         return True
-    if filename.startswith(_TORCHTOP_DIR):
+    if _is_torchtop(filename):
         return True
     if torch_dir is not None and filename.startswith(torch_dir):
         return True
@@ -125,9 +133,7 @@ def site_stack(
 
 def _is_runner(filename: str) -> bool:
     return (
-        filename.startswith(_TORCHTOP_DIR)
-        or filename.endswith(_RUNNER_FILES)
-        or filename.startswith("<frozen")
+        _is_torchtop(filename) or filename.endswith(_RUNNER_FILES) or filename.startswith("<frozen")
     )
 
 
