@@ -19,6 +19,7 @@ from torchtop.protocol import OutOfMemory
 from torchtop.recording import read_recording
 
 ROOT = Path(__file__).resolve().parent.parent
+PIP = [sys.executable, "-m", "pip"]
 
 
 @pytest.mark.slow
