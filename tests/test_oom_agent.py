@@ -65,11 +65,56 @@ def with_fixture(controller: OomController, data: dict[str, Any]) -> None:
     }
 
 
-def observe(controller: OomController, data: dict[str, Any], **change: int) -> None:
+#: torch's side of an allocation, as the job's code sees it: the allocator calls its observers,
+#: then throws ``OutOfMemoryError``, or (``retry``) catches it and asks for half, as cuDNN's
+#: workspace search does. Compiled under a torch path so that its frames count as torch's.
+ALLOCATOR = "/opt/venv/lib/python3.11/site-packages/torch/cuda/_allocator_in_tests.py"
+_TORCH_SIDE: dict[str, Any] = {"torch": torch}
+exec(
+    compile(
+        """
+def allocate(observer, args, fails=True, traced=None):
+    if fails:
+        if traced is not None:
+            traced(args[1])  # the allocator's oom entry in the trace
+        observer(*args)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
+    return args[1]
+
+def with_retries(observer, args, succeeds_at, traced):
+    size = args[1]
+    for attempt in range(64):
+        try:
+            return allocate(observer, (args[0], size, *args[2:]), attempt < succeeds_at, traced)
+        except torch.OutOfMemoryError:
+            if size <= 1 << 20:
+                raise
+            size //= 2
+""",
+        ALLOCATOR,
+        "exec",
+    ),
+    _TORCH_SIDE,
+)
+
+
+def observer_args(data: dict[str, Any], **change: int) -> tuple[int, int, int, int]:
     args = {**data["observer"], **change}
-    controller.observe_cuda_oom(
-        args["device"], args["alloc"], args["device_total"], args["device_free"]
-    )
+    return args["device"], args["alloc"], args["device_total"], args["device_free"]
+
+
+def request(data: dict[str, Any], size: int) -> None:
+    """The next failure asks for ``size``: the trace's ``oom`` entry holds the request."""
+    (trace,) = data["snapshot"]["device_traces"]
+    trace.append({**trace[-1], "size": size, "time_us": trace[-1]["time_us"] + 1000})
+
+
+def observe(controller: OomController, data: dict[str, Any], **change: int) -> None:
+    """A failed allocation whose error reaches the job's code (here), which catches it."""
+    try:
+        _TORCH_SIDE["allocate"](controller.observe_cuda_oom, observer_args(data, **change))
+    except torch.OutOfMemoryError:
+        pass
 
 
 # -- CUDA, from fixtures ---------------------------------------------------------------------
@@ -119,6 +164,7 @@ def test_the_observer_firing_twice_for_one_failure_captures_once(tmp_path: Path)
     observe(controller, data)
     observe(controller, data)  # the same failure, reported again
     assert len(of_kind(messages, OutOfMemory)) == 1 and controller.repeats == 1
+    request(data, 3 * GiB)
     observe(controller, data, alloc=3 * GiB)  # a different failure
     assert len(of_kind(messages, OutOfMemory)) == 2
 
@@ -128,6 +174,7 @@ def test_captures_per_run_are_bounded(tmp_path: Path) -> None:
     controller, messages = make_controller(tmp_path, max_captures=1)
     with_fixture(controller, data)
     observe(controller, data)
+    request(data, 5 * GiB)
     observe(controller, data, alloc=5 * GiB)
     first, second = of_kind(messages, OutOfMemory)
     assert first.snapshot_path and first.top_sites
@@ -176,15 +223,21 @@ def test_install_cuda_reports_instead_of_raising(tmp_path: Path) -> None:
     controller, messages = make_controller(tmp_path, oom_history_entries=0)
     cuda = FakeCuda()
     cuda.memory.fail = True
-    controller.install_cuda(cuda, FakeC())
+    c_api = FakeC()
+    controller.install_cuda(cuda, c_api)
     (status,) = of_kind(messages, ProbeStatus)
-    assert status.probe == "oom_capture" and "could not set up" in status.detail
+    assert status.probe == "oom_capture" and "history is unavailable" in status.detail
+    assert "cudaMallocAsync does not yet support recordHistory" in status.detail
+    assert "\n" not in status.detail and "observer is still attached" in status.detail
+    # Without history, the observer is attached all the same.
+    assert c_api.observers == [controller.observe_cuda_oom] and not controller.history_recorded
 
     controller, messages = make_controller(tmp_path, oom_history_entries=0)
     cuda = FakeCuda()
     controller.install_cuda(cuda, object())  # a PyTorch without the observer
     assert cuda.memory.calls[0]["enabled"] == "state"  # 0 entries: live blocks' stacks only
-    assert "no out-of-memory observer" in of_kind(messages, ProbeStatus)[0].detail
+    (status,) = of_kind(messages, ProbeStatus)
+    assert "observer is unavailable" in status.detail and controller.history_recorded
 
 
 def test_cuda_capture_waits_for_the_jobs_cuda_init(
@@ -207,7 +260,12 @@ class FakeMemory:
 
     def _record_memory_history(self, **kwargs: Any) -> None:
         if self.fail:
-            raise RuntimeError("record_context_cpp is not supported on non-linux")
+            # What the cudaMallocAsync backend (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync)
+            # raises: c10/cuda/CUDAMallocAsyncAllocator.cpp, recordHistory.
+            raise RuntimeError(
+                "cudaMallocAsync does not yet support recordHistory. If you need it, please "
+                "file an issue describing your use case."
+            )
         self.calls.append(kwargs)
 
 
@@ -459,3 +517,175 @@ def test_the_limit_is_off_in_forked_children() -> None:
         [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120
     )
     assert out.stdout.split("\n")[:2] == ["child 0", "parent oom"], out.stderr
+
+
+# -- the figures at the failure (issue 19: 2, 8) -----------------------------------------------
+
+
+def test_free_memory_under_a_per_process_cap_is_what_the_cap_leaves(tmp_path: Path) -> None:
+    # set_per_process_memory_fraction: the observer gets the cap as total and the device's
+    # free memory, far above what the job may still take.
+    data = load("full")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    reserved = data["memory_stats"]["reserved_bytes.all.current"]
+    cap = reserved + 100 * MiB
+    observe(controller, data, device_total=cap, device_free=135 * GiB)
+    (event,) = of_kind(messages, OutOfMemory)
+    assert event.total_bytes == cap and event.free_bytes == 100 * MiB
+    assert event.free_bytes <= event.total_bytes - event.reserved_bytes
+
+
+def test_the_request_is_the_traces_and_free_blocks_count_on_its_stream(tmp_path: Path) -> None:
+    # The observer reports the 20 MiB segment; the trace's oom entry holds the 6 MiB request.
+    # A side stream's free 16 MiB block cannot serve the default stream's request.
+    data = load("rounded")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    observe(controller, data)
+    (event,) = of_kind(messages, OutOfMemory)
+    assert data["observer"]["alloc"] == 20 * MiB
+    assert event.requested_bytes == 6 * MiB
+    assert event.largest_free_block_bytes == 2 * MiB
+    assert event.fragmented is False  # 3.5 MiB free on the stream and 2 MiB on the device
+
+
+# -- failures torch handles itself (issue 19: 3) ----------------------------------------------
+
+
+def retrying(
+    controller: OomController, data: dict[str, Any], start: int, succeeds_at: int
+) -> list[int]:
+    """A cuDNN-like workspace search in the job's call: halving requests from ``start``; the
+    attempt ``succeeds_at`` fits (or none does, and the last error reaches the job). Each
+    failure leaves its own ``oom`` entry in the trace, as the allocator does."""
+    sizes: list[int] = []
+
+    def traced(alloc: int) -> None:
+        sizes.append(alloc)
+        request(data, alloc)
+
+    args = observer_args(data, alloc=start)
+    _TORCH_SIDE["with_retries"](controller.observe_cuda_oom, args, succeeds_at, traced)
+    return sizes
+
+
+def test_a_burst_of_halving_requests_that_torch_handles_is_counted_not_published(
+    tmp_path: Path,
+) -> None:
+    data = load("full")
+    controller, messages = make_controller(tmp_path, pause_on_oom=True, pause_timeout_s=30.0)
+    with_fixture(controller, data)
+    started = time.monotonic()
+    sizes = retrying(controller, data, 64 * MiB, succeeds_at=4)
+    assert sizes == [64 * MiB, 32 * MiB, 16 * MiB, 8 * MiB]
+    assert of_kind(messages, OutOfMemory) == [] and of_kind(messages, OomResumed) == []
+    assert controller.handled == {"cuda:0": 4} and controller.handled_ooms("cuda:0") == 4
+    assert os.listdir(tmp_path) == []  # no snapshot saved for a failure the job never saw
+    assert time.monotonic() - started < 30  # never paused
+    assert sys.gettrace() is None or "torchtop" not in repr(sys.gettrace())
+
+
+def test_the_last_failure_of_a_burst_reaches_the_job_and_pauses_there(tmp_path: Path) -> None:
+    data = load("full")
+    controller, messages = make_controller(tmp_path, pause_on_oom=True, pause_timeout_s=0.1)
+    with_fixture(controller, data)
+    with pytest.raises(torch.OutOfMemoryError):
+        retrying(controller, data, 8 * MiB, succeeds_at=99)
+    (event,) = of_kind(messages, OutOfMemory)
+    assert event.requested_bytes == 1 * MiB and event.paused  # the last, smallest one
+    assert [m.reason for m in of_kind(messages, OomResumed)] == ["timeout"]
+    assert controller.handled == {"cuda:0": 3} and event.snapshot_path
+
+
+# -- failures in backward (issue 19: 7) --------------------------------------------------------
+
+#: autograd's ``_engine_run_backward`` as the training thread runs it: it waits while an engine
+#: thread, with no Python frames, does the work and fails; then it raises or returns.
+_AUTOGRAD: dict[str, Any] = {"torch": torch}
+exec(
+    compile(
+        """
+def _engine_run_backward(engine, raises):
+    engine()
+    if raises:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
+""",
+        "/opt/venv/lib/python3.11/site-packages/torch/autograd/graph.py",
+        "exec",
+    ),
+    _AUTOGRAD,
+)
+
+
+def backward_failing(
+    controller: OomController, data: dict[str, Any], *, raises: bool, engine_went_on: bool
+) -> None:
+    """The training thread calls backward (this frame's line is the job's); an engine thread
+    fails with no Python frame of its own."""
+    import _thread
+
+    def engine() -> None:
+        if engine_went_on:
+            # The op retried with less and went on: an allocation with no Python frames.
+            (trace,) = data["snapshot"]["device_traces"]
+            oom_at = trace[-1]["time_us"]
+            trace.append(
+                {
+                    "action": "alloc",
+                    "addr": 1,
+                    "size": 2 * MiB,
+                    "stream": 0,
+                    "time_us": oom_at + 10,
+                    "frames": [],
+                }
+            )
+        # The thread's only frame is the observer's: no Python frame calls it.
+        _thread.start_new_thread(controller.observe_cuda_oom, observer_args(data))
+        wait_for(lambda: controller._backward)
+        assert controller._backward
+
+    _AUTOGRAD["_engine_run_backward"](engine, raises)  # loss.backward()
+
+
+def wait_for(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_backward_failure_is_told_by_its_thread_with_the_training_threads_stack(
+    tmp_path: Path,
+) -> None:
+    data = load("full")
+    controller, messages = make_controller(tmp_path, oom_capture=False)
+    with_fixture(controller, data)
+    controller.start()
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            backward_failing(controller, data, raises=True, engine_went_on=False)
+        wait_for(lambda: of_kind(messages, OutOfMemory))
+    finally:
+        controller.stop()
+    (event,) = of_kind(messages, OutOfMemory)
+    assert event.in_backward is True and event.grad_enabled is None and not event.paused
+    # The training thread's stack: autograd's frame for context, then the job's backward line.
+    functions = [f.function for f in event.requested_stack]
+    assert functions[:2] == ["_engine_run_backward", "backward_failing"], functions
+    from torchtop.oom_advice import Evidence, suggest
+
+    advice = {s.id for s in suggest(Evidence.of(event))}
+    assert {"checkpointing", "mixed-precision"} <= advice
+
+
+def test_a_backward_failure_torch_handles_is_counted(tmp_path: Path) -> None:
+    data = load("full")
+    controller, messages = make_controller(tmp_path, oom_capture=False)
+    with_fixture(controller, data)
+    controller.start()
+    try:
+        backward_failing(controller, data, raises=False, engine_went_on=True)
+        wait_for(lambda: controller.handled)
+    finally:
+        controller.stop()
+    assert controller.handled == {"cuda:0": 1} and of_kind(messages, OutOfMemory) == []

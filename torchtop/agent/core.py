@@ -175,6 +175,7 @@ class Agent:
             snapshot_dir=runtime_dir(),
             flush_events=lambda: self.sampler.drain_events(),
         )
+        self._cuda.handled_ooms = self.oom.handled_ooms
 
         listener, self.info = bind_server(self.pid, sys.argv, self.started_at, rank_identity())
         samples_ring = int(config.history_s / config.interval_s) + int(

@@ -222,18 +222,61 @@ class SnapshotTotals:
     largest_free_block: int
 
 
-def totals(snapshot: Mapping[str, Any], requested: int | None = None) -> SnapshotTotals:
+@dataclass(frozen=True)
+class FailedRequest:
+    """The allocation that failed, from the last ``oom`` entry of a device's trace.
+
+    The allocator's observer is told the size of the segment it tried to get (a request of at
+    most 1 MiB asks for a 2 MiB segment, one of 1 to 10 MiB for 20 MiB); the trace holds the
+    request itself, the stream it was made on, and the device's free memory at that moment.
+    """
+
+    size: int
+    stream: int | None
+    device_free: int | None
+    time_us: int | None
+    frames: Sequence[Mapping[str, Any]]
+
+
+def failed_request(snapshot: Mapping[str, Any], index: int = 0) -> FailedRequest | None:
+    """The last ``oom`` entry of device ``index``'s trace, or ``None`` without one."""
+    traces = snapshot.get("device_traces") or []
+    trace = traces[index] if 0 <= index < len(traces) else []
+    for entry in reversed(trace):
+        if entry.get("action") != "oom":
+            continue
+        size = entry.get("size")
+        if not isinstance(size, int) or size <= 0:
+            return None
+        stream, free, time_us = entry.get("stream"), entry.get("device_free"), entry.get("time_us")
+        return FailedRequest(
+            size=size,
+            stream=stream if isinstance(stream, int) else None,
+            device_free=free if isinstance(free, int) else None,
+            time_us=time_us if isinstance(time_us, int) else None,
+            frames=entry.get("frames") or (),
+        )
+    return None
+
+
+def totals(
+    snapshot: Mapping[str, Any], requested: int | None = None, stream: int | None = None
+) -> SnapshotTotals:
     """Reserved, allocated and free-in-segment bytes. With ``requested``, the free blocks are
     only those of the pool that could serve it (large segments for requests above 1 MiB, small
-    ones otherwise) and of the default pool (not a CUDA graph's private pool)."""
+    ones otherwise) and of the default pool (not a CUDA graph's private pool); with ``stream``,
+    only those of segments of that stream, since the allocator hands a free block out again
+    only on the stream it was allocated on."""
     reserved = allocated = free = largest = 0
     for segment in snapshot.get("segments", ()):
         reserved += int(segment.get("total_size", 0))
         usable = True
+        if stream is not None and segment.get("stream", stream) != stream:
+            usable = False
         if requested is not None:
             kind = segment.get("segment_type")
-            if kind is not None:
-                usable = (kind == "large") == (requested > SMALL_REQUEST_BYTES)
+            if kind is not None and (kind == "large") != (requested > SMALL_REQUEST_BYTES):
+                usable = False
             pool = segment.get("segment_pool_id")
             if pool is not None and tuple(pool) != (0, 0):
                 usable = False
@@ -248,17 +291,24 @@ def totals(snapshot: Mapping[str, Any], requested: int | None = None) -> Snapsho
     return SnapshotTotals(reserved, allocated, free, largest)
 
 
-def verdict(requested: int | None, device_free: int | None, totals: SnapshotTotals) -> bool | None:
+def verdict(
+    requested: int | None,
+    device_free: int | None,
+    totals: SnapshotTotals,
+    segment: int | None = None,
+) -> bool | None:
     """``True`` for *fragmented*: the free memory adds up to the request (free in the
-    allocator's segments plus free on the device), yet neither the largest free block nor the
-    device's free memory alone can hold it. ``False`` for *full*. ``None`` without a request.
+    allocator's segments plus free on the device), yet no free block can hold the request and
+    the device cannot hold the new segment the allocator asked for (``segment``, the request
+    rounded up: 2 MiB, 20 MiB or a multiple of 2 MiB). ``False`` for *full*. ``None`` without
+    a request.
     """
     if requested is None:
         return None
     device = device_free or 0
     if totals.free_in_segments + device < requested:
         return False
-    return max(totals.largest_free_block, device) < requested
+    return totals.largest_free_block < requested and device < max(requested, segment or 0)
 
 
 # -- saving -------------------------------------------------------------------------------------

@@ -33,16 +33,21 @@ import contextlib
 import dataclasses
 import importlib.abc
 import itertools
+import os
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from torchtop.agent.memory_snapshot import (
+    _is_torchtop,
+    _torch_dir,
+    failed_request,
+    is_library_frame,
     save_snapshot,
     site_stack,
     top_sites,
@@ -107,6 +112,13 @@ class OomController:
         self.cuda_sources: dict[str, Any] = {}
         self.captures = 0
         self.repeats = 0
+        #: Failures torch handled itself, per device (``cuda:N``): the job never saw them.
+        self.handled: dict[str, int] = {}
+        self.history_recorded = False
+        #: Per thread, the failure being followed there (see :class:`_Watch`).
+        self._pending_here: dict[int, _Watch] = {}
+        #: Failures in backward, until backward ends (see :meth:`_resolve_backward`).
+        self._backward: list[_BackwardWatch] = []
         self._cuda_armed = False
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -168,14 +180,21 @@ class OomController:
     def _work(self) -> None:
         while not self._stopping:
             # Until CUDA capture is armed, look for torch every 0.2 s; then only wait for work.
+            # While a backward failure waits to be resolved, look every BACKWARD_POLL_S.
             waiting = self.config.oom_capture and not self._cuda_armed
+            timeout = BACKWARD_POLL_S if self._backward else (0.2 if waiting else None)
             try:
-                request = self._requests.get(timeout=0.2 if waiting else None)
+                request = self._requests.get(timeout=timeout)
             except queue.Empty:
                 request = None
             if not self._cuda_armed and self.config.oom_capture and _torch_imported():
                 self._arm_cuda()  # torch came in some way the import hook did not see
-            if request is None:
+            if self._backward:
+                try:
+                    self._resolve_backward()
+                except Exception as exc:
+                    self._report(f"a failure in backward could not be followed: {exc!r}")
+            if request is None or request is _WAKE:
                 continue
             try:
                 self.snapshot_now(request.id)
@@ -207,35 +226,52 @@ class OomController:
         lazy_call(lambda: self.install_cuda(cuda))
 
     def install_cuda(self, cuda: Any, c_api: Any = None) -> None:
-        """Record the allocator's history and attach the observer. Runs inside the job's CUDA
-        initialization (``cuda`` is ``torch.cuda``, ``c_api`` ``torch._C``); never raises."""
+        """Record the allocator's history and attach the observer, each on its own: one that
+        cannot be set up (history on the ``cudaMallocAsync`` backend) is reported and leaves
+        the other in place. Runs inside the job's CUDA initialization (``cuda`` is
+        ``torch.cuda``, ``c_api`` ``torch._C``); never raises."""
+        if self.cuda_installed:
+            return
+        self.cuda_installed = True
         try:
-            if self.cuda_installed:
-                return
-            self.cuda_installed = True
             if c_api is None:
                 c_api = sys.modules["torch"]._C
-            entries = int(self.config.oom_history_entries)
+        except Exception as exc:
+            self._report(f"CUDA OOM capture is off: torch._C cannot be read ({exc!r})")
+            return
+        entries = int(self.config.oom_history_entries)
+        try:
             cuda.memory._record_memory_history(
                 enabled="all" if entries > 0 else "state",
                 context="alloc",
                 stacks="python",
                 max_entries=max(1, entries),
             )
-            attach = getattr(c_api, "_cuda_attach_out_of_memory_observer", None)
-            if attach is None:
-                self._report("this PyTorch has no out-of-memory observer; OOMs are not captured")
-                return
+            self.history_recorded = True
+        except Exception as exc:
+            self._report(
+                "allocation history is unavailable, so OOM captures show sizes without the "
+                f"lines that allocated ({_reason(exc)}); the OOM observer is still attached"
+            )
+        attach = getattr(c_api, "_cuda_attach_out_of_memory_observer", None)
+        if attach is None:
+            self._report(
+                "the OOM observer is unavailable: this PyTorch has no "
+                "torch._C._cuda_attach_out_of_memory_observer; OOMs are not captured"
+            )
+            return
+        try:
             attach(self.observe_cuda_oom)
         except Exception as exc:
-            self._report(f"could not set up CUDA OOM capture: {exc!r}")
+            self._report(f"the OOM observer could not be attached ({_reason(exc)})")
 
     def observe_cuda_oom(
         self, device: int, alloc: int, device_total: int, device_free: int
     ) -> None:
-        """The allocator's observer: ``(device, bytes requested, the device's total memory or
-        the allowed maximum under set_per_process_memory_fraction, free bytes as
-        cudaMemGetInfo reports)``. Never raises: that would replace the job's error."""
+        """The allocator's observer: ``(device, the size of the segment it tried to get, the
+        device's total memory or the allowed maximum under set_per_process_memory_fraction,
+        free bytes as cudaMemGetInfo reports)``. Never raises: that would replace the job's
+        error."""
         try:
             self.cuda_oom(
                 int(device), int(alloc), int(device_total), int(device_free), **self.cuda_sources
@@ -246,7 +282,7 @@ class OomController:
     def cuda_oom(
         self,
         device: int,
-        requested: int,
+        alloc: int,
         total: int,
         free: int,
         *,
@@ -254,39 +290,95 @@ class OomController:
         stats: Callable[[int], Mapping[str, Any]] | None = None,
         grad_enabled: Callable[[], bool] | None = None,
     ) -> OutOfMemory | None:
-        """The flow for a CUDA failure. ``snapshot``, ``stats`` and ``grad_enabled`` default to
-        torch's (``_snapshot``, ``memory_stats``, ``is_grad_enabled``); tests pass fixtures."""
+        """The flow for a CUDA failure, in the thread that failed. ``snapshot``, ``stats`` and
+        ``grad_enabled`` default to torch's (``_snapshot``, ``memory_stats``,
+        ``is_grad_enabled``); tests pass fixtures.
+
+        The failure is captured now, while its memory is live, but published only once it
+        reaches the job's code (see :class:`_Watch`); one that torch handles itself is counted
+        in :attr:`handled`. Returns the event when it was published at once."""
         if snapshot is None or stats is None or grad_enabled is None:
             import torch
 
             snapshot = snapshot or torch.cuda.memory._snapshot
             stats = stats or torch.cuda.memory_stats
             grad_enabled = grad_enabled or torch.is_grad_enabled
-        label = f"cuda:{device}"
-        read_stats = stats
-
-        def figures(snap: Mapping[str, Any]) -> tuple[int | None, int | None]:
-            try:
-                counters = read_stats(device)
-                return (
-                    _int(counters.get("allocated_bytes.all.current")),
-                    _int(counters.get("reserved_bytes.all.current")),
-                )
-            except Exception:
-                return None, None
-
-        return self._failure(
-            device=label,
+        snap: Mapping[str, Any] = {"segments": [], "device_traces": []}
+        error = ""
+        try:
+            snap = snapshot()
+        except Exception as exc:
+            error = f"no snapshot: {exc!r}"
+        counters: Mapping[str, Any] = {}
+        with contextlib.suppress(Exception):
+            counters = stats(device)
+        allocated = _int(counters.get("allocated_bytes.all.current"))
+        reserved = _int(counters.get("reserved_bytes.all.current"))
+        request = failed_request(snap, device)
+        requested = request.size if request is not None else alloc
+        if reserved is not None and total > 0:
+            # Under set_per_process_memory_fraction, total is the cap: what the job may still
+            # get is the cap less what it holds, however much the device has free.
+            free = min(free, max(0, total - reserved))
+        # A thread with Python frames is followed there; one without (the autograd engine's)
+        # fails in a backward that the training thread waits for.
+        job_frames = _python_frames(sys._getframe(1))
+        training = None if job_frames else _training_thread()
+        in_backward = training is not None
+        pending = self._observe(
+            device=f"cuda:{device}",
             index=device,
             emulated=False,
             requested=requested,
+            stream=request.stream if request is not None else None,
             free=free,
             total=total,
-            take_snapshot=snapshot,
-            figures=figures,
-            grad_enabled=grad_enabled,
+            snap=snap,
+            error=error,
+            figures=lambda _snap: (allocated, reserved),
+            grad_enabled=None if in_backward else grad_enabled,
             message="",
+            segment=alloc,
         )
+        if pending is None:
+            return None
+        if in_backward:
+            pending.capture = replace(
+                pending.capture,
+                in_backward=True,
+                requested_stack=(
+                    site_stack(_frames_of(training[1])) if training is not None else []
+                ),
+            )
+        with self._lock:
+            earlier = self._pending_here.pop(threading.get_ident(), None)
+        if earlier is not None and not earlier.done:
+            # A second failure in the same thread before the first reached the job's code:
+            # torch caught the first and retried (cuDNN halves its workspace and asks again).
+            earlier.done = True
+            self._count_handled(earlier.pending.capture.device)
+        if job_frames:
+            watch = _Watch(self, pending, job_frames)
+            with self._lock:
+                self._pending_here[threading.get_ident()] = watch
+            watch.arm()
+            return None
+        if training is not None:
+            # Backward: the engine's thread runs no Python. The training thread waits in
+            # autograd's run_backward; the worker resolves the failure once it comes out.
+            with self._lock:
+                self._backward.append(
+                    _BackwardWatch(
+                        pending,
+                        training[0],
+                        index=device,
+                        time_us=request.time_us if request is not None else None,
+                        stream=pending.stream,
+                    )
+                )
+            self._requests.put(_WAKE)
+            return None
+        return self._publish_failure(pending, pause=True)
 
     # -- the CPU emulation -----------------------------------------------------------------------
 
@@ -300,36 +392,51 @@ class OomController:
         free = max(0, limit - live)
         message = oom_message(requested, limit, live)
         tracker.note_oom(requested, free, tracker._site())
-        self._failure(
+        snap: Mapping[str, Any] = {"segments": [], "device_traces": []}
+        error = ""
+        try:
+            snap = tracker.snapshot()
+        except Exception as exc:
+            error = f"no snapshot: {exc!r}"
+        pending = self._observe(
             device="cpu",
             index=0,
             emulated=True,
             requested=requested,
+            stream=None,
             free=free,
             total=limit,
-            take_snapshot=tracker.snapshot,
+            snap=snap,
+            error=error,
             figures=lambda _snap: (live, live),
             grad_enabled=torch.is_grad_enabled,
             message=message,
         )
+        # The emulation raises the error itself, in the job's own call: it always reaches it.
+        if pending is not None:
+            self._publish_failure(pending, pause=True)
         return message
 
     # -- the flow ----------------------------------------------------------------------------------
 
-    def _failure(
+    def _observe(
         self,
         *,
         device: str,
         index: int,
         emulated: bool,
         requested: int,
+        stream: int | None,
         free: int | None,
         total: int | None,
-        take_snapshot: Callable[[], Mapping[str, Any]],
+        snap: Mapping[str, Any],
+        error: str,
         figures: Callable[[Mapping[str, Any]], tuple[int | None, int | None]],
-        grad_enabled: Callable[[], bool],
+        grad_enabled: Callable[[], bool] | None,
         message: str,
-    ) -> OutOfMemory | None:
+        segment: int | None = None,
+    ) -> _Pending | None:
+        """Read what the failure shows at its moment; ``None`` for a repeat of the last one."""
         now = time.monotonic()
         with self._lock:
             last = self._last_failure
@@ -341,36 +448,50 @@ class OomController:
                 self.repeats += 1
                 return None
             self._last_failure = (device, requested, now)
+        grad: bool | None = None
+        if grad_enabled is not None:
+            with contextlib.suppress(Exception):
+                grad = bool(grad_enabled())
+        capture = self._capture(
+            0,
+            device=device,
+            index=index,
+            emulated=emulated,
+            requested=requested,
+            stream=stream,
+            free=free,
+            total=total,
+            snap=snap,
+            error=error,
+            figures=figures,
+            segment=segment,
+        )
+        return _Pending(replace(capture, grad_enabled=grad), snap, message, stream)
+
+    def _publish_failure(self, pending: _Pending, *, pause: bool) -> OutOfMemory | None:
+        """The failure reached the job: save its snapshot, tell the viewers, and with
+        ``--pause-on-oom`` hold the calling thread (the job's, when ``pause``)."""
+        if pending.done:
+            return None
+        pending.done = True
+        with self._lock:
             self.captures += 1
             full = self.captures <= int(self.config.max_captures)
         capture_id = next(self._ids)
         with contextlib.suppress(Exception):
             self._flush_events()
-        grad: bool | None = None
-        with contextlib.suppress(Exception):
-            grad = bool(grad_enabled())
-        body = self._capture(
-            capture_id,
-            device=device,
-            index=index,
-            emulated=emulated,
-            requested=requested,
-            free=free,
-            total=total,
-            take_snapshot=take_snapshot if full else None,
-            figures=figures,
-            name=f"oom-{capture_id}",
-        )
+        body = replace(pending.capture, id=capture_id, t=time.time())
         if not full:
             body = replace(
-                body,
-                snapshot_error=f"not captured: at most {self.config.max_captures} per run",
+                body, snapshot_error=f"not captured: at most {self.config.max_captures} per run"
             )
-        paused = bool(self.config.pause_on_oom) and not self._stopping
+        elif not body.snapshot_error:
+            body = self._save(body, pending.snap, f"oom-{capture_id}")
+        paused = pause and bool(self.config.pause_on_oom) and not self._stopping
         timeout = float(self.config.pause_timeout_s)
         event = OutOfMemory(
-            **{**_fields(body), "grad_enabled": grad},
-            message=message,
+            **_fields(body),
+            message=pending.message,
             paused=paused,
             pause_timeout_s=timeout if paused else None,
         )
@@ -388,6 +509,49 @@ class OomController:
             )
         return event
 
+    def _count_handled(self, device: str) -> None:
+        with self._lock:
+            self.handled[device] = self.handled.get(device, 0) + 1
+
+    def handled_ooms(self, device: str) -> int:
+        """How many failures on ``device`` torch handled itself (the job never saw them)."""
+        return self.handled.get(device, 0)
+
+    def _resolve_backward(self, snapshot: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        """Resolve backward failures whose training thread has left ``run_backward``.
+
+        The engine's threads allocate without Python frames; the training thread, once out of
+        backward, with its own. So an allocation without frames on the failing stream after
+        the failure means backward went on: torch handled it (cuDNN's smaller workspace).
+        Without one, backward ended by the failure, and the error reached the job."""
+        with self._lock:
+            watches = list(self._backward)
+        if not watches:
+            return
+        running = _backward_threads()
+        finished = [w for w in watches if w.thread not in running]
+        if not finished:
+            return
+        snap: Mapping[str, Any] = {}
+        try:
+            if snapshot is None:
+                snapshot = self.cuda_sources.get("snapshot")
+            if snapshot is None:
+                import torch
+
+                snapshot = torch.cuda.memory._snapshot
+            snap = snapshot()
+        except Exception:
+            snap = {}
+        for watch in finished:
+            with self._lock, contextlib.suppress(ValueError):
+                self._backward.remove(watch)
+            if _went_on(snap, watch):
+                watch.pending.done = True
+                self._count_handled(watch.pending.capture.device)
+            else:
+                self._publish_failure(watch.pending, pause=False)
+
     def snapshot_now(self, request_id: int = 0) -> MemorySnapshotTaken:
         """A snapshot on request: the emulated device's, or CUDA's once the job uses it."""
         capture_id = next(self._ids)
@@ -396,18 +560,22 @@ class OomController:
         if tracker is not None:
             live = int(tracker.live_bytes)
             limit = tracker.limit_bytes
+            snap, error = _read(tracker.snapshot)
             body = self._capture(
                 capture_id,
                 device="cpu",
                 index=0,
                 emulated=True,
                 requested=None,
+                stream=None,
                 free=max(0, limit - live) if limit is not None else None,
                 total=limit,
-                take_snapshot=tracker.snapshot,
+                snap=snap,
+                error=error,
                 figures=lambda _snap: (live, live),
-                name=f"snapshot-{capture_id}",
             )
+            if not error:
+                body = self._save(body, snap, f"snapshot-{capture_id}")
         elif self._cuda_ready():
             body = self._cuda_snapshot(capture_id)
         else:
@@ -452,18 +620,20 @@ class OomController:
                 _int(counters.get("reserved_bytes.all.current")),
             )
 
-        return self._capture(
+        body = self._capture(
             capture_id,
             device=f"cuda:{index}",
             index=index,
             emulated=False,
             requested=None,
+            stream=None,
             free=free,
             total=total,
-            take_snapshot=lambda: snap,
+            snap=snap,
+            error="",
             figures=figures,
-            name=f"snapshot-{capture_id}",
         )
+        return self._save(body, snap, f"snapshot-{capture_id}")
 
     def _capture(
         self,
@@ -473,23 +643,19 @@ class OomController:
         index: int,
         emulated: bool,
         requested: int | None,
+        stream: int | None,
         free: int | None,
         total: int | None,
-        take_snapshot: Callable[[], Mapping[str, Any]] | None,
+        snap: Mapping[str, Any],
+        error: str,
         figures: Callable[[Mapping[str, Any]], tuple[int | None, int | None]],
-        name: str,
+        segment: int | None = None,
     ) -> MemoryCapture:
-        """Read, analyse and save one snapshot. Every step may fail on its own and says so in
-        ``snapshot_error``; the figures that could be read are still sent."""
-        error = ""
-        snap: Mapping[str, Any] = {"segments": [], "device_traces": []}
-        if take_snapshot is not None:
-            try:
-                snap = take_snapshot()
-            except Exception as exc:
-                error = f"no snapshot: {exc!r}"
+        """Analyse one snapshot (``error`` says why there is none). Every step may fail on its
+        own and says so in ``snapshot_error``; the figures that could be read are still sent.
+        Free blocks count only on the failing ``stream``, as the allocator reuses them."""
         mine = _for_device(snap, index)
-        sums = totals(mine, requested)
+        sums = totals(mine, requested, stream)
         sites, live = top_sites(mine)
         allocated, reserved = None, None
         with contextlib.suppress(Exception):
@@ -498,19 +664,6 @@ class OomController:
             allocated = sums.allocated
         if reserved is None and mine.get("segments"):
             reserved = sums.reserved
-        path: str | None = None
-        if take_snapshot is not None and not error:
-            target = self.snapshot_dir / f"{self.snapshot_prefix}{name}.pickle"
-            try:
-                save_snapshot(
-                    snap,
-                    target,
-                    trace_entries=int(self.config.snapshot_trace_entries),
-                    max_bytes=int(self.config.snapshot_max_bytes),
-                )
-                path = str(target)
-            except Exception as exc:
-                error = f"could not save the snapshot to {target}: {exc}"
         return MemoryCapture(
             t=time.time(),
             id=capture_id,
@@ -524,13 +677,27 @@ class OomController:
             largest_free_block_bytes=(
                 sums.largest_free_block if mine.get("segments") and not emulated else None
             ),
-            fragmented=verdict(requested, free, sums) if requested is not None else None,
+            fragmented=verdict(requested, free, sums, segment) if requested is not None else None,
             top_sites=sites,
-            snapshot_path=path,
+            snapshot_path=None,
             snapshot_error=error,
             live_count=live,
             requested_stack=_failed_stack(snap, index) if requested is not None else [],
         )
+
+    def _save(self, body: MemoryCapture, snap: Mapping[str, Any], name: str) -> MemoryCapture:
+        """Write the snapshot as a pickle memory_viz opens; the capture says where, or why not."""
+        target = self.snapshot_dir / f"{self.snapshot_prefix}{name}.pickle"
+        try:
+            save_snapshot(
+                snap,
+                target,
+                trace_entries=int(self.config.snapshot_trace_entries),
+                max_bytes=int(self.config.snapshot_max_bytes),
+            )
+        except Exception as exc:
+            return replace(body, snapshot_error=f"could not save the snapshot to {target}: {exc}")
+        return replace(body, snapshot_path=str(target))
 
     # -- sending -----------------------------------------------------------------------------------
 
@@ -614,6 +781,221 @@ def _fit(message: Message) -> Message:
     except Exception:
         pass
     return replace(lean, top_sites=[])
+
+
+# -- telling handled failures from those that reach the job ----------------------------------------
+
+#: Wakes the worker thread to look at backward failures.
+_WAKE = Request(action="_wake")
+#: How often the worker looks whether a backward with a failure has ended.
+BACKWARD_POLL_S = 0.02
+
+
+@dataclass
+class _Pending:
+    """A failure captured at the observer, not yet known to reach the job's code."""
+
+    capture: MemoryCapture
+    snap: Mapping[str, Any]
+    message: str
+    stream: int | None
+    done: bool = False
+
+
+@dataclass
+class _BackwardWatch:
+    """A failure in the autograd engine's thread, waiting for backward to end."""
+
+    pending: _Pending
+    thread: int
+    index: int
+    time_us: int | None
+    stream: int | None
+
+
+class _Watch:
+    """Follows a failure in the thread that failed, until it reaches the job's code or not.
+
+    The allocator calls its observers before it throws; torch may catch the error in C++ and
+    go on (cuDNN retries with a smaller workspace). A trace function on this thread tells
+    which: an ``exception`` event in one of the job's frames (not torch's, not torchtop's)
+    means the error reached the job (published, and paused there with ``--pause-on-oom``);
+    the thread running on (a call, or a frame returning) with no exception in flight means
+    torch handled it (counted). Tracing ends at the first of these, and whatever trace
+    function was there before (a debugger, coverage) is put back.
+    """
+
+    def __init__(self, controller: OomController, pending: _Pending, frames: list[Any]) -> None:
+        self._controller = controller
+        self.pending = pending
+        self._frames = frames  # innermost first
+        self._saved = [(f, f.f_trace, f.f_trace_lines) for f in frames]
+        self._previous = sys.gettrace()
+        self._torch_dir = _torch_dir()
+        self._in_flight: BaseException | None = None
+        self._done = False
+        # One bound method, so that the trace function set can be recognised again.
+        self._tracer = self._global
+        self._frame_tracer = self._local
+
+    @property
+    def done(self) -> bool:
+        return self._done or self.pending.done
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        if value:
+            self._stop()
+        self.pending.done = value
+
+    def arm(self) -> None:
+        for frame in self._frames:
+            frame.f_trace = self._frame_tracer
+            frame.f_trace_lines = False
+        sys.settrace(self._tracer)
+
+    def _global(self, frame: Any, event: str, arg: Any) -> Any:
+        if self._done:
+            return None
+        if event == "call" and not _is_torchtop(frame.f_code.co_filename):
+            if self._in_flight is not None and sys.exc_info()[1] is self._in_flight:
+                return None  # a finally or __exit__ while the error unwinds
+            self._finish(reached=False)
+        return None
+
+    def _local(self, frame: Any, event: str, arg: Any) -> Any:
+        if self._done:
+            return None
+        if event == "exception":
+            if self._in_flight is None:
+                self._in_flight = arg[1]
+            if frame is self._frames[-1] or not is_library_frame(
+                frame.f_code.co_filename, self._torch_dir
+            ):
+                self._finish(reached=True)
+                return None
+        elif event == "return" and (self._in_flight is None or frame is self._frames[-1]):
+            # Returning with no error in flight: it was handled. Out of the thread's last
+            # frame with one: the thread ends by it.
+            self._finish(reached=self._in_flight is not None)
+            return None
+        return self._frame_tracer
+
+    def _stop(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if sys.gettrace() is self._tracer:
+            sys.settrace(self._previous)
+        for frame, trace, lines in self._saved:
+            with contextlib.suppress(Exception):
+                frame.f_trace = trace
+                frame.f_trace_lines = lines
+
+    def _finish(self, *, reached: bool) -> None:
+        self._stop()
+        controller = self._controller
+        with controller._lock:
+            if controller._pending_here.get(threading.get_ident()) is self:
+                del controller._pending_here[threading.get_ident()]
+        if self.pending.done:
+            return
+        if reached:
+            with contextlib.suppress(Exception):
+                controller._publish_failure(self.pending, pause=True)
+        else:
+            self.pending.done = True
+            controller._count_handled(self.pending.capture.device)
+
+
+def _python_frames(frame: Any) -> list[Any]:
+    """The frames of the calling thread outside torchtop, innermost first."""
+    frames = []
+    while frame is not None:
+        if not _is_torchtop(frame.f_code.co_filename):
+            frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
+def _run_backward_frame(frame: Any) -> Any:
+    """autograd's ``_engine_run_backward`` frame in a thread's stack, or ``None``."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_engine_run_backward" and _AUTOGRAD in code.co_filename:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+_AUTOGRAD = f"{os.sep}torch{os.sep}autograd{os.sep}"
+
+
+def _backward_threads() -> dict[int, Any]:
+    """Threads waiting in autograd's ``run_backward`` (the engine runs their backward), with
+    the frame that waits there."""
+    waiting = {}
+    for ident, frame in sys._current_frames().items():
+        found = _run_backward_frame(frame)
+        if found is not None:
+            waiting[ident] = found
+    return waiting
+
+
+def _training_thread() -> tuple[int, Any] | None:
+    """The thread whose backward the engine runs (the main thread first, if several)."""
+    waiting = _backward_threads()
+    if not waiting:
+        return None
+    main = threading.main_thread().ident
+    ident = main if main in waiting else next(iter(waiting))
+    return ident, waiting[ident]
+
+
+def _frames_of(frame: Any) -> list[dict[str, Any]]:
+    """A thread's stack in a snapshot's frame format, innermost first."""
+    out = []
+    while frame is not None:
+        out.append(
+            {
+                "filename": frame.f_code.co_filename,
+                "line": frame.f_lineno,
+                "name": frame.f_code.co_name,
+            }
+        )
+        frame = frame.f_back
+    return out
+
+
+def _went_on(snap: Mapping[str, Any], watch: _BackwardWatch) -> bool:
+    """An allocation without Python frames (the engine's) on the failing stream after the
+    failure: backward went on past it."""
+    if watch.time_us is None:
+        return False
+    traces = snap.get("device_traces") or []
+    trace = traces[watch.index] if 0 <= watch.index < len(traces) else []
+    return any(
+        entry.get("action") == "alloc"
+        and not entry.get("frames")
+        and int(entry.get("time_us", 0) or 0) > watch.time_us
+        and (watch.stream is None or entry.get("stream", watch.stream) == watch.stream)
+        for entry in trace
+    )
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception as one line for a person: its message, without a traceback."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _read(
+    snapshot: Callable[[], Mapping[str, Any]],
+) -> tuple[Mapping[str, Any], str]:
+    try:
+        return snapshot(), ""
+    except Exception as exc:
+        return {"segments": [], "device_traces": []}, f"no snapshot: {exc!r}"
 
 
 class _EmulatedDeviceProbe:

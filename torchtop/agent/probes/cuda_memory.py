@@ -9,7 +9,7 @@ whose allocator has reserved memory at some point (and so already has a context)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from torchtop.agent.probes.base import ProbeUnavailable
@@ -43,8 +43,12 @@ class CudaMemoryProbe:
     CUDA.
     """
 
-    def __init__(self, cuda: object | None = None) -> None:
+    def __init__(
+        self, cuda: object | None = None, handled_ooms: Callable[[str], int] | None = None
+    ) -> None:
         self._cuda: Any = cuda
+        #: Failures torch handled itself, per device (the OOM capture counts them).
+        self.handled_ooms = handled_ooms
 
     def _module(self) -> Any:
         if self._cuda is None:
@@ -89,6 +93,12 @@ class CudaMemoryProbe:
             free, total = int(free_raw), int(total_raw)
         except Exception:
             free = total = None
+        handled: int | None = None
+        if self.handled_ooms is not None:
+            try:
+                handled = int(self.handled_ooms(f"cuda:{index}"))
+            except Exception:
+                handled = None
         return MemoryStats(
             device=f"cuda:{index}",
             source=SOURCE_CUDA,
@@ -102,6 +112,7 @@ class CudaMemoryProbe:
             num_ooms=_int(stats, "num_ooms"),
             free_bytes=free,
             total_bytes=total,
+            handled_ooms=handled,
         )
 
     def devices(self) -> list[DeviceInfo]:
