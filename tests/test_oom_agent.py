@@ -672,7 +672,7 @@ def test_a_backward_failure_is_told_by_its_thread_with_the_training_threads_stac
     # The training thread's stack: autograd's frame for context, then the job's backward line.
     functions = [f.function for f in event.requested_stack]
     assert functions[:2] == ["_engine_run_backward", "backward_failing"], functions
-    from torchtop.oom_advice import Evidence, suggest
+    from torchtop.model.oom_advice import Evidence, suggest
 
     advice = {s.id for s in suggest(Evidence.of(event))}
     assert {"checkpointing", "mixed-precision"} <= advice
