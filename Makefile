@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # machines carry; on a GPU machine use e.g. `make TORCH=torch demo` for the CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test lint check bench gpu-check clean
+.PHONY: setup prometheus demo test lint check bench gpu-check clean
 
 # torch's wheel leaves numpy out; without it every job starts with "Failed to initialize NumPy".
 $(BIN)/torchtop: pyproject.toml tests/requirements-frameworks.txt Makefile
@@ -18,7 +18,15 @@ $(BIN)/torchtop: pyproject.toml tests/requirements-frameworks.txt Makefile
 	$(BIN)/pip install -q -r tests/requirements-frameworks.txt
 	@touch $@
 
-setup: $(BIN)/torchtop
+setup: $(BIN)/torchtop prometheus
+
+# The real Prometheus (and promtool) that the exporter's tests scrape with: Debian's package,
+# installed where it is missing and we are root. Elsewhere those tests skip, saying why.
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus \
+	  >/dev/null; } || echo "prometheus not installed (needs root and apt-get): its tests skip"
 
 demo: setup
 	$(BIN)/torchtop demo broadcasting

@@ -32,6 +32,9 @@ def _modules_after_import(module: str) -> set[str]:
         "torchtop.tui.app",
         "torchtop.tui.sources",
         "torchtop.model.job",
+        "torchtop.export.service",
+        "torchtop.export.prometheus",
+        "torchtop.export.otlp",
     ],
 )
 def test_viewer_side_never_imports_torch(module: str) -> None:

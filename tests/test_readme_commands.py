@@ -107,6 +107,12 @@ def test_every_readme_command_parses_and_runs(tmp_path: Path) -> None:
                 argv = [argv[0], "--headless", *argv[1:]]
                 if argv[0] == "attach":
                     argv += ["--record", "attached.ttr", "--duration", "1"]
+            if "--metrics" in argv:  # a free port: other tests may serve on the README's
+                argv[argv.index("--metrics") + 1] = "127.0.0.1:0"
+            if argv[0] == "export":
+                if "--metrics" not in argv and "--otlp" not in argv:
+                    argv += ["--metrics", "127.0.0.1:0"]
+                argv += ["--duration", "1"]  # it serves until interrupted, or the job ends
             out = torchtop(*argv, cwd=tmp_path)
             assert out.returncode == 0, (line, out.stderr)
             assert "Traceback" not in out.stderr, line

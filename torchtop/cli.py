@@ -30,6 +30,8 @@ examples:
   torchtop attach                        watch a job that called torchtop.start()
   torchtop attach PID                    watch a job started without torchtop
   torchtop report r.ttr --json           summarize a recording
+  torchtop run --metrics 9481 train.py   serve Prometheus metrics while it runs
+  torchtop export                        serve every running job's metrics on 127.0.0.1:9481
   torchtop demo broadcasting             learn a practice, measured live
 """
 
@@ -84,6 +86,39 @@ def _add_agent_options(p: argparse.ArgumentParser) -> None:
         help="seconds between NVML reads (default 0.5)",
     )
     p.add_argument("--no-nvml", action="store_true", help="do not read GPUs through NVML")
+
+
+def _metrics_address(text: str) -> tuple[str, int]:
+    from torchtop.export.prometheus import parse_address
+
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_export_options(p: argparse.ArgumentParser) -> None:
+    """Prometheus and OpenTelemetry export (README: "Metrics for Prometheus and OpenTelemetry")."""
+    p.add_argument(
+        "--metrics",
+        metavar="[ADDR:]PORT",
+        type=_metrics_address,
+        help="serve Prometheus metrics at http://ADDR:PORT/metrics (ADDR 127.0.0.1 unless "
+        "given; port 0 picks a free one, printed)",
+    )
+    p.add_argument(
+        "--otlp",
+        metavar="ENDPOINT",
+        help="push the same metrics to an OTLP/HTTP collector, e.g. http://localhost:4318 "
+        "(needs pip install 'torchtop[otel]')",
+    )
+    p.add_argument(
+        "--otlp-interval",
+        metavar="S",
+        type=_positive_float,
+        default=10.0,
+        help="seconds between OTLP pushes (default 10)",
+    )
 
 
 def _size(text: str) -> int:
@@ -240,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_agent_options(run)
     _add_oom_options(run)
     _add_ops_options(run)
+    _add_export_options(run)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m does")
     run.add_argument("target", nargs="*", metavar="SCRIPT [ARGS...]")
 
@@ -278,6 +314,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         type=_positive_float,
         help="with --headless: stop after S seconds (default: until the job ends)",
+    )
+
+    export = sub.add_parser(
+        "export",
+        help="serve running jobs' metrics to Prometheus or OpenTelemetry",
+        description="Follow the running agents of this user on this node (every one, one PID, "
+        "or the ranks of one RUN) and serve their figures for Prometheus (default "
+        "127.0.0.1:9481) and/or push them over OTLP. Jobs that start later are picked up. "
+        "Runs until interrupted; with a PID, until that job ends.",
+    )
+    export.add_argument(
+        "target", nargs="?", metavar="PID | RUN", help="one job's pid, or a run id (default: all)"
+    )
+    _add_export_options(export)
+    export.add_argument(
+        "--duration",
+        metavar="S",
+        type=_positive_float,
+        help="stop after S seconds (default: until interrupted)",
     )
 
     replay = sub.add_parser(
@@ -380,7 +435,35 @@ def cmd_run(args: argparse.Namespace) -> int:
         spec.validate()
     except RunError as exc:
         raise CliError(str(exc)) from None
-    return _run_spec(spec)
+    if args.metrics is None and args.otlp is None:
+        return _run_spec(spec)
+    from torchtop.export.service import descends_from
+
+    # The exporter follows the agents below this process: the job, or each rank of torchrun.
+    exporter = _start_exporter(args, descends_from(os.getpid()))
+    try:
+        return _run_spec(spec)
+    finally:
+        exporter.close()
+
+
+def _start_exporter(args: argparse.Namespace, accept: Any, run: str | None = None) -> Any:
+    from torchtop.export.otlp import OtlpUnavailable
+    from torchtop.export.prometheus import MetricsError
+    from torchtop.export.service import Exporter
+
+    try:
+        exporter = Exporter(
+            accept,
+            metrics=args.metrics,
+            otlp=args.otlp,
+            otlp_interval_s=args.otlp_interval,
+            run=run,
+        )
+    except (MetricsError, OtlpUnavailable) as exc:
+        raise CliError(str(exc), code=1) from None
+    exporter.announce()
+    return exporter.start()
 
 
 def _run_spec(spec: Any) -> int:
@@ -586,6 +669,43 @@ def _record_headless(info: Any, path: Path, duration: float | None) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from torchtop.export.prometheus import DEFAULT_HOST, DEFAULT_PORT
+    from torchtop.transport import find_agent
+
+    if args.metrics is None and args.otlp is None:
+        args.metrics = (DEFAULT_HOST, DEFAULT_PORT)
+    pid: int | None = None
+    run: str | None = None
+    target = args.target
+    if target is not None and target.isdigit() and find_agent(int(target)) is not None:
+        pid = int(target)
+    elif target is not None:
+        run = target  # a run id (a single process's run id is its pid)
+    exporter = _start_exporter(
+        args, (lambda info: info.pid == pid) if pid is not None else (lambda info: True), run
+    )
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    if args.duration is not None:
+        timer = threading.Timer(args.duration, stop.set)
+        timer.daemon = True
+        timer.start()
+    try:
+        while not stop.wait(0.5):
+            if pid is not None and find_agent(pid) is None and exporter.jobs.all_ended():
+                break  # the one job followed has ended
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        exporter.close()
+    return 0
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from torchtop.recording import RecordingError, read_recording
 
@@ -699,6 +819,7 @@ COMMANDS = {
     "run": cmd_run,
     "ps": cmd_ps,
     "attach": cmd_attach,
+    "export": cmd_export,
     "replay": cmd_replay,
     "report": cmd_report,
     "demo": cmd_demo,

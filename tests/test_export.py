@@ -1,0 +1,354 @@
+"""The exporters on scripted messages: names, labels and values; the HTTP server's limits; the
+OTLP path through the SDK's in-memory reader; the CLI's options."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import SCRIPTS, torchtop
+from torchtop.export.families import families
+from torchtop.export.prometheus import (
+    MAX_CONNECTIONS,
+    MetricsError,
+    MetricsServer,
+    parse_address,
+    registry_for,
+)
+from torchtop.export.service import JobSet
+from torchtop.export.snapshot import JobSnapshot, snapshot_of
+from torchtop.model.job import JobModel
+from torchtop.protocol import (
+    DeviceInfo,
+    Hello,
+    HostStats,
+    MemoryStats,
+    Message,
+    OutOfMemory,
+    Sample,
+    StepStats,
+)
+from torchtop.transport import AgentInfo
+
+UUID0 = "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52"
+UUID1 = "GPU-11111111-2222-3333-4444-555555555555"
+T0 = 1_700_000_000.0
+MIB = 1 << 20
+
+
+def hello(rank: int | None = None, pid: int = 100) -> Hello:
+    return Hello(
+        protocol=1,
+        pid=pid,
+        argv=["train.py"],
+        cwd="/",
+        started_at=T0,
+        python="3.11",
+        torch="2.13.0",
+        devices=[
+            DeviceInfo("cpu", "x86_64"),
+            DeviceInfo("cuda:0", "NVIDIA H200", 150 << 30, uuid=UUID0),
+            DeviceInfo("cuda:1", "NVIDIA H200", 150 << 30, uuid=UUID1),
+        ],
+        interval_s=0.1,
+        hostname="node7",
+        rank=rank,
+        local_rank=None if rank is None else rank % 8,
+        world_size=None if rank is None else 16,
+        run_id=None if rank is None else "job-42",
+    )
+
+
+def cuda(device: str, allocated: int, *, retries: int = 0, ooms: int = 0) -> MemoryStats:
+    return MemoryStats(
+        device=device,
+        source="cuda",
+        allocated_bytes=allocated,
+        reserved_bytes=allocated + 64 * MIB,
+        peak_allocated_bytes=allocated + 32 * MIB,
+        num_alloc_retries=retries,
+        num_ooms=ooms,
+    )
+
+
+def steps(t: float, total: int, timed: int, time_s: float, wait_s: float) -> StepStats:
+    return StepStats(
+        t=t, total=total, skipped_total=0, count=timed, skipped=0, timed=timed,
+        time_s=time_s, wait_s=wait_s, startup_s=0.0, optimizer_s=0.0, samples=0,
+    )  # fmt: skip
+
+
+def oom(t: float, device: str) -> OutOfMemory:
+    return OutOfMemory(
+        t=t, id=1, device=device, emulated=False, requested_bytes=MIB, free_bytes=0,
+        total_bytes=None, reserved_bytes=None, allocated_bytes=None,
+        largest_free_block_bytes=None, fragmented=None, top_sites=[], snapshot_path=None,
+    )  # fmt: skip
+
+
+def job_messages(rank: int | None = 3) -> list[Message]:
+    host = HostStats(3 * 1 << 30, 100.0, 12, 0, None, None)
+    return [
+        hello(rank),
+        Sample(T0 + 1, host, [cuda("cuda:0", 100 * MIB), cuda("cuda:1", 10 * MIB)]),
+        steps(T0 + 1, total=10, timed=9, time_s=0.9, wait_s=0.18),
+        oom(T0 + 1.5, "cuda:0"),
+        Sample(T0 + 2, host, [cuda("cuda:0", 200 * MIB, retries=2, ooms=1)]),
+        steps(T0 + 2, total=20, timed=10, time_s=1.1, wait_s=0.2),
+    ]
+
+
+def model_of(messages: list[Message]) -> JobModel:
+    model = JobModel()
+    model.apply_all(messages)
+    return model
+
+
+def exposition(snapshots: list[JobSnapshot]) -> str:
+    return generate_latest(registry_for(lambda: snapshots)).decode()
+
+
+def values(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def labels(**extra: str) -> frozenset[tuple[str, str]]:
+    base = {"run": "job-42", "rank": "3", "local_rank": "3", "hostname": "node7"}
+    return frozenset({**base, **extra}.items())
+
+
+def test_a_ranks_figures_under_prometheus_names_and_dcgm_labels() -> None:
+    snap = snapshot_of(model_of(job_messages()))
+    assert snap is not None
+    got = values(exposition([snap]))
+    gpu0 = labels(device="cuda:0", UUID=UUID0)
+    gpu1 = labels(device="cuda:1", UUID=UUID1)
+    assert got[("torchtop_steps_total", labels())] == 20
+    assert got[("torchtop_step_duration_seconds_count", labels())] == 19
+    assert got[("torchtop_step_duration_seconds_sum", labels())] == pytest.approx(2.0)
+    assert got[("torchtop_dataloader_wait_seconds_total", labels())] == pytest.approx(0.38)
+    assert got[("torchtop_host_rss_bytes", labels())] == 3 << 30
+    assert got[("torchtop_last_sample_timestamp_seconds", labels())] == T0 + 2
+    # The gauges are the latest sample's; a device missing from it keeps its last reading.
+    assert got[("torchtop_cuda_memory_allocated_bytes", gpu0)] == 200 * MIB
+    assert got[("torchtop_cuda_memory_reserved_bytes", gpu0)] == 264 * MIB
+    assert got[("torchtop_cuda_memory_peak_bytes", gpu0)] == 232 * MIB
+    assert got[("torchtop_cuda_memory_allocated_bytes", gpu1)] == 10 * MIB
+    assert got[("torchtop_cuda_alloc_retries_total", gpu0)] == 2
+    assert got[("torchtop_ooms_total", gpu0)] == 1
+    assert got[("torchtop_ooms_total", gpu1)] == 0
+    names = {name for name, _ in got}
+    # Nothing that DCGM exports, and no label per step, op or phase.
+    assert not any(w in n for n in names for w in ("util", "temperature", "power"))
+    assert all(
+        set(dict(lbl)) <= {"run", "rank", "local_rank", "hostname", "device", "UUID"}
+        for _, lbl in got
+    )
+
+
+def test_a_single_process_has_no_rank_and_its_pid_names_the_run() -> None:
+    snap = snapshot_of(model_of(job_messages(rank=None)))
+    assert snap is not None
+    text = exposition([snap])
+    steps_total = [line for line in text.splitlines() if line.startswith("torchtop_steps_total")]
+    assert steps_total == [
+        'torchtop_steps_total{hostname="node7",local_rank="",rank="",run="100"} 20.0'
+    ]
+
+
+def test_several_ranks_are_several_series() -> None:
+    jobs = [model_of([hello(rank, pid=100 + rank), *job_messages()[1:]]) for rank in range(4)]
+    snaps = [s for s in map(snapshot_of, jobs) if s is not None]
+    got = values(exposition(snaps))
+    ranks = {dict(lbl)["rank"] for name, lbl in got if name == "torchtop_steps_total"}
+    assert ranks == {"0", "1", "2", "3"}
+
+
+def test_a_job_before_its_hello_exports_nothing() -> None:
+    assert snapshot_of(JobModel()) is None
+    assert all(not f.points for f in families([]))
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_promtool_accepts_the_exposition_of_a_gpu_job() -> None:
+    snaps = [s for s in [snapshot_of(model_of(job_messages()))] if s is not None]
+    lint = subprocess.run(
+        ["promtool", "check", "metrics"], input=exposition(snaps), capture_output=True, text=True
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+# -- the HTTP server ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def server() -> Iterator[MetricsServer]:
+    snap = snapshot_of(model_of(job_messages()))
+    assert snap is not None
+    srv = MetricsServer(registry_for(lambda: [snap])).start()
+    yield srv
+    srv.close()
+
+
+def fetch(url: str, accept: str = "") -> tuple[int, str, str]:
+    request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, r.headers["Content-Type"], r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, "", ""
+
+
+def test_the_server_binds_loopback_and_picks_a_free_port(server: MetricsServer) -> None:
+    assert server.host == "127.0.0.1" and server.port > 0
+    status, content_type, body = fetch(server.url)
+    assert status == 200 and content_type.startswith("text/plain")
+    assert "torchtop_steps_total" in body
+    # Prometheus asks for OpenMetrics; it gets it.
+    status, content_type, body = fetch(server.url, "application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    assert body.rstrip().endswith("# EOF")
+    assert fetch(server.url.replace("/metrics", "/other"))[0] == 404
+
+
+def test_hanging_and_excess_connections_cost_only_themselves(server: MetricsServer) -> None:
+    threads = threading.active_count()
+    hanging = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 20):
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never finishes the request
+            hanging.append(s)
+        deadline = time.monotonic() + 30
+        while server.refused == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Past the limit, connections are closed unanswered: no thread for each.
+        assert server.refused > 0
+        assert threading.active_count() <= threads + MAX_CONNECTIONS
+    finally:
+        for s in hanging:
+            s.close()
+    # Once they are gone, a scrape is answered again.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert fetch(server.url)[0] == 200
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_a_port_in_use_is_one_clear_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(MetricsError, match=r"127\.0\.0\.1:\d+: .*pick another port"):
+            MetricsServer(registry_for(list), "127.0.0.1", port)
+        result = torchtop(
+            "run", "--headless", "--metrics", f"127.0.0.1:{port}", str(SCRIPTS / "train_mlp.py")
+        )
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "pick another port" in result.stderr
+    assert "training done" not in result.stderr  # the job never started
+
+
+@pytest.mark.parametrize(
+    ("text", "address"),
+    [
+        ("9481", ("127.0.0.1", 9481)),
+        ("0", ("127.0.0.1", 0)),
+        ("0.0.0.0:9481", ("0.0.0.0", 9481)),
+        ("[::1]:0", ("::1", 0)),
+    ],
+)
+def test_metrics_addresses(text: str, address: tuple[str, int]) -> None:
+    assert parse_address(text) == address
+
+
+@pytest.mark.parametrize("text", ["", ":9481", "host:port", "70000"])
+def test_bad_metrics_addresses_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_address(text)
+
+
+# -- the job set ----------------------------------------------------------------------------------
+
+
+def test_the_job_set_serves_only_the_run_asked_for() -> None:
+    class Feed:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    jobs = JobSet(run="job-42")
+    feeds: dict[str, Any] = {}
+    for address, rank in (("a", 0), ("b", None)):
+        feeds[address] = Feed()
+        jobs.add(AgentInfo(1, [], T0, address), feeds[address])  # type: ignore[arg-type]
+        jobs.apply(address, hello(rank))
+    assert [s.identity.rank for s in jobs.snapshots()] == [0]
+    assert feeds["b"].closed and not feeds["a"].closed
+
+
+# -- OpenTelemetry --------------------------------------------------------------------------------
+
+
+def otel_points(reader: Any) -> dict[tuple[str, frozenset[tuple[str, Any]]], tuple[float, str]]:
+    """Every data point the SDK collected: (instrument, attributes) -> (value, unit)."""
+    out = {}
+    data = reader.get_metrics_data()
+    for resource_metrics in data.resource_metrics:
+        for scope in resource_metrics.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    key = (metric.name, frozenset(point.attributes.items()))
+                    out[key] = (point.value, metric.unit)
+    return out
+
+
+def test_otlp_carries_the_same_figures_as_prometheus() -> None:
+    pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed")
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from torchtop.export.otlp import instrument
+
+    snap = snapshot_of(model_of(job_messages()))
+    assert snap is not None
+    reader = InMemoryMetricReader()
+    provider = instrument(lambda: [snap], reader)
+    try:
+        got = otel_points(reader)
+    finally:
+        provider.shutdown()
+    job = frozenset({"run": "job-42", "rank": "3", "local_rank": "3", "hostname": "node7"}.items())
+    gpu0 = job | {("device", "cuda:0"), ("UUID", UUID0)}
+    assert got[("torchtop_steps", job)] == (20, "{step}")
+    assert got[("torchtop_step_duration", job)] == (pytest.approx(2.0), "s")
+    assert got[("torchtop_steps_timed", job)] == (19, "{step}")
+    assert got[("torchtop_dataloader_wait", job)] == (pytest.approx(0.38), "s")
+    assert got[("torchtop_cuda_memory_allocated", gpu0)] == (200 * MIB, "By")
+    assert got[("torchtop_cuda_alloc_retries", gpu0)] == (2, "{retry}")
+    assert got[("torchtop_ooms", gpu0)] == (1, "{oom}")
+    # Every Prometheus series has its OTLP point (the summary as two counters).
+    prometheus_series = {
+        (name, lbl) for name, lbl in values(exposition([snap])) if not name.endswith("_created")
+    }
+    assert len(got) == len(prometheus_series)

@@ -1,0 +1,183 @@
+"""The exported metrics: names, kinds, help and labels, built from job snapshots.
+
+One table serves Prometheus and OpenTelemetry, so both carry the same figures. Names follow
+Prometheus's conventions: a ``torchtop_`` prefix, base units (``_bytes``, ``_seconds``) and
+``_total`` on counters (added by the exposition; :attr:`Family.name` is the name without it).
+Labels say which job, rank and device a series is: ``run``, ``rank``, ``local_rank``,
+``hostname``, ``device``, and the GPU's ``UUID`` spelled as NVIDIA's DCGM exporter spells it, so
+``on (UUID)`` joins torchtop's series with DCGM's. Nothing per step, op or phase becomes a label,
+and nothing DCGM already exports (utilization, temperature, power) is exported again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torchtop.export.snapshot import DeviceFigures, JobSnapshot
+
+Kind = Literal["counter", "gauge", "summary"]
+
+#: The labels of every job-level series, in order.
+JOB_LABELS = ("run", "rank", "local_rank", "hostname")
+#: The labels of every device-level series.
+DEVICE_LABELS = (*JOB_LABELS, "device", "UUID")
+#: ``MemoryStats.source`` of the CUDA caching allocator.
+SOURCE_CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One series of a family: its label values and its value (a summary's is count and sum)."""
+
+    labels: tuple[str, ...]
+    value: float
+    sum: float = 0.0
+
+
+@dataclass
+class Family:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...]
+    #: OpenTelemetry's unit (UCUM): ``By``, ``s``, ``1`` or an annotation like ``{step}``.
+    unit: str
+    points: list[Point] = field(default_factory=list)
+
+
+def _opt(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def job_labels(snap: JobSnapshot) -> tuple[str, ...]:
+    i = snap.identity
+    return (i.run, _opt(i.rank), _opt(i.local_rank), i.hostname)
+
+
+def device_labels(snap: JobSnapshot, dev: DeviceFigures) -> tuple[str, ...]:
+    return (*job_labels(snap), dev.device, dev.uuid or "")
+
+
+def families(snapshots: Iterable[JobSnapshot]) -> list[Family]:
+    """Every family, with one point per job (or per job and device) that has the figure.
+
+    A figure that is unknown (``None``) is left out rather than exported as zero.
+    """
+    steps = Family(
+        "torchtop_steps",
+        "counter",
+        "Training steps the job finished (optimizer steps, GradScaler skips and torchtop.step()).",
+        JOB_LABELS,
+        "{step}",
+    )
+    step_time = Family(
+        "torchtop_step_duration_seconds",
+        "summary",
+        "Duration of training steps, from the end of one step to the end of the next.",
+        JOB_LABELS,
+        "s",
+    )
+    wait = Family(
+        "torchtop_dataloader_wait_seconds",
+        "counter",
+        "Time the training thread blocked waiting for the DataLoader's next batch "
+        "(each iterator's first batch excluded).",
+        JOB_LABELS,
+        "s",
+    )
+    rss = Family(
+        "torchtop_host_rss_bytes",
+        "gauge",
+        "Resident set size of the training process.",
+        JOB_LABELS,
+        "By",
+    )
+    sample_t = Family(
+        "torchtop_last_sample_timestamp_seconds",
+        "gauge",
+        "Wall-clock time of the latest sample the agent sent: the moment the gauges describe.",
+        JOB_LABELS,
+        "s",
+    )
+    allocated = Family(
+        "torchtop_cuda_memory_allocated_bytes",
+        "gauge",
+        "Memory held by tensors, as the CUDA caching allocator counts it.",
+        DEVICE_LABELS,
+        "By",
+    )
+    reserved = Family(
+        "torchtop_cuda_memory_reserved_bytes",
+        "gauge",
+        "Memory the CUDA caching allocator holds from the driver (allocated plus its cache).",
+        DEVICE_LABELS,
+        "By",
+    )
+    peak = Family(
+        "torchtop_cuda_memory_peak_bytes",
+        "gauge",
+        "Peak of allocated memory since the job started (the allocator's own peak counter).",
+        DEVICE_LABELS,
+        "By",
+    )
+    retries = Family(
+        "torchtop_cuda_alloc_retries",
+        "counter",
+        "Allocations the CUDA caching allocator retried after freeing its cache (a sign of "
+        "memory pressure or fragmentation).",
+        DEVICE_LABELS,
+        "{retry}",
+    )
+    cpu_allocated = Family(
+        "torchtop_cpu_memory_allocated_bytes",
+        "gauge",
+        "A CPU job's memory in use: the C heap, or live tensor bytes under --memory-limit.",
+        DEVICE_LABELS,
+        "By",
+    )
+    ooms = Family(
+        "torchtop_ooms",
+        "counter",
+        "Out-of-memory failures on the device (CUDA, or an emulated --memory-limit device).",
+        DEVICE_LABELS,
+        "{oom}",
+    )
+    for snap in snapshots:
+        labels = job_labels(snap)
+        steps.points.append(Point(labels, snap.steps_total))
+        step_time.points.append(Point(labels, snap.timed_steps, snap.step_time_s))
+        wait.points.append(Point(labels, snap.dataloader_wait_s))
+        if snap.host_rss_bytes is not None:
+            rss.points.append(Point(labels, snap.host_rss_bytes))
+        if snap.sample_t is not None:
+            sample_t.points.append(Point(labels, snap.sample_t))
+        for dev in snap.devices:
+            dl = device_labels(snap, dev)
+            if dev.source == SOURCE_CUDA:
+                _add(allocated, dl, dev.allocated_bytes)
+                _add(reserved, dl, dev.reserved_bytes)
+                _add(peak, dl, dev.peak_allocated_bytes)
+                _add(retries, dl, dev.alloc_retries)
+            elif dev.source:
+                _add(cpu_allocated, dl, dev.allocated_bytes)
+            ooms.points.append(Point(dl, dev.ooms))
+    return [
+        steps,
+        step_time,
+        wait,
+        allocated,
+        reserved,
+        peak,
+        retries,
+        cpu_allocated,
+        ooms,
+        rss,
+        sample_t,
+    ]
+
+
+def _add(family: Family, labels: Sequence[str], value: int | None) -> None:
+    if value is not None:
+        family.points.append(Point(tuple(labels), value))

@@ -1,0 +1,221 @@
+"""``/metrics`` for Prometheus: a custom collector over the jobs' snapshots, and its HTTP server.
+
+The collector reads snapshots that the feeds keep up to date; a scrape never waits for a feed
+and a feed never waits for a scrape. The server runs in daemon threads of the torchtop process
+(never in a training rank), answers each connection within a timeout, serves a bounded number
+at once and closes the rest, and reports its own errors to nobody: a scraper that hangs, floods
+or sends garbage costs at most its own connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from torchtop.export.families import Family, families
+from torchtop.export.snapshot import JobSnapshot
+
+DEFAULT_HOST = "127.0.0.1"
+#: ``torchtop export``'s port when none is given.
+DEFAULT_PORT = 9481
+#: Connections served at once; more are closed at once.
+MAX_CONNECTIONS = 16
+#: Seconds a connection may take to send its request and read the answer.
+CONNECTION_TIMEOUT_S = 5.0
+
+
+class MetricsError(Exception):
+    """The metrics endpoint cannot be served; the message says why and what to do."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``[ADDR:]PORT`` as ``(host, port)``: ``9481``, ``0.0.0.0:9481``, ``[::1]:0``."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        host = DEFAULT_HOST
+    elif host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        raise ValueError(f"no address before the port in {text!r}: give ADDR:PORT or PORT")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"expected [ADDR:]PORT, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range (0 picks a free one)")
+    return host, port
+
+
+def to_prometheus(family: Family) -> Metric:
+    """One family in prometheus_client's terms."""
+    labels = list(family.labels)
+    metric: Any
+    if family.kind == "counter":
+        metric = CounterMetricFamily(family.name, family.help, labels=labels)
+        for p in family.points:
+            metric.add_metric(list(p.labels), p.value)
+    elif family.kind == "summary":
+        metric = SummaryMetricFamily(family.name, family.help, labels=labels)
+        for p in family.points:
+            metric.add_metric(list(p.labels), count_value=p.value, sum_value=p.sum)
+    else:
+        metric = GaugeMetricFamily(family.name, family.help, labels=labels)
+        for p in family.points:
+            metric.add_metric(list(p.labels), p.value)
+    return metric
+
+
+class JobCollector(Collector):
+    """Reads the jobs' snapshots at each scrape (no state of its own, no multiprocess mode)."""
+
+    def __init__(self, read: Callable[[], Iterable[JobSnapshot]]) -> None:
+        self._read = read
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # registering must not collect
+
+    def collect(self) -> Iterator[Metric]:
+        for family in families(self._read()):
+            yield to_prometheus(family)
+
+
+def registry_for(read: Callable[[], Iterable[JobSnapshot]]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(JobCollector(read))
+    return registry
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    timeout = CONNECTION_TIMEOUT_S
+    protocol_version = "HTTP/1.0"
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path not in ("/metrics", "/"):
+            self._answer(404, "text/plain; charset=utf-8", b"not found: torchtop serves /metrics\n")
+            return
+        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+        try:
+            body = encoder(self.server.registry)
+        except Exception as exc:  # a figure that cannot be rendered fails this scrape only
+            self._answer(500, "text/plain; charset=utf-8", f"{exc!r}\n".encode())
+            return
+        self._answer(200, content_type, body)
+
+    def _answer(self, code: int, content_type: str, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # the job's terminal is not the place for access logs
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    #: A burst of connections waits in the kernel to be accepted (and refused), not refused there.
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], registry: CollectorRegistry, limit: int) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self.registry = registry
+        self._slots = threading.BoundedSemaphore(limit)
+        self.refused = 0
+        self.errors = 0
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        self.errors += 1  # a peer that reset or timed out: its own connection ends, nothing else
+
+
+class MetricsServer:
+    """Serves a registry at ``http://HOST:PORT/metrics`` from daemon threads."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str = DEFAULT_HOST,
+        port: int = 0,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        try:
+            self._server = _Server((host, port), registry, max_connections)
+        except OSError as exc:
+            hint = "pick another port, or 0 for a free one"
+            if isinstance(exc, socket.gaierror) or exc.errno == 99:  # EADDRNOTAVAIL
+                hint = "give an address of this machine, e.g. 127.0.0.1 or 0.0.0.0"
+            raise MetricsError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; {hint}"
+            ) from None
+        self.host = host
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.5},
+            name="torchtop-metrics",
+            daemon=True,
+        )
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    @property
+    def refused(self) -> int:
+        """Connections closed unanswered because ``max_connections`` were being served."""
+        return self._server.refused
+
+    def start(self) -> MetricsServer:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._thread.is_alive():
+                self._server.shutdown()
+            self._server.server_close()
+
+
+def serve(
+    read: Callable[[], Iterable[JobSnapshot]], address: Sequence[Any] = (DEFAULT_HOST, 0)
+) -> MetricsServer:
+    """Start serving the snapshots that ``read`` returns; raises :class:`MetricsError`."""
+    host, port = address
+    return MetricsServer(registry_for(read), host, port).start()

@@ -1,0 +1,219 @@
+"""The exporter: follows agents on this node, folds each one's stream, serves the figures.
+
+``torchtop run --metrics`` follows the agents that descend from the runner (the job, or every
+rank under torchrun); ``torchtop export`` follows one PID, one run, or every agent of this user,
+picking up jobs that start later. Each agent gets its own connection (client ``exporter``), read
+in its own thread; scrapes and OTLP pushes read immutable snapshots and never wait for a feed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchtop.export.snapshot import JobSnapshot, snapshot_of
+from torchtop.feed import AgentFeed
+from torchtop.model.job import JobModel
+from torchtop.protocol import Hello, Message
+from torchtop.transport import AgentInfo, list_agents
+
+#: Seconds between looks for new agents.
+DISCOVER_INTERVAL_S = 0.5
+#: Seconds a job that ended stays exported, so that a scrape after its end sees its last values.
+ENDED_KEEP_S = 60.0
+
+
+@dataclass
+class _Followed:
+    info: AgentInfo
+    feed: AgentFeed
+    model: JobModel | None = None
+    snapshot: JobSnapshot | None = None
+    ended_at: float | None = None
+    dirty: bool = False
+
+
+AgentFilter = Callable[[AgentInfo], bool]
+
+
+def descends_from(ancestor: int) -> AgentFilter:
+    """Agents whose process descends from ``ancestor`` (the runner: its job, or torchrun's
+    ranks)."""
+    import psutil
+
+    def check(info: AgentInfo) -> bool:
+        try:
+            return any(p.pid == ancestor for p in psutil.Process(info.pid).parents())
+        except psutil.Error:
+            return False
+
+    return check
+
+
+@dataclass
+class JobSet:
+    """The jobs being exported, keyed by their agent's address."""
+
+    ended_keep_s: float = ENDED_KEEP_S
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _jobs: dict[str, _Followed] = field(default_factory=dict)
+    #: Only jobs whose hello says this run id (``torchtop export RUN``).
+    run: str | None = None
+
+    def follows(self, address: str) -> bool:
+        with self._lock:
+            return address in self._jobs
+
+    def add(self, info: AgentInfo, feed: AgentFeed) -> None:
+        with self._lock:
+            self._jobs[info.address] = _Followed(info, feed)
+
+    def apply(self, address: str, message: Message) -> None:
+        """Fold one message of the agent at ``address`` (called in its feed thread)."""
+        with self._lock:
+            job = self._jobs.get(address)
+            if job is None:
+                return
+            if job.model is None:
+                if not isinstance(message, Hello):
+                    return
+                if self.run is not None and (message.run_id or str(message.pid)) != self.run:
+                    job.feed.close()  # another run: not ours
+                    return
+                # Only the latest readings and totals are exported: keep no long series.
+                job.model = JobModel(history_points=1, log_lines=1, max_events=1)
+            job.model.apply(message)
+            job.dirty = True
+
+    def ended(self, address: str) -> bool:
+        """The agent's stream ended; False if it never said hello (or is not our run)."""
+        with self._lock:
+            job = self._jobs.get(address)
+            if job is None:
+                return False
+            job.ended_at = time.monotonic()
+            if job.model is None:
+                del self._jobs[address]
+                return False
+            return True
+
+    def snapshots(self) -> list[JobSnapshot]:
+        """The figures of every job, as of now (ended jobs for ``ended_keep_s``)."""
+        now = time.monotonic()
+        out = []
+        with self._lock:
+            for address, job in list(self._jobs.items()):
+                if job.ended_at is not None and now - job.ended_at > self.ended_keep_s:
+                    del self._jobs[address]
+                    continue
+                if job.model is None:
+                    continue
+                if job.dirty or job.snapshot is None:
+                    job.snapshot = snapshot_of(job.model)
+                    job.dirty = False
+                if job.snapshot is not None:
+                    out.append(job.snapshot)
+        out.sort(key=lambda s: (s.identity.run, s.identity.rank or 0, s.identity.pid))
+        return out
+
+    def feeds(self) -> list[AgentFeed]:
+        with self._lock:
+            return [job.feed for job in self._jobs.values()]
+
+    def all_ended(self) -> bool:
+        with self._lock:
+            return all(job.ended_at is not None for job in self._jobs.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(1 for job in self._jobs.values() if job.model is not None)
+
+
+class Exporter:
+    """Follows agents that pass ``accept`` and serves their figures (Prometheus and/or OTLP)."""
+
+    def __init__(
+        self,
+        accept: AgentFilter,
+        *,
+        metrics: tuple[str, int] | None = None,
+        otlp: str | None = None,
+        otlp_interval_s: float = 10.0,
+        run: str | None = None,
+    ) -> None:
+        self.jobs = JobSet(run=run)
+        self._accept = accept
+        self._closed = threading.Event()
+        self._rejected: set[str] = set()
+        self.server: Any = None
+        self.otlp: Any = None
+        if metrics is not None:
+            from torchtop.export.prometheus import serve
+
+            self.server = serve(self.jobs.snapshots, metrics)
+        if otlp is not None:
+            from torchtop.export.otlp import push
+
+            try:
+                self.otlp = push(self.jobs.snapshots, otlp, interval_s=otlp_interval_s)
+            except Exception:
+                self.close()
+                raise
+        self._thread = threading.Thread(target=self._discover, name="torchtop-export", daemon=True)
+
+    def start(self) -> Exporter:
+        self._thread.start()
+        return self
+
+    def announce(self) -> None:
+        """Say where the figures go, on stderr (a test or a user reads the chosen port here)."""
+        if self.server is not None:
+            print(f"torchtop: serving metrics on {self.server.url}", file=sys.stderr, flush=True)
+        if self.otlp is not None:
+            print(f"torchtop: pushing metrics to {self.otlp.endpoint}", file=sys.stderr, flush=True)
+
+    def _discover(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self.discover_once()
+            except Exception:
+                pass  # a bad description file must not stop the exporter; try again
+            self._closed.wait(DISCOVER_INTERVAL_S)
+
+    def discover_once(self) -> None:
+        for info in list_agents(clean_stale=False):
+            if info.address in self._rejected or self.jobs.follows(info.address):
+                continue
+            if info.pid == os.getpid() or not self._accept(info):
+                self._rejected.add(info.address)
+                continue
+            self.follow(info)
+
+    def follow(self, info: AgentInfo) -> None:
+        address = info.address
+        feed = AgentFeed(
+            address=address,
+            client="exporter",
+            on_message=lambda m: self.jobs.apply(address, m),
+            on_end=lambda _reason: self._ended(address),
+        )
+        self.jobs.add(info, feed)
+        feed.start()
+
+    def _ended(self, address: str) -> None:
+        if not self.jobs.ended(address):
+            self._rejected.add(address)  # not one to export: do not connect again
+
+    def close(self) -> None:
+        self._closed.set()
+        for feed in self.jobs.feeds():
+            feed.close()
+        if self.otlp is not None:
+            self.otlp.close()
+        if self.server is not None:
+            self.server.close()

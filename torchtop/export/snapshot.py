@@ -1,0 +1,119 @@
+"""What an exporter reads about one job (one rank): its identity and its figures.
+
+The figures come from the job's :class:`~torchtop.model.job.JobModel` (the fold the viewer and
+the report read, so a figure is the same number everywhere); :func:`snapshot_of` copies the
+ones exported into an immutable :class:`JobSnapshot` that the HTTP and OTLP threads read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtop.model.job import JobModel
+from torchtop.protocol import Hello
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    """Who a job is, as its labels say: one series per (run, rank) on a host."""
+
+    pid: int
+    hostname: str
+    run: str
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+
+    @classmethod
+    def of(cls, hello: Hello) -> JobIdentity:
+        return cls(
+            pid=hello.pid,
+            hostname=hello.hostname,
+            # A single process has no run id: its pid names the run.
+            run=hello.run_id or str(hello.pid),
+            rank=hello.rank,
+            local_rank=hello.local_rank,
+            world_size=hello.world_size,
+        )
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    """One device's latest allocator reading, with its UUID and captured OOMs."""
+
+    device: str
+    source: str
+    uuid: str | None
+    allocated_bytes: int | None
+    reserved_bytes: int | None
+    peak_allocated_bytes: int | None
+    alloc_retries: int | None
+    ooms: int
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    """A job's figures at one moment. Counters are totals since the job started (steps) or
+    since the exporter attached (the sums over steps it saw)."""
+
+    identity: JobIdentity
+    #: Wall-clock time of the latest sample folded, the moment the gauges describe.
+    sample_t: float | None = None
+    steps_total: int = 0
+    #: Steps with a duration (the first has none), and their summed duration.
+    timed_steps: int = 0
+    step_time_s: float = 0.0
+    dataloader_wait_s: float = 0.0
+    host_rss_bytes: int | None = None
+    devices: tuple[DeviceFigures, ...] = ()
+    exited: bool = False
+
+
+def snapshot_of(model: JobModel) -> JobSnapshot | None:
+    """The exported figures of one job's model; ``None`` before its hello."""
+    hello = model.hello
+    if hello is None:
+        return None
+    uuids = {d.id: d.uuid for d in hello.devices}
+    ooms: dict[str, int] = {}
+    for entry in model.captures.entries:
+        if entry.is_oom:
+            ooms[entry.capture.device] = ooms.get(entry.capture.device, 0) + 1
+    devices = []
+    for device_id in model.device_ids:
+        memory = model.memory.get(device_id)
+        mem = memory.latest if memory is not None else None
+        if mem is None and device_id not in ooms:
+            continue
+        devices.append(
+            DeviceFigures(
+                device=device_id,
+                source=mem.source if mem is not None else "",
+                uuid=uuids.get(device_id),
+                allocated_bytes=mem.allocated_bytes if mem is not None else None,
+                reserved_bytes=mem.reserved_bytes if mem is not None else None,
+                peak_allocated_bytes=mem.peak_allocated_bytes if mem is not None else None,
+                alloc_retries=mem.num_alloc_retries if mem is not None else None,
+                # The allocator's count and the captures can each miss some: take the larger.
+                ooms=max((mem.num_ooms or 0) if mem is not None else 0, ooms.get(device_id, 0)),
+            )
+        )
+    training = model.training
+    return JobSnapshot(
+        identity=JobIdentity.of(hello),
+        sample_t=_last_sample_t(model),
+        steps_total=training.total,
+        timed_steps=training.run.steps,
+        step_time_s=training.run.time_s,
+        dataloader_wait_s=training.run.wait_s,
+        host_rss_bytes=model.host.rss_bytes if model.host is not None else None,
+        devices=tuple(devices),
+        exited=model.job_ended,
+    )
+
+
+def _last_sample_t(model: JobModel) -> float | None:
+    if model.rss_series:
+        return model.rss_series[-1][0]
+    times = [m.series[-1].t for m in model.memory.values() if m.series]
+    return max(times) if times else None
