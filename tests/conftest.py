@@ -35,3 +35,13 @@ def torchtop(
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def report_json(path: Path) -> dict[str, object]:
+    """``torchtop report PATH --json``, run as a user would, parsed."""
+    import json
+
+    out = torchtop("report", str(path), "--json")
+    assert out.returncode == 0, out.stderr
+    result: dict[str, object] = json.loads(out.stdout)
+    return result

@@ -13,17 +13,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SCRIPTS, torchtop
+from tests.conftest import report_json as _report
 from torchtop.protocol import AgentStats
 from torchtop.recording import read_recording
 from torchtop.transport import AgentConnection, list_agents
 
 TRAIN = str(SCRIPTS / "train_mlp.py")
-
-
-def _report(path: Path) -> dict:
-    out = torchtop("report", str(path), "--json")
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
 
 
 def test_headless_run_records_and_reports(tmp_path: Path) -> None:

@@ -656,6 +656,9 @@ def _record_headless(info: Any, path: Path, duration: float | None) -> int:
     finally:
         feed.close()
         feed.join(2.0)
+        lost = feed.lost_exit()
+        if lost is not None:
+            writer.write(lost)
         writer.close()
     if interactive:
         print(file=sys.stderr)

@@ -15,12 +15,20 @@ from collections.abc import Callable
 
 from torchtop.protocol import Hello, JobExited, Message, ProtocolError, decode
 from torchtop.recording import RecordingWriter
-from torchtop.transport import AgentConnection, AgentInfo, TransportError, wait_for_agent
+from torchtop.transport import (
+    AgentConnection,
+    AgentInfo,
+    TransportError,
+    pid_alive,
+    wait_for_agent,
+)
 
 #: An agent is silent after this many sampling intervals without a frame (at least
 #: SILENCE_MIN_S): viewers then say "no data for N s" instead of "live".
 SILENCE_INTERVALS = 20
 SILENCE_MIN_S = 3.0
+#: The end reason of a stream that broke off without the job's exit.
+LOST = "connection lost"
 
 
 class AgentFeed:
@@ -55,6 +63,7 @@ class AgentFeed:
         #: The agent's sampling interval (from its hello) and when its last frame arrived.
         self._interval_s = 0.1
         self._last_frame = time.monotonic()
+        self._job_pid: int | None = pid
         self._conn: AgentConnection | None = None
         self._closed = threading.Event()
         self.saw_exit: JobExited | None = None
@@ -96,6 +105,19 @@ class AgentFeed:
             self.ended.set()
             if self._on_end is not None:
                 self._on_end(reason)
+
+    def lost_exit(self) -> JobExited | None:
+        """For a recording whose stream broke off without the job's exit: an ``exit`` of
+        unknown code saying so ("killed" when the job is gone), so that a report says what
+        happened rather than nothing. ``None`` when the exit came, or we closed the feed."""
+        if not self.ended.is_set() or self.end_reason != LOST or self.saw_exit is not None:
+            return None
+        pid = self._job_pid
+        if pid is not None and not pid_alive(pid):
+            reason = "connection lost: the job is gone without an exit status (killed?)"
+        else:
+            reason = "connection lost: the agent closed the connection; the job may still run"
+        return JobExited(t=time.time(), exit_code=None, reason=reason)
 
     @property
     def silence_after_s(self) -> float:
@@ -150,8 +172,10 @@ class AgentFeed:
                     continue
                 if isinstance(message, JobExited):
                     self.saw_exit = message
-                elif isinstance(message, Hello) and message.interval_s > 0:
-                    self._interval_s = message.interval_s
+                elif isinstance(message, Hello):
+                    self._job_pid = message.pid
+                    if message.interval_s > 0:
+                        self._interval_s = message.interval_s
                 if self._on_message is not None:
                     self._on_message(message)
         except ProtocolError as exc:
@@ -162,4 +186,4 @@ class AgentFeed:
             return "detached"
         if self.saw_exit is not None:
             return "job exited"
-        return "connection lost"
+        return LOST

@@ -175,14 +175,21 @@ def _unlink_quietly(path: Path) -> None:
         pass
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while a process of this pid runs (ours or another user's); a zombie (dead, not yet
+    reaped by its parent) does not count."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # "pid (comm) S ...": the state follows the last ')' (comm may hold any bytes).
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def list_agents(clean_stale: bool = True) -> list[AgentInfo]:
@@ -204,7 +211,7 @@ def list_agents(clean_stale: bool = True) -> list[AgentInfo]:
             )
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not _pid_alive(info.pid) or not os.path.exists(info.socket_path):
+        if not pid_alive(info.pid) or not os.path.exists(info.socket_path):
             if clean_stale:
                 remove_server_files(info.pid)
             continue
@@ -333,6 +340,7 @@ __all__ = [
     "ensure_runtime_dir",
     "list_agents",
     "peer_uid",
+    "pid_alive",
     "remove_server_files",
     "runtime_dir",
     "wait_for_agent",

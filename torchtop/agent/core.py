@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import platform
+import signal
 import socket
 import sys
 import threading
@@ -61,6 +62,10 @@ HISTORY_BYTES = {
 RINGS = {EVENTS: 10_000, LOGS: 2_000, OPS: 500, ANSWERS: 20}
 #: Snapshots a job's viewers may request (each writes a file of up to ``snapshot_max_bytes``).
 MAX_REQUESTED_SNAPSHOTS = 20
+#: Seconds a SIGTERM'd job waits for its viewers to get the exit before it dies.
+SIGTERM_DRAIN_S = 0.5
+#: The longest a SIGTERM'd job waits for the agent to close before dying anyway.
+SIGTERM_WAIT_S = 3.0
 #: ``probe_status`` names for the agent's own parts.
 SERVER_PROBE = "server"
 SNAPSHOTS_PROBE = "snapshots"
@@ -355,7 +360,13 @@ class Agent:
         self.oom.start()  # in the job's thread: the --memory-limit dispatch mode is per thread
         self.sampler.start()
 
-    def finish(self, exit_code: int | None, reason: str = "") -> None:
+    def finish(
+        self,
+        exit_code: int | None,
+        reason: str = "",
+        drain_s: float = 1.0,
+        linger_s: float = float("inf"),
+    ) -> None:
         """Send the final state and the exit status, then close. Safe to call more than once."""
         with self._finish_lock:
             if self.finished or os.getpid() != self.pid:
@@ -372,8 +383,9 @@ class Agent:
             self._capture.stop()
         self.publish(JobExited(t=time.time(), exit_code=exit_code, reason=reason))
         if self.config.linger_s > 0:
-            self.server.wait_for_clients_drained(self.config.linger_s)
-        self.server.stop(drain_s=1.0)
+            # A job being stopped (SIGTERM) waits no longer than its short drain.
+            self.server.wait_for_clients_drained(min(self.config.linger_s, linger_s))
+        self.server.stop(drain_s=drain_s)
         remove_server_files(self.pid)
         if self._nvml is not None:
             with contextlib.suppress(Exception):
@@ -390,6 +402,9 @@ class Agent:
 _agent: Agent | None = None
 _agent_lock = threading.Lock()
 _uncaught: list[BaseException] = []
+#: The exit status the main script ended with while other threads still trained: the agent
+#: sends it when the process really ends (atexit runs after the non-daemon threads are joined).
+_deferred: list[tuple[int | None, str]] = []
 
 
 def current() -> Agent | None:
@@ -407,6 +422,7 @@ def start(**options: Any) -> Agent:
         _agent = agent
     atexit.register(_finish_at_exit)
     _chain_excepthook()
+    _handle_sigterm()
     return agent
 
 
@@ -417,17 +433,68 @@ def stop() -> None:
 
 
 def finish(exit_code: int | None, reason: str = "") -> None:
+    """The job's main script ended. While other (non-daemon) threads go on training, the
+    process lives on, and so does the agent: it finishes at exit, after them."""
     agent = _agent
-    if agent is not None:
-        agent.finish(exit_code, reason)
+    if agent is None:
+        return
+    if _training_threads():
+        _deferred.append((exit_code, reason))
+        return
+    agent.finish(exit_code, reason)
+
+
+def _training_threads() -> list[threading.Thread]:
+    """Threads that keep the process alive after the main script: the ones Python joins at
+    exit (non-daemon), other than this one."""
+    current = threading.current_thread()
+    return [t for t in threading.enumerate() if t is not current and not t.daemon and t.is_alive()]
 
 
 def _finish_at_exit() -> None:
-    if _uncaught:
+    if _deferred:
+        exit_code, reason = _deferred[-1]
+        _deferred.clear()
+        finish(exit_code, reason)
+    elif _uncaught:
         exc = _uncaught[-1]
         finish(1, f"uncaught {type(exc).__name__}: {exc}")
     else:
         finish(None, "interpreter exited")
+
+
+def _handle_sigterm() -> None:
+    """On SIGTERM, send the exit and remove the socket, then die of SIGTERM as before.
+
+    Only where SIGTERM would kill the job (the default action): a handler of the job's own is
+    left in place (its exit runs the agent's atexit), and an ignored SIGTERM stays ignored.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):
+        return
+
+
+def _on_sigterm(signum: int, _frame: Any) -> None:
+    agent = _agent
+    if agent is not None and agent.pid == os.getpid():
+        # In a thread of its own, waited for a bounded time: the handler runs in the main
+        # thread between two bytecodes, perhaps while that thread holds a lock the agent needs.
+        closing = threading.Thread(
+            target=agent.finish,
+            args=(-signum, "killed by SIGTERM", SIGTERM_DRAIN_S, SIGTERM_DRAIN_S),
+            name="torchtop-sigterm",
+            daemon=True,
+        )
+        closing.start()
+        closing.join(SIGTERM_WAIT_S)
+    # The default action, as if we had never been here: the job dies of SIGTERM.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _chain_excepthook() -> None:

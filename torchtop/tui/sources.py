@@ -42,6 +42,10 @@ class LiveSource(Source):
 
         def ended(reason: str) -> None:
             if self.writer is not None:
+                # The recording says the stream broke off; the viewer shows it as lost.
+                lost = self._feed.lost_exit() if self._feed is not None else None
+                if lost is not None:
+                    self.writer.write(lost)
                 self.writer.close()
             sink(SourceDisconnected(t=time.time(), reason=reason))
 
