@@ -327,14 +327,20 @@ def test_requests_are_rate_limited_per_action() -> None:
 
 def test_clients_beyond_the_cap_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server_module, "MAX_CLIENTS", 3)
+    monkeypatch.setattr(server_module, "MAX_PENDING", 4)
     srv = _server()
     srv.start()
     try:
         kept = [_connect(srv) for _ in range(3)]
         for sock in kept:
             assert isinstance(_read(sock, 1)[0], Hello)
-        assert _closed(_connect(srv))
-        assert srv.refused == 1
+        assert _closed(_connect(srv))  # a fourth viewer
+        silent = [socket.socket(socket.AF_UNIX) for _ in range(6)]
+        for sock in silent:
+            sock.settimeout(5)
+            sock.connect(srv.address)  # type: ignore[attr-defined]
+        assert _closed(silent[0]) and _closed(silent[1])  # the oldest handshakes make room
+        assert srv.refused == 3
         kept[0].close()
         time.sleep(0.2)
         assert isinstance(_read(_connect(srv), 1)[0], Hello)

@@ -141,7 +141,9 @@ def bind_server(
     try:
         server.bind(str(path))
         os.chmod(path, 0o600)
-        server.listen(16)
+        # As many pending connections as the system allows: a burst of clients must queue,
+        # not be refused (the kernel caps it at net.core.somaxconn).
+        server.listen(socket.SOMAXCONN)
     except OSError as exc:
         server.close()
         raise TransportError(f"cannot listen on {path}: {exc.strerror}") from None
@@ -238,6 +240,44 @@ def find_agent(pid: int) -> AgentInfo | None:
     return None
 
 
+#: How long a viewer keeps retrying while the agent's queue of pending connections is full
+#: (a storm of other clients), and the longest pause between two tries.
+CONNECT_BUSY_S = 20.0
+CONNECT_BACKOFF_MAX_S = 1.0
+
+
+def _connect(path: str, timeout: float) -> socket.socket:
+    """Connect to an agent's socket, retrying with backoff while its backlog is full."""
+    deadline = time.monotonic() + CONNECT_BUSY_S
+    pause = 0.01
+    tries = 0
+    while True:
+        tries += 1
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            return sock
+        except (BlockingIOError, TimeoutError) as exc:
+            # EAGAIN: the backlog is full; a timeout: the agent did not take us in time.
+            sock.close()
+            if time.monotonic() + pause > deadline:
+                raise TransportError(
+                    f"the agent at {path} did not accept a connection in {CONNECT_BUSY_S:.0f} s "
+                    f"({tries} tries; {exc.strerror or 'timed out'}): its queue of pending "
+                    "connections stayed full, so many clients are connecting at once or the job "
+                    "is stuck; try again"
+                ) from None
+            time.sleep(pause)
+            pause = min(pause * 2, CONNECT_BACKOFF_MAX_S)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(
+                f"cannot connect to the agent at {path}: {exc.strerror or exc}; "
+                "is the job still running? (see `torchtop ps`)"
+            ) from None
+
+
 class AgentConnection:
     """A viewer's connection to an agent: send our hello, then read messages.
 
@@ -250,16 +290,14 @@ class AgentConnection:
             raise TransportError(f"unsupported address {address!r}; expected unix:/path")
         path = address.removeprefix("unix:")
         self.address = address
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
+        self.sock = _connect(path, timeout)
         try:
-            self.sock.connect(path)
             self.sock.sendall(encode(ClientHello(protocol=PROTOCOL_VERSION, client=client)))
         except OSError as exc:
             self.sock.close()
             raise TransportError(
-                f"cannot connect to the agent at {path}: {exc.strerror or exc}; "
-                "is the job still running? (see `torchtop ps`)"
+                f"the agent at {path} closed the connection at once ({exc.strerror or exc}); "
+                "it may be serving too many viewers, or the job is ending: try again"
             ) from None
         self.sock.settimeout(None)
         self._splitter = FrameSplitter()

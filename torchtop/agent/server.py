@@ -50,9 +50,13 @@ SAMPLES, EVENTS, LOGS, OPS, ANSWERS = "samples", "events", "logs", "ops", "answe
 HELLO_TIMEOUT_S = 5.0
 #: Bytes moved from a client's queue (or its history replay) into its send buffer at a time.
 SEND_CHUNK = 1 << 16
-#: Connections served at once (viewers, recorders, and peers that have not said hello yet);
-#: more are closed as soon as they are accepted.
+#: Viewers and recorders served at once; a hello beyond them is answered by closing.
 MAX_CLIENTS = 64
+#: Connections that have not said hello yet (a storm of them must not exhaust the job's file
+#: descriptors): beyond this, the oldest is closed. Accepted per turn of the I/O loop, so
+#: that the hellos of the accepted are read between two batches.
+MAX_PENDING = 128
+ACCEPT_BATCH = 32
 #: Bytes queued for one client, and for all clients together, before the oldest are dropped.
 CLIENT_QUEUE_BYTES = 8 << 20
 TOTAL_QUEUE_BYTES = 32 << 20
@@ -148,7 +152,7 @@ class AgentServer:
         self._thread = self._new_thread()
         self._request_budget: dict[str, tuple[float, float]] = {}
         self.clients_seen = 0
-        #: Connections closed because ``MAX_CLIENTS`` were already served.
+        #: Connections closed because MAX_CLIENTS viewers or MAX_PENDING handshakes were open.
         self.refused = 0
         #: Peers closed for a malformed frame or any error they provoked.
         self.bad_peers = 0
@@ -324,7 +328,7 @@ class AgentServer:
             self._expire_handshakes()
 
     def _accept(self) -> None:
-        while True:
+        for _ in range(ACCEPT_BATCH):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -340,11 +344,10 @@ class AgentServer:
                 _close(sock)
                 continue
             with self._lock:
-                full = len(self._clients) >= MAX_CLIENTS
-            if full:
+                pending = [c for c in self._clients.values() if not c.greeted]
+            if len(pending) >= MAX_PENDING:
                 self.refused += 1
-                _close(sock)
-                continue
+                self._drop_client(min(pending, key=lambda c: c.connected_at))
             sock.setblocking(False)
             client = _Client(sock=sock, connected_at=time.monotonic())
             with self._lock:
@@ -370,6 +373,10 @@ class AgentServer:
                         raise ProtocolError("the first frame must be a client hello")
                     if message.protocol != PROTOCOL_VERSION:
                         raise ProtocolError(f"unsupported protocol version {message.protocol}")
+                    if self.client_count >= MAX_CLIENTS:
+                        self.refused += 1
+                        self._drop_client(client)
+                        return
                     self._greet(client)
                 elif isinstance(message, Request) and self._allow_request(message.action):
                     # Handed over, never served here: this thread must keep moving frames.
