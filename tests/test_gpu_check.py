@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from fakes.allocator import fail_into_job
 from fakes.nvml import MIB, FakeGpu, FakeNvmlBackend
 
 from benchmarks import gpu_check
@@ -240,9 +241,9 @@ def agent_oom_event(tmp_path: Path, data: dict[str, Any]) -> dict[str, Any]:
         "grad_enabled": lambda: True,
     }
     obs = data["observer"]
-    controller.observe_cuda_oom(
-        obs["device"], obs["alloc"], obs["device_total"], obs["device_free"]
-    )
+    # As torch does: the observer, then the error raised into the job's code.
+    args = (obs["device"], obs["alloc"], obs["device_total"], obs["device_free"])
+    fail_into_job(controller.observe_cuda_oom, args)
     (event,) = [m for m in messages if isinstance(m, OutOfMemory)]
     return to_dict(event)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from fakes.allocator import fail_into_job, with_retries
 from torch.cuda import _memory_viz
 
 from torchtop.agent.core import AgentConfig
@@ -65,39 +66,6 @@ def with_fixture(controller: OomController, data: dict[str, Any]) -> None:
     }
 
 
-#: torch's side of an allocation, as the job's code sees it: the allocator calls its observers,
-#: then throws ``OutOfMemoryError``, or (``retry``) catches it and asks for half, as cuDNN's
-#: workspace search does. Compiled under a torch path so that its frames count as torch's.
-ALLOCATOR = "/opt/venv/lib/python3.11/site-packages/torch/cuda/_allocator_in_tests.py"
-_TORCH_SIDE: dict[str, Any] = {"torch": torch}
-exec(
-    compile(
-        """
-def allocate(observer, args, fails=True, traced=None):
-    if fails:
-        if traced is not None:
-            traced(args[1])  # the allocator's oom entry in the trace
-        observer(*args)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
-    return args[1]
-
-def with_retries(observer, args, succeeds_at, traced):
-    size = args[1]
-    for attempt in range(64):
-        try:
-            return allocate(observer, (args[0], size, *args[2:]), attempt < succeeds_at, traced)
-        except torch.OutOfMemoryError:
-            if size <= 1 << 20:
-                raise
-            size //= 2
-""",
-        ALLOCATOR,
-        "exec",
-    ),
-    _TORCH_SIDE,
-)
-
-
 def observer_args(data: dict[str, Any], **change: int) -> tuple[int, int, int, int]:
     args = {**data["observer"], **change}
     return args["device"], args["alloc"], args["device_total"], args["device_free"]
@@ -111,10 +79,7 @@ def request(data: dict[str, Any], size: int) -> None:
 
 def observe(controller: OomController, data: dict[str, Any], **change: int) -> None:
     """A failed allocation whose error reaches the job's code (here), which catches it."""
-    try:
-        _TORCH_SIDE["allocate"](controller.observe_cuda_oom, observer_args(data, **change))
-    except torch.OutOfMemoryError:
-        pass
+    fail_into_job(controller.observe_cuda_oom, observer_args(data, **change))
 
 
 # -- CUDA, from fixtures ---------------------------------------------------------------------
@@ -566,7 +531,7 @@ def retrying(
         request(data, alloc)
 
     args = observer_args(data, alloc=start)
-    _TORCH_SIDE["with_retries"](controller.observe_cuda_oom, args, succeeds_at, traced)
+    with_retries(controller.observe_cuda_oom, args, succeeds_at, traced)
     return sizes
 
 

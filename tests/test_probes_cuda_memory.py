@@ -40,6 +40,7 @@ class FakeCuda:
         self.free = free
         self.names = names or ["NVIDIA H200"] * len(stats)
         self.calls: Counter[tuple[str, int]] = Counter()
+        self.nvml_count: int | None = None
         self.fail: set[tuple[str, int]] = set()
 
     def _count(self, name: str, device: int = -1) -> None:
@@ -56,8 +57,16 @@ class FakeCuda:
         return self.initialized
 
     def device_count(self) -> int:
+        # torch.cuda.device_count(): before CUDA is initialized, NVML's count or, when NVML
+        # cannot tell, cudaGetDeviceCount, which initializes the driver in the job.
         self._count("device_count")
         return len(self.stats)
+
+    def _device_count_nvml(self) -> int:
+        # NVML's count under CUDA_VISIBLE_DEVICES, or -1 when NVML cannot tell (MIG UUIDs in
+        # CUDA_VISIBLE_DEVICES, no libnvidia-ml): torch.cuda._device_count_nvml.
+        self._count("_device_count_nvml")
+        return self.nvml_count if self.nvml_count is not None else len(self.stats)
 
     def memory_stats(self, device: int) -> dict[str, Any]:
         self._count("memory_stats", device)
@@ -252,6 +261,19 @@ def test_devices_before_cuda_is_initialized_have_generic_names() -> None:
     ]
     assert cuda.calls[("is_available", -1)] == 0
     assert cuda.calls[("get_device_properties", 0)] == 0
+    assert cuda.calls[("device_count", -1)] == 0  # never a CUDA call before the job's
+
+
+def test_devices_wait_for_the_job_when_nvml_cannot_count_them() -> None:
+    # CUDA_VISIBLE_DEVICES=MIG-…, or NVML failing: device_count() would fall back to
+    # cudaGetDeviceCount and initialize CUDA in the job (and poison its fork).
+    cuda = FakeCudaWithProperties([fixture("untouched")] * 2, initialized=False)
+    cuda.nvml_count = -1
+    probe = CudaMemoryProbe(cuda)
+    assert probe.devices() == [] and not probe.cuda_initialized()
+    assert cuda.calls[("device_count", -1)] == 0
+    cuda.initialized = True  # the job initialized CUDA: now the count is CUDA's own
+    assert [d.id for d in probe.devices()] == ["cuda:0", "cuda:1"] and probe.cuda_initialized()
 
 
 def test_devices_once_initialized_have_names_and_sizes() -> None:
@@ -346,3 +368,27 @@ def test_real_probe_does_not_initialize_cuda() -> None:
         "assert not torch.cuda.is_initialized()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_sampler_asks_for_a_new_hello_once_the_job_initializes_cuda() -> None:
+    """Names, sizes and UUIDs can be read only after the job's CUDA initialization: viewers
+    get a hello again then, once."""
+    from torchtop.agent.sampler import Sampler
+
+    cuda = FakeCudaWithProperties([fixture("after_oom")], initialized=False)
+    hellos: list[int] = []
+    sampler = Sampler(
+        lambda message: None,
+        host=SimpleNamespace(read=lambda: None),
+        cpu_memory=SimpleNamespace(read=lambda rss: None),
+        cuda_memory=CudaMemoryProbe(cuda),
+        nvml=None,
+        on_torch_imported=lambda: hellos.append(1),
+    )
+    sampler.tick()  # torch is imported in this process: the first new hello
+    sampler.tick()
+    assert len(hellos) == 1
+    cuda.initialized = True
+    sampler.tick()
+    sampler.tick()
+    assert len(hellos) == 2

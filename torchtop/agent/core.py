@@ -200,7 +200,7 @@ class Agent:
                 with_stack=config.profile_stack,
             )
         self.training = TrainingMonitor(ops=self.ops)
-        self._hello_cache: tuple[bool, bytes] | None = None
+        self._hello_cache: tuple[tuple[bool, bool], bytes] | None = None
         self._snapshots_requested = 0
         self.server = AgentServer(
             listener,
@@ -280,11 +280,13 @@ class Agent:
         """The agent's hello, built once before torch is imported and once after (a burst of
         viewers must not make the agent query its devices for each)."""
         imported = torch_imported()
+        # Built again once the job has initialized CUDA: the devices' names and UUIDs.
+        state = (imported, imported and self._cuda.cuda_initialized())
         cached = self._hello_cache
-        if cached is not None and cached[0] == imported:
+        if cached is not None and cached[0] == state:
             return cached[1]
         frame = self._build_hello(imported)
-        self._hello_cache = (imported, frame)
+        self._hello_cache = (state, frame)
         return frame
 
     def _build_hello(self, imported: bool) -> bytes:

@@ -105,6 +105,7 @@ class Sampler:
         self._publish = publish
         self._on_torch_imported = on_torch_imported
         self._torch_seen = False
+        self._cuda_seen = False
         self._host = host
         self._cpu_memory = cpu_memory
         self._cuda_memory = cuda_memory
@@ -201,6 +202,17 @@ class Sampler:
             memory.append(cpu)
         if not self._torch_seen and torch_imported():
             self._torch_seen = True
+            if self._on_torch_imported is not None:
+                self._on_torch_imported()
+        if (
+            self._torch_seen
+            and not self._cuda_seen
+            and self._cuda_memory is not None
+            and self._cuda_memory.cuda_initialized()
+        ):
+            # Once the job has initialized CUDA, the devices' names, sizes and UUIDs can be
+            # read: viewers get a new hello with them.
+            self._cuda_seen = True
             if self._on_torch_imported is not None:
                 self._on_torch_imported()
         if self._cuda_memory is not None and self._torch_seen:

@@ -9,6 +9,7 @@ whose allocator has reserved memory at some point (and so already has a context)
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -118,10 +119,13 @@ class CudaMemoryProbe:
     def devices(self) -> list[DeviceInfo]:
         """The CUDA devices the job can use, for the ``hello`` message.
 
-        Before the job initializes CUDA this asks only ``device_count()``, which PyTorch answers
-        through NVML where it can, without initializing CUDA, so the job can still fork CUDA
-        workers; the names are then generic. Once CUDA is initialized, the real names and sizes
-        are read from the device properties, which needs no context.
+        Before the job initializes CUDA the count comes from NVML alone
+        (``torch.cuda._device_count_nvml``, which reads ``CUDA_VISIBLE_DEVICES``), never from
+        ``device_count()``: where NVML cannot tell (MIG UUIDs, NVML errors), that falls back to
+        ``cudaGetDeviceCount``, which initializes CUDA in the job and breaks the CUDA of its
+        forked children. Then the list is empty until the job initializes CUDA, and the names
+        are generic. Once CUDA is initialized, the real names, sizes and UUIDs are read from
+        the device properties, which needs no context.
         """
         try:
             cuda = self._module()
@@ -129,12 +133,27 @@ class CudaMemoryProbe:
             return []
         try:
             initialized = bool(cuda.is_initialized())
-            if initialized and not cuda.is_available():
-                return []
-            count = int(cuda.device_count())
+            if initialized:
+                if not cuda.is_available():
+                    return []
+                count = int(cuda.device_count())
+            else:
+                compiled = getattr(cuda, "_is_compiled", None)
+                count_nvml = getattr(cuda, "_device_count_nvml", None)
+                if count_nvml is None or (compiled is not None and not compiled()):
+                    return []
+                count = int(count_nvml())  # negative: NVML cannot tell; wait for the job
         except Exception:
             return []
-        return [self._device_info(cuda, index, initialized) for index in range(count)]
+        return [self._device_info(cuda, index, initialized) for index in range(max(0, count))]
+
+    def cuda_initialized(self) -> bool:
+        """Whether the job has initialized CUDA (a flag check: never initializes it)."""
+        cuda = self._cuda if self._cuda is not None else sys.modules.get("torch.cuda")
+        try:
+            return cuda is not None and bool(cuda.is_initialized())
+        except Exception:
+            return False
 
     @staticmethod
     def _device_info(cuda: Any, index: int, initialized: bool) -> DeviceInfo:

@@ -1,0 +1,52 @@
+"""torch's side of a failing CUDA allocation, for driving the agent's OOM observer without a GPU.
+
+The caching allocator calls its OOM observers from C++ and then throws ``OutOfMemoryError``
+into the Python frame that called the op; or torch catches it in C++ and retries with less
+(cuDNN's workspace search). The agent tells these apart by where the error goes next, so a
+test must call the observer the way torch does: from a frame of torch's (these functions are
+compiled under a path inside torch's package), then raise into the job's code or retry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: Where these functions' frames say they are: inside torch, so they count as torch's code.
+ALLOCATOR_FILE = "/opt/venv/lib/python3.11/site-packages/torch/cuda/_allocator_in_tests.py"
+
+_SOURCE = """
+def allocate(observer, args, fails=True, traced=None):
+    if fails:
+        if traced is not None:
+            traced(args[1])  # the allocator's oom entry in the trace
+        observer(*args)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
+    return args[1]
+
+def with_retries(observer, args, succeeds_at, traced):
+    size = args[1]
+    for attempt in range(64):
+        try:
+            return allocate(observer, (args[0], size, *args[2:]), attempt < succeeds_at, traced)
+        except torch.OutOfMemoryError:
+            if size <= 1 << 20:
+                raise
+            size //= 2
+"""
+
+_TORCH_SIDE: dict[str, Any] = {"torch": torch}
+exec(compile(_SOURCE, ALLOCATOR_FILE, "exec"), _TORCH_SIDE)
+
+allocate: Callable[..., int] = _TORCH_SIDE["allocate"]
+with_retries: Callable[..., int] = _TORCH_SIDE["with_retries"]
+
+
+def fail_into_job(observer: Callable[..., None], args: tuple[int, int, int, int]) -> None:
+    """A failed allocation whose error reaches the job's code (this frame), which catches it."""
+    try:
+        allocate(observer, args)
+    except torch.OutOfMemoryError:
+        pass
