@@ -58,7 +58,11 @@ def no_cuda_reason() -> str | None:
     nodes = Path("/dev/nvidiactl").exists() or Path("/dev/nvidia0").exists()
     if not nodes and shutil.which("nvidia-smi") is None:
         return "this machine has no /dev/nvidia* device and no nvidia-smi"
-    probe = "import torch; print(torch.cuda.is_available())"
+    probe = (
+        "import json, platform, torch; print(json.dumps({'cuda': torch.cuda.is_available(), "
+        "'torch': torch.__version__, 'cuda_runtime': torch.version.cuda, "
+        "'python': platform.python_version()}))"
+    )
     try:
         out = subprocess.run(
             [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
@@ -68,9 +72,32 @@ def no_cuda_reason() -> str | None:
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["?"])[-1]
         return f"PyTorch cannot be imported ({last})"
-    if out.stdout.strip() != "True":
+    try:
+        ENVIRONMENT.update(json.loads(out.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return f"PyTorch's answer could not be read: {out.stdout.strip()[:80]!r}"
+    if ENVIRONMENT.get("cuda") is not True:
         return "PyTorch sees no CUDA device (a CPU build, or no driver)"
     return None
+
+
+#: What ran where: PyTorch, CUDA and Python versions, the GPU and its driver (results.json).
+ENVIRONMENT: dict[str, Any] = {}
+
+
+def read_gpu_environment() -> None:
+    """The GPU's name, driver and memory as nvidia-smi gives them, into ENVIRONMENT."""
+    fields = ("name", "driver_version", "memory.total", "uuid")
+    command = ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        ENVIRONMENT["gpus"] = f"nvidia-smi failed: {exc}"
+        return
+    ENVIRONMENT["gpus"] = [
+        dict(zip(fields, (v.strip() for v in line.split(",")), strict=False))
+        for line in out.stdout.strip().splitlines()
+    ]
 
 
 @dataclass
@@ -555,6 +582,7 @@ def write_outputs(out: Path, s: Session, rows: list[Check], report: str) -> None
     pack(out / "logs.tar.gz", logs)
     (out / "report.txt").write_text(report + "\n")
     payload = {
+        "environment": ENVIRONMENT,
         "checks": [asdict(r) for r in rows],
         "fixtures": sorted(kept),
         "fixtures_left_out": left_out,
@@ -585,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"gpu_check: no CUDA device is visible: {reason}; run it where one is")
         return 2
+    read_gpu_environment()
+    print(f"gpu_check: {json.dumps(ENVIRONMENT)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as folder:
         s = Session(Path(folder))
         rows = run_groups(s, set(args.only) if args.only else None)

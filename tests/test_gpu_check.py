@@ -83,6 +83,23 @@ def test_a_job_runs_under_torchtop_headless_without_textual(
     assert session.steps[0].rc == 0
 
 
+def test_with_nvidia_smi_but_a_torch_without_cuda_it_asks_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 9\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this PyTorch sees a GPU")
+    assert gpu_check.no_cuda_reason() == "PyTorch sees no CUDA device (a CPU build, or no driver)"
+    assert gpu_check.ENVIRONMENT["torch"] == torch.__version__
+
+
 def test_no_cuda_reason_on_this_machine() -> None:
     if Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi"):
         pytest.skip("this machine has an NVIDIA device")
