@@ -252,12 +252,17 @@ def nvml_utilization_matches_smi(
 
 
 def nvml_gpu_matched_by_uuid(
-    frames: Sequence[Frame], job_uuid: str, smi_rows: Sequence[Mapping[str, Any]]
+    frames: Sequence[Frame],
+    job_uuid: str,
+    smi_rows: Sequence[Mapping[str, Any]],
+    device: str = "cuda:0",
 ) -> Check:
     """Issue 19, point 9: the NVML GPU the job runs on is found by its UUID (torch's
-    ``get_device_properties(i).uuid`` = NVML's), listed first, and marked as the job's."""
+    ``get_device_properties(i).uuid`` = NVML's), listed first, and marked as the job's: its
+    ``cuda_device`` is the job's device and ``in_job`` is true; no other GPU claims that
+    device."""
     name = "nvml: job's GPU matched by UUID"
-    expected = "GPU with the job's UUID listed first, marked as the job's"
+    expected = f"the job's UUID listed first, as {device}, in_job"
     gpu_frames = of_kind(frames, "gpu")
     if not gpu_frames:
         return check(name, expected, "no NVML frames", False)
@@ -272,10 +277,17 @@ def nvml_gpu_matched_by_uuid(
     if want not in uuids:
         return check(name, expected, f"no NVML GPU has UUID {job_uuid}", False)
     position = uuids.index(want)
-    mark = _job_mark(gpus[position])
-    measured = f"at position {position}, job mark {mark!r}"
-    others = [_job_mark(g) for i, g in enumerate(gpus) if i != position]
-    ok = position == 0 and _marked(mark) and not any(_marked(m) for m in others)
+    gpu = gpus[position]
+    measured = (
+        f"position {position}, cuda_device {gpu.get('cuda_device')!r}, in_job {gpu.get('in_job')!r}"
+    )
+    others = [g for i, g in enumerate(gpus) if i != position]
+    ok = (
+        position == 0
+        and gpu.get("cuda_device") == device
+        and gpu.get("in_job") is True
+        and not any(g.get("cuda_device") == device for g in others)
+    )
     return check(name, expected, measured, ok)
 
 
@@ -299,18 +311,6 @@ def hello_uuid(
     smi = {normal_uuid(r.get("uuid")) for r in smi_rows}
     ok = normal_uuid(got) == normal_uuid(job_uuid) and normal_uuid(got) in smi
     return check(name, expected, got, ok)
-
-
-def _job_mark(gpu: Mapping[str, Any]) -> Any:
-    """Whatever field marks a GPU as the job's (its CUDA device, or a flag)."""
-    for key, value in gpu.items():
-        if ("cuda" in key or "job" in key) and value is not None:
-            return value
-    return None
-
-
-def _marked(mark: Any) -> bool:
-    return mark is not None and mark is not False and mark != ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -532,7 +532,7 @@ def handled_ooms_not_published(
     """Issue 19, point 3: an OOM torch catches itself (the allocator counted it, no error reached
     the job) publishes no ``oom`` event; one that reached the job does."""
     name = "oom: handled inside torch not published"
-    expected = "no oom event for handled OOMs, one per OOM the job saw"
+    expected = "handled OOMs counted apart, not published; one event per OOM the job saw"
     events = of_kind(frames, "oom")
 
     def published(trial: Mapping[str, Any]) -> int:
@@ -546,11 +546,18 @@ def handled_ooms_not_published(
         )
     wrong = sum(published(t) for t in handled)
     missing = sum(1 for t in raised if published(t) == 0)
+    counted = [
+        m.get("handled_ooms")
+        for f in of_kind(frames, "sample")
+        for m in f.get("memory", [])
+        if m.get("handled_ooms") is not None
+    ]
     measured = (
-        f"{len(handled)} handled: {wrong} published; {len(raised)} seen by the job: "
-        f"{len(raised) - missing} published"
+        f"{len(handled)} handled: {wrong} published, counted {max(counted, default=None)}; "
+        f"{len(raised)} seen by the job: {len(raised) - missing} published"
     )
-    return check(name, expected, measured, wrong == 0 and missing == 0)
+    ok = wrong == 0 and missing == 0 and max(counted, default=0) > 0
+    return check(name, expected, measured, ok)
 
 
 # --------------------------------------------------------------------------------------------

@@ -324,6 +324,7 @@ def job_oom_handled(out: str) -> None:
         del x
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
         torch.cuda.empty_cache()
+    time.sleep(0.5)  # one more sample: the agent's count of handled OOMs
     _write(out, {"trials": trials})
 
 

@@ -202,8 +202,8 @@ def test_the_jobs_gpu_is_found_by_uuid_first_and_marked() -> None:
     # NVML orders by PCI bus: the job's CUDA device 0 is NVML's GPU 1.
     gpus = frames[0]["gpus"]
     matched = [
-        {**gpus[1], "uuid": rows[1]["uuid"], "cuda_device": "cuda:0"},
-        {**gpus[0], "uuid": rows[0]["uuid"], "cuda_device": None},
+        {**gpus[1], "uuid": rows[1]["uuid"], "cuda_device": "cuda:0", "in_job": True},
+        {**gpus[0], "uuid": rows[0]["uuid"], "cuda_device": None, "in_job": False},
     ]
     good = [{**frames[0], "gpus": matched}]
     assert cmp.nvml_gpu_matched_by_uuid(good, job_uuid, rows).status == cmp.PASS
@@ -211,6 +211,8 @@ def test_the_jobs_gpu_is_found_by_uuid_first_and_marked() -> None:
     assert cmp.nvml_gpu_matched_by_uuid(unordered, job_uuid, rows).status == cmp.FAIL
     unmarked = [{**frames[0], "gpus": [{**g, "cuda_device": None} for g in matched]}]
     assert cmp.nvml_gpu_matched_by_uuid(unmarked, job_uuid, rows).status == cmp.FAIL
+    twice = [{**frames[0], "gpus": [matched[0], {**matched[1], "cuda_device": "cuda:0"}]}]
+    assert cmp.nvml_gpu_matched_by_uuid(twice, job_uuid, rows).status == cmp.FAIL
 
 
 def test_the_hello_carries_the_jobs_uuid() -> None:
@@ -384,11 +386,14 @@ def test_ooms_handled_inside_torch_are_not_published() -> None:
         {"t0": 12.0, "t1": 13.0, "ooms": 1, "raised": "CUDA out of memory."},
         {"t0": 14.0, "t1": 15.0, "ooms": 0, "raised": ""},
     ]
-    right = [{"kind": "oom", "t": 12.5}]
+    sample = {"kind": "sample", "t": 16.0, "memory": [{"device": "cuda:0", "handled_ooms": 3}]}
+    right = [{"kind": "oom", "t": 12.5}, sample]
     assert cmp.handled_ooms_not_published(right, trials).status == cmp.PASS
     published = [{"kind": "oom", "t": 10.4}, *right]
     assert cmp.handled_ooms_not_published(published, trials).failed
-    assert cmp.handled_ooms_not_published([], trials).failed  # the one the job saw is missing
+    assert cmp.handled_ooms_not_published([sample], trials).failed  # the job's one is missing
+    uncounted = [right[0], {**sample, "memory": [{"device": "cuda:0", "handled_ooms": None}]}]
+    assert cmp.handled_ooms_not_published(uncounted, trials).failed
     assert cmp.handled_ooms_not_published([], trials[2:]).status == cmp.SKIP
 
 
