@@ -60,8 +60,8 @@ def count_ops(fn: Callable[[], object]) -> OpCounts:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     to_calls = [e for e in prof.events() if e.name == "aten::to" and e.cpu_parent is None]
-    # Sync points counted as the agent's op windows count them (one per .item(), however
-    # deeply the read is nested).
+    # Reads counted as the agent's op windows count them (one per .item(), however deeply
+    # nested): of a CPU tensor a host read, of a device tensor a sync point.
     window = op_windows.aggregate(
         op_windows.read_events(prof.profiler.kineto_results, record_shapes=False)
     )
@@ -70,7 +70,7 @@ def count_ops(fn: Callable[[], object]) -> OpCounts:
         copies=sum(
             1 for e in to_calls for child in e.cpu_children if child.name == "aten::_to_copy"
         ),
-        host_reads=window.sync_points,
+        host_reads=window.host_reads + window.sync_points,
     )
 
 

@@ -69,7 +69,28 @@ def test_item_counts_one_sync_point_however_deep() -> None:
             ev("cudaStreamSynchronize", base + 10, base + 40),
         ]
     events.append(ev("cudaDeviceSynchronize", 5000, 5010))  # on its own: a sync of its own
-    assert aggregate(events).sync_points == 4
+    window = aggregate(events)
+    assert window.sync_points == 4 and window.host_reads == 0
+
+
+def test_item_of_a_cpu_tensor_is_a_host_read_not_a_sync_point() -> None:
+    """On a CUDA job: the loss read from the device (the runtime's copy and stream sync nest
+    in it), and AdamW reading its CPU ``step`` counters (nothing nests: no wait)."""
+    events = [
+        ev("aten::item", 0, 50),
+        ev("aten::_local_scalar_dense", 5, 45),
+        ev("cudaMemcpyAsync", 10, 20),
+        ev("cudaStreamSynchronize", 20, 40),
+        ev("Memcpy DtoH (Device -> Pageable)", 12, 18, device=True),
+    ]
+    for i in range(4):  # four parameters' step counters
+        base = 100 + i * 20
+        events += [
+            ev("aten::item", base, base + 10),
+            ev("aten::_local_scalar_dense", base + 1, base + 9),
+        ]
+    window = aggregate(events)
+    assert window.sync_points == 1 and window.host_reads == 4
 
 
 def test_kernels_count_for_the_op_that_launched_them_and_copies_are_counted() -> None:
@@ -273,7 +294,8 @@ def _window(sampler: OpsSampler, steps: FakeSteps, *, item: bool = False) -> lis
 def test_a_window_spans_two_steps_and_ranks_the_matmuls(sampler: OpsSampler) -> None:
     (frame,) = _window(sampler, FakeSteps(), item=True)
     assert isinstance(frame, OpsWindow) and frame.window == 1
-    assert frame.steps == 2 and frame.sync_points == 2  # one .item() per step
+    # One .item() per step, of a CPU tensor: a host read, no wait for a device.
+    assert frame.steps == 2 and frame.host_reads == 2 and frame.sync_points == 0
     names = [op.name for op in frame.ops]
     assert {"aten::addmm", "aten::mm"} & set(names[:10]) and len(names) >= 5
     assert not frame.device and frame.ops[0].self_device_s is None
@@ -309,6 +331,7 @@ def test_only_the_step_clock_moves_the_window(sampler: OpsSampler) -> None:
 def test_no_window_before_the_first_steps_or_before_it_is_due(sampler: OpsSampler) -> None:
     sampler.tick(time.time(), FakeSteps(total=1))
     assert sampler._state == IDLE
+    sampler._step_window_armed = True  # a window over steps was taken: the spacing holds
     sampler._next_due = time.monotonic() + 60
     sampler.tick(time.time(), FakeSteps(total=10))
     assert sampler._state == IDLE
@@ -436,6 +459,44 @@ def test_time_based_windows_without_steps(tmp_path: Path) -> None:
     assert frames, "no time-based window was taken"
     assert frames[0].steps is None and frames[0].duration_s >= 0.05
     assert "aten::mm" in [op.name for op in frames[0].ops]
+
+
+def test_a_time_based_window_costs_its_events_not_its_length(tmp_path: Path) -> None:
+    """A job setting up (here: mostly sleeping, a few ops) under a 0.5 s window: the window
+    cost the job next to nothing, so it must not push the next window far away."""
+    sampler = OpsSampler(
+        trace_dir=tmp_path, trace_prefix="", time_fallback_s=0.0, time_window_s=0.5
+    )
+    steps = FakeSteps(clock=None, total=0)
+    frames: list[Any] = []
+    x = torch.randn(8, 8)
+    deadline = time.monotonic() + 30
+    while not frames and time.monotonic() < deadline:
+        frames += [m for m in _tick_from_another_thread(sampler, steps) if isinstance(m, OpsWindow)]
+        for _ in range(10):
+            x = torch.tanh(x)
+            time.sleep(0.01)
+    assert frames, "no time-based window was taken"
+    (frame,) = frames
+    assert frame.steps is None and frame.duration_s >= 0.5
+    assert frame.cost_s < 0.1 * frame.duration_s, (frame.cost_s, frame.duration_s)
+    assert frame.spacing_s == sampler.min_spacing_s
+
+
+def test_the_first_window_over_steps_comes_as_soon_as_steps_do(sampler: OpsSampler) -> None:
+    """Windows taken while the job set up (no steps yet) left a long spacing: the first
+    steps get a window all the same, at once."""
+    sampler.min_spacing_s = 60.0
+    sampler._next_due = time.monotonic() + 3600
+    assert sampler.tick(time.time(), FakeSteps(clock=None, total=0)) == []
+    assert sampler._state == IDLE
+    sampler.tick(time.time(), FakeSteps(clock=1, total=5))
+    assert sampler._state == ARMED
+    (frame,) = _window(sampler, FakeSteps(clock=1, total=5))[-1:]
+    assert frame.steps == 2
+    # After that one, the spacing holds again.
+    assert sampler.tick(time.time(), FakeSteps(clock=1, total=9)) == []
+    assert sampler._state == IDLE
 
 
 def test_a_child_forked_during_a_window_inherits_no_profiler(tmp_path: Path) -> None:

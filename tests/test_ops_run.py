@@ -36,8 +36,9 @@ def test_mlp_ops_trace_and_no_sync_points(tmp_path: Path) -> None:
     for op in ops:
         assert op["calls"] >= 1 and op["self_device_s"] is None
         assert op["avg_s"] > 0 or op["total_cpu_s"] == 0
-    assert report["sync_points_per_step"] == 0
-    assert report["copies_per_step"] is None  # no device: nothing to copy to or from
+    # No device: nothing to wait for, nothing to copy to or from.
+    assert report["sync_points_per_step"] is None and report["copies_per_step"] is None
+    assert report["host_reads_per_step"] == 0
     trace = json.loads(Path(report["trace_path"]).read_text())
     events = trace["traceEvents"]
     assert events and any(e.get("name") in MATMULS for e in events)
@@ -47,10 +48,14 @@ def test_mlp_ops_trace_and_no_sync_points(tmp_path: Path) -> None:
     assert "top ops by self time" in text.stdout and "aten::" in text.stdout
 
 
-def test_item_every_step_is_one_sync_point_per_step(tmp_path: Path) -> None:
+def test_item_on_a_cpu_tensor_is_a_host_read_not_a_sync_point(tmp_path: Path) -> None:
+    """A CPU job reading its loss with ``.item()`` every step waits for no device."""
     _, report = _run(tmp_path, script_args=("--seconds", "2", "--item"))
-    assert report["profile_windows"] >= 1
-    assert report["sync_points_per_step"] == 1.0
+    assert report["profile_windows"] >= 1 and report["profiled_steps"] >= 2
+    assert report["sync_points_per_step"] is None
+    assert report["host_reads_per_step"] == 1.0
+    text = " ".join(torchtop("report", str(tmp_path / "r.ttr")).stdout.split())  # unwrapped
+    assert "sync points n/a (CPU only) · 1 host reads of CPU tensors per step" in text
 
 
 def test_the_jobs_own_profiler_is_complete_and_torchtop_steps_aside(tmp_path: Path) -> None:

@@ -256,6 +256,10 @@ def test_summary_lines() -> None:
     assert "sync points 0.5/step · copies 2.0/step" in everything
     state.apply(window(steps=None, t=now + 1))  # a time-based window: no steps to divide by
     assert "sync points —/step · copies —/step" in plain(ops_summary(state))
+    # A CPU-only job: no device to wait for; its .item() calls are host reads.
+    state.apply(window(device=False, sync_points=0, host_reads=10, t=now + 2))
+    text = plain(ops_summary(state))
+    assert "sync points n/a · CPU only: no host-device copies · host reads 2.0/step" in text
 
 
 def test_state_keeps_the_latest_window_and_the_probe() -> None:

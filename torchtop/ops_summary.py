@@ -90,7 +90,11 @@ class OpsCollector:
             "ops": [op_json(op) for op in last.cumulative] if last else [],
             "profile_windows": last.window if last else 0,
             "profiled_steps": last.total_steps if last else 0,
+            # A sync point waits for a device: on a CPU job there is none to wait for.
             "sync_points_per_step": per_step(last.total_sync_points, last.total_steps)
+            if last and self.device
+            else None,
+            "host_reads_per_step": per_step(last.total_host_reads, last.total_steps)
             if last
             else None,
             # Without device activity (a CPU job) there is nothing to copy to or from.
@@ -121,8 +125,13 @@ def ops_parts(report: dict[str, Any]) -> list[Any]:
     line.append(f" ({report['profiled_steps']} steps)")
     sync = report["sync_points_per_step"]
     copies = report["copies_per_step"]
+    reads = report.get("host_reads_per_step")
     if sync is not None:
         line.append(f" · {sync:g} sync points per step")
+    elif report["profiled_steps"]:
+        line.append(" · sync points n/a (CPU only)")
+    if reads:
+        line.append(f" · {reads:g} host reads of CPU tensors per step")
     if copies is not None:
         line.append(f" · {copies:g} host-device copies per step")
     if report["trace_path"]:

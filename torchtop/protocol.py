@@ -546,9 +546,11 @@ class OpsWindow(Message):
     window, when the job has no steps). ``cost_s`` is what the window cost the training thread
     (starting and stopping the profiler, and the slowdown of the profiled steps); ``spacing_s``
     the time to the next window, adapted so that the cost stays within the agent's budget.
-    ``sync_points`` counts host-device synchronizations (``aten::item``/``_local_scalar_dense``,
-    ``cuda*Synchronize``, ...) and ``copies`` host-device copies (memcpy HtoD/DtoH/DtoD), not
-    counting the ones nested inside another. ``trace_path`` is the window's Chrome trace.
+    ``sync_points`` counts waits for the device (the runtime's ``cuda*Synchronize`` and
+    synchronous ``cudaMemcpy``, an ``.item()`` of a device tensor counting once), meaningful
+    only in windows with ``device`` activity; ``host_reads`` counts ``.item()`` and the like on
+    CPU tensors, which wait for no device; ``copies`` counts host-device copies (memcpy
+    HtoD/DtoH/DtoD). ``trace_path`` is the window's Chrome trace.
     """
 
     KIND: ClassVar[str] = "ops"
@@ -580,6 +582,9 @@ class OpsWindow(Message):
     #: The options it ran with.
     record_shapes: bool = False
     with_stack: bool = False
+    #: Reads of CPU tensors' values (this window, and every window over steps so far).
+    host_reads: int = 0
+    total_host_reads: int = 0
 
 
 MESSAGE_TYPES.update({OpsWindow.KIND: OpsWindow})

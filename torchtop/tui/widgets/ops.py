@@ -249,6 +249,7 @@ def ops_summary(state: JobModel, *, cumulative: bool = False, width: int = 0) ->
         head.append(" steps" if window.total_steps != 1 else " step", "dim")
         syncs = per_step(window.total_sync_points, window.total_steps)
         copies = per_step(window.total_copies, window.total_steps)
+        reads = per_step(window.total_host_reads, window.total_steps)
     else:
         head.append("window ", "dim")
         head.append(f"{window.window}", "bold")
@@ -271,6 +272,7 @@ def ops_summary(state: JobModel, *, cumulative: bool = False, width: int = 0) ->
             head.append(phase, "bold")
         syncs = per_step(window.sync_points, window.steps)
         copies = per_step(window.copies, window.steps)
+        reads = per_step(window.host_reads, window.steps)
     if unavailable is None and not (state.job_ended or state.lost):
         head.append(" · next in ", "dim")
         due = window.spacing_s
@@ -280,15 +282,18 @@ def ops_summary(state: JobModel, *, cumulative: bool = False, width: int = 0) ->
     lines.append(head)
 
     figures = Text()
-    figures.append("sync points ", "dim")
-    figures.append(syncs, "bold")
-    figures.append("/step", "dim")
     if window.device:
+        figures.append("sync points ", "dim")
+        figures.append(syncs, "bold")
+        figures.append("/step", "dim")
         figures.append(" · copies ", "dim")
         figures.append(copies, "bold")
         figures.append("/step", "dim")
-    else:  # no device activity recorded: nothing to copy to or from
-        figures.append(" · CPU only: no host-device copies", "dim")
+    else:  # no device activity recorded: no device to wait for, nothing to copy to or from
+        figures.append("sync points n/a · CPU only: no host-device copies", "dim")
+    figures.append(" · host reads ", "dim")
+    figures.append(reads, "bold")
+    figures.append("/step", "dim")
     if window.record_shapes:
         figures.append(" · by shapes", "dim")
     if window.with_stack:
