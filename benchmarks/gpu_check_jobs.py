@@ -335,26 +335,35 @@ def job_oom_handled(out: str) -> None:
 OPS_STEPS = 4
 
 
-def job_ops(out: str) -> None:
+def job_ops(out: str, device_name: str = "cuda") -> None:
     """Explicit op windows of 4 steps each (the sampled ones are paused): ``.item()`` every
     step, one pinned host-to-device copy a step, one pageable copy a step. Then the job's own
     ``torch.profiler`` over the same model: its ``key_averages`` are the truth the agent's
-    attribution of kernels to ops is held against, and its events are kept as a fixture."""
+    attribution of kernels to ops is held against, and its events are kept as a fixture.
+    ``device_name`` "cpu" runs the same windows without a GPU (no copies, nothing pinned), so
+    the tests exercise the job and its windows here."""
     import torch
     from torch import nn
+    from torch.profiler import ProfilerActivity, profile
 
     from torchtop.agent.ops import paused, read_events, window
 
     torch.manual_seed(0)
-    device = torch.device("cuda", 0)
+    cuda = device_name == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    width = 4096 if cuda else 256
     model = nn.Sequential(
-        nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10)
+        nn.Linear(1024, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
     ).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x_dev = torch.randn(256, 1024, device=device)
     y_dev = torch.randint(0, 10, (256,), device=device)
-    x_pinned = torch.randn(256, 1024).pin_memory()
     x_pageable = torch.randn(256, 1024)
+    x_pinned = x_pageable.pin_memory() if cuda else x_pageable
+
+    def synchronize() -> None:
+        if cuda:
+            torch.cuda.synchronize()
 
     def step(x: Any, item: bool) -> None:
         opt.zero_grad(set_to_none=True)
@@ -368,7 +377,7 @@ def job_ops(out: str) -> None:
     with paused():
         for _ in range(5):
             step(x_dev, item=True)  # warm-up: cuBLAS handles, the optimizer's state
-        torch.cuda.synchronize()
+        synchronize()
         time.sleep(0.5)  # the agent's thread picks the step clock that counts window steps
         for name, source, item, non_blocking in (
             ("item", x_dev, True, False),
@@ -381,16 +390,15 @@ def job_ops(out: str) -> None:
             with window() as opened:
                 for _ in range(OPS_STEPS):
                     step(source.to(device, non_blocking=non_blocking), item=item)
-            torch.cuda.synchronize()
+            synchronize()
             phases[name] = [t0, time.time(), float(opened)]
             time.sleep(0.3)
         time.sleep(1.0)  # the agent's thread reads the windows
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
         for _ in range(OPS_STEPS):
             step(x_dev, item=False)
-        torch.cuda.synchronize()
+        synchronize()
     table = []
     for avg in prof.key_averages():
         self_device = getattr(avg, "self_device_time_total", None)
@@ -427,19 +435,26 @@ def job_ops(out: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def job_overhead(out: str) -> None:
+def job_overhead(out: str, device_name: str = "cuda") -> None:
     """The agent on against off on a GPU training step, in paired blocks (the CPU benchmark's
-    method, benchmarks/agent_overhead.py, with the model on the GPU)."""
+    method, benchmarks/agent_overhead.py, with the model on the GPU). "cpu": a short run of a
+    small model, for the tests."""
     import torch
     from torch import nn
 
     from benchmarks import agent_overhead
 
-    device = torch.device("cuda", 0)
+    cuda = device_name == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    width = 4096 if cuda else 64
 
     def build() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
         model = nn.Sequential(
-            nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10)
+            nn.Linear(2048, width),
+            nn.ReLU(),
+            nn.Linear(width, width),
+            nn.ReLU(),
+            nn.Linear(width, 10),
         ).to(device)
         return (
             model,
@@ -455,12 +470,14 @@ def job_overhead(out: str) -> None:
 
         def synced() -> None:
             step()
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
 
         return synced
 
     agent_overhead.make_step = synced_step  # type: ignore[assignment]
-    result = agent_overhead.measure("gpu mlp", build, rounds=12, seconds=0.5)
+    rounds, seconds = (12, 0.5) if cuda else (2, 0.2)
+    result = agent_overhead.measure(f"{device_name} mlp", build, rounds=rounds, seconds=seconds)
     _write(out, result)
 
 
@@ -494,8 +511,8 @@ JOBS = {
     "oom-full": lambda a: job_oom_full(a[0], catch=len(a) > 1 and a[1] == "catch"),
     "oom-fragmented": lambda a: job_oom_fragmented(a[0]),
     "oom-handled": lambda a: job_oom_handled(a[0]),
-    "ops": lambda a: job_ops(a[0]),
-    "overhead": lambda a: job_overhead(a[0]),
+    "ops": lambda a: job_ops(a[0], *a[1:]),
+    "overhead": lambda a: job_overhead(a[0], *a[1:]),
     "history": lambda a: job_history(a[0], a[1]),
 }
 

@@ -604,3 +604,34 @@ def test_a_failing_or_crashing_group_does_not_stop_the_others(
         assert tar.getnames() == ["fixtures/cuda_memory_stats_x.json"]
     monkeypatch.setattr(gpu_check, "GROUPS", [("first", passing, 1)])
     assert gpu_check.main(["--out", str(tmp_path / "h"), "--only", "first"]) == 0
+
+
+@pytest.mark.slow
+def test_the_ops_job_gives_one_window_per_phase_with_its_steps(tmp_path: Path) -> None:
+    """The op-window job, on the CPU (no copies there): each phase's window is found by its
+    time, counts its 4 steps, and `.item()` every step is one sync point a step."""
+    (tmp_path / "work").mkdir()
+    session = gpu_check.Session(tmp_path / "work")
+    record, out = tmp_path / "ops.ttr", tmp_path / "ops.json"
+    step = session.torchtop("ops", record, [str(gpu_check.JOBS), "ops", str(out), "cpu"], 240)
+    assert step.rc == 0, step.stderr
+    truth = json.loads(out.read_text())
+    frames = gpu_check.load_frames(record)
+    windows = {name: cmp.window_in(frames, span) for name, span in truth["phases"].items()}
+    assert all(truth["phases"][name][2] == 1.0 for name in windows), truth["phases"]
+    assert [w and w["steps"] for w in windows.values()] == [4, 4, 4]
+    assert cmp.per_step(windows["item"], "sync_points", 1.0, "syncs").status == cmp.PASS
+    assert cmp.per_step(windows["pinned"], "sync_points", 0.0, "syncs").status == cmp.PASS
+    assert truth["events"] and any(a["name"] == "aten::addmm" for a in truth["key_averages"])
+
+
+@pytest.mark.slow
+def test_the_overhead_job_gives_the_ratios_the_cost_row_reads(tmp_path: Path) -> None:
+    session = gpu_check.Session(tmp_path)
+    out = tmp_path / "overhead.json"
+    step = session.run(
+        "overhead", [sys.executable, str(gpu_check.JOBS), "overhead", str(out), "cpu"], 240
+    )
+    assert step.rc == 0, step.stderr
+    row = cmp.overhead(json.loads(out.read_text()))
+    assert row.status in (cmp.PASS, cmp.FAIL) and row.measured.startswith("median "), row
