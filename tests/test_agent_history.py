@@ -1,0 +1,89 @@
+"""The agent's history: what a late viewer gets after a long, chatty job, and what it costs.
+
+In-process (the agent is built but its sampler is not started): frames go through
+``Agent.publish`` as the sampler, the OOM controller and the op sampler send them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+
+from tests.test_ops_tui import window
+from tests.test_server import _connect, _read
+from torchtop.agent.core import MAX_REQUESTED_SNAPSHOTS, SNAPSHOTS_PROBE, Agent, AgentConfig
+from torchtop.protocol import (
+    REQUEST_SNAPSHOT,
+    Hello,
+    MemorySnapshotTaken,
+    OpsWindow,
+    PhaseBegan,
+    ProbeStatus,
+    Request,
+)
+from torchtop.transport import remove_server_files
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    agent = Agent(AgentConfig(ops=False, nvml=False, oom_capture=False))
+    agent.server.address = agent.info.socket_path  # type: ignore[attr-defined]
+    agent.server.start()
+    yield agent
+    agent.server.stop(drain_s=0)
+    remove_server_files(agent.pid)
+
+
+def _answer(i: int) -> MemorySnapshotTaken:
+    return MemorySnapshotTaken(
+        t=float(i),
+        id=i,
+        device="cpu",
+        emulated=True,
+        requested_bytes=None,
+        free_bytes=None,
+        total_bytes=None,
+        reserved_bytes=None,
+        allocated_bytes=None,
+        largest_free_block_bytes=None,
+        fragmented=None,
+        top_sites=[],
+        snapshot_path=None,
+        request_id=i,
+    )
+
+
+def test_snapshot_answers_and_op_windows_never_push_out_phases(agent: Agent) -> None:
+    agent.publish(PhaseBegan(t=1.0, name="warmup", id=1))
+    agent.publish(ProbeStatus(t=1.0, probe="nvml", available=False, detail="no GPU"))
+    for i in range(12_000):
+        agent.publish(_answer(i))
+    for i in range(2_000):
+        agent.publish(window(window=i + 1))
+    assert agent.server.history_bytes() < 20 << 20
+    messages = _read(_connect(agent.server), 10_000, timeout=3)
+    assert isinstance(messages[0], Hello)
+    assert [m.name for m in messages if isinstance(m, PhaseBegan)] == ["warmup"]
+    assert any(isinstance(m, ProbeStatus) and m.probe == "nvml" for m in messages)
+    windows = [m for m in messages if isinstance(m, OpsWindow)]
+    # Older windows keep their figures without their op tables; the latest is whole.
+    assert windows[-1] == window(window=2_000)
+    assert all(w.ops == [] and w.cumulative == [] for w in windows[:-1])
+    assert windows[0] == dataclasses.replace(
+        window(window=windows[0].window), ops=[], cumulative=[]
+    )
+
+
+def test_snapshot_requests_are_capped_per_job(agent: Agent) -> None:
+    served: list[Request] = []
+    sent: list[object] = []
+    agent.oom.handle_request = served.append  # type: ignore[method-assign]
+    agent.publish = sent.append  # type: ignore[method-assign]
+    for i in range(MAX_REQUESTED_SNAPSHOTS + 10):
+        agent._on_request(Request(action=REQUEST_SNAPSHOT, id=i))
+    assert len(served) == MAX_REQUESTED_SNAPSHOTS
+    statuses = [m for m in sent if isinstance(m, ProbeStatus) and m.probe == SNAPSHOTS_PROBE]
+    assert len(statuses) == 1 and not statuses[0].available
+    assert f"at most {MAX_REQUESTED_SNAPSHOTS}" in statuses[0].detail
