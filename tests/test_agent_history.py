@@ -14,6 +14,7 @@ import pytest
 from tests.test_ops_tui import window
 from tests.test_server import _connect, _read
 from torchtop.agent.core import MAX_REQUESTED_SNAPSHOTS, SNAPSHOTS_PROBE, Agent, AgentConfig
+from torchtop.agent.oom import _empty_capture, _fields
 from torchtop.protocol import (
     REQUEST_SNAPSHOT,
     Hello,
@@ -37,22 +38,8 @@ def agent() -> Iterator[Agent]:
 
 
 def _answer(i: int) -> MemorySnapshotTaken:
-    return MemorySnapshotTaken(
-        t=float(i),
-        id=i,
-        device="cpu",
-        emulated=True,
-        requested_bytes=None,
-        free_bytes=None,
-        total_bytes=None,
-        reserved_bytes=None,
-        allocated_bytes=None,
-        largest_free_block_bytes=None,
-        fragmented=None,
-        top_sites=[],
-        snapshot_path=None,
-        request_id=i,
-    )
+    """An answer to a snapshot request, as the agent sends when it has nothing to save."""
+    return MemorySnapshotTaken(**_fields(_empty_capture(i, "nothing to snapshot")), request_id=i)
 
 
 def test_snapshot_answers_and_op_windows_never_push_out_phases(agent: Agent) -> None:
