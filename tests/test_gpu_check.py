@@ -196,9 +196,13 @@ def test_the_jobs_gpu_is_found_by_uuid_first_and_marked() -> None:
     rows = smi_read(1.0, backend.gpus)["rows"]
     job_uuid = "00000001-aaaa-bbbb-cccc-dddddddddddd"  # torch's form: no "GPU-"
     frames = gpu_frames(backend, [1.0])
-    # The fake backend, as the agent reads it today, gives no UUID: the check says so.
+    # The agent not (yet) told the job's CUDA UUIDs: NVML's order, nothing marked.
     row = cmp.nvml_gpu_matched_by_uuid(frames, job_uuid, rows)
-    assert row.status == cmp.FAIL and "no UUID" in row.measured
+    assert row.status == cmp.FAIL and "position 1" in row.measured
+    # The agent matching them (issue 19, point 9): the job's GPU first and marked.
+    probe = NvmlProbe(backend, job_uuids=lambda: [job_uuid])
+    agent = [to_dict(GpuSample(t=1.0, gpus=probe.read()))]
+    assert cmp.nvml_gpu_matched_by_uuid(agent, job_uuid, rows).status == cmp.PASS
     # NVML orders by PCI bus: the job's CUDA device 0 is NVML's GPU 1.
     gpus = frames[0]["gpus"]
     matched = [

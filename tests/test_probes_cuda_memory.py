@@ -392,3 +392,12 @@ def test_the_sampler_asks_for_a_new_hello_once_the_job_initializes_cuda() -> Non
     sampler.tick()
     sampler.tick()
     assert len(hellos) == 2
+
+
+def test_the_jobs_uuids_once_it_has_initialized_cuda() -> None:
+    cuda = FakeCudaWithProperties([fixture("after_oom")] * 2, initialized=False)
+    probe = CudaMemoryProbe(cuda)
+    assert probe.job_uuids() is None
+    cuda.initialized = True
+    uuids = probe.job_uuids()
+    assert uuids is not None and len(uuids) == 2 and uuids == probe.job_uuids()

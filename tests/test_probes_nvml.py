@@ -5,7 +5,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fakes.nvml import MIB, FakeGpu, FakeNvmlBackend
+from fakes.nvml import (
+    JOB_CUDA_UUIDS,
+    MIB,
+    FakeGpu,
+    FakeNvmlBackend,
+    fake_pynvml,
+    library_mismatch,
+    pynvml_error,
+)
 
 from torchtop.agent.probes.base import ProbeUnavailable
 from torchtop.agent.probes.nvml import NvmlCallError, NvmlProbe, PynvmlBackend
@@ -217,17 +225,6 @@ def test_pynvml_init_failures_say_why(
         PynvmlBackend().init()
 
 
-def fake_pynvml(**functions: Any) -> SimpleNamespace:
-    """The real pynvml's errors and constants, with the device functions replaced."""
-    import pynvml
-
-    names = [n for n in dir(pynvml) if n.startswith(("NVML_", "NVMLError"))]
-    namespace = SimpleNamespace(**{n: getattr(pynvml, n) for n in names})
-    for name, function in functions.items():
-        setattr(namespace, name, function)
-    return namespace
-
-
 def backend_over(module: SimpleNamespace) -> PynvmlBackend:
     backend = PynvmlBackend()
     backend._nvml = module
@@ -240,6 +237,8 @@ def backend_over(module: SimpleNamespace) -> PynvmlBackend:
         ("NVML_ERROR_NOT_SUPPORTED", "not_supported"),
         ("NVML_ERROR_FUNCTION_NOT_FOUND", "not_supported"),
         ("NVML_ERROR_GPU_IS_LOST", "gpu_lost"),
+        ("NVML_ERROR_RESET_REQUIRED", "gpu_lost"),
+        ("NVML_ERROR_GPU_NOT_FOUND", "gpu_lost"),
         ("NVML_ERROR_NO_PERMISSION", "no_permission"),
         ("NVML_ERROR_UNKNOWN", "other"),
         ("NVML_ERROR_TIMEOUT", "other"),
@@ -291,6 +290,97 @@ def test_pynvml_units_and_process_lists() -> None:
     with pytest.raises(NvmlCallError) as caught:
         backend.processes("h")
     assert caught.value.code == "not_supported"
+
+
+def test_the_unversioned_process_list_on_an_older_driver_falls_back_to_v2() -> None:
+    pytest.importorskip("pynvml")
+
+    def mismatch(handle: object) -> list[SimpleNamespace]:
+        raise library_mismatch()
+
+    module = fake_pynvml(
+        nvmlDeviceGetComputeRunningProcesses=mismatch,
+        nvmlDeviceGetComputeRunningProcesses_v2=lambda h: [
+            SimpleNamespace(pid=10, usedGpuMemory=MIB)
+        ],
+        nvmlDeviceGetGraphicsRunningProcesses=mismatch,
+        nvmlDeviceGetGraphicsRunningProcesses_v2=lambda h: [],
+    )
+    backend = backend_over(module)
+    assert backend.processes("h") == [(10, MIB)]
+    # Without the _v2 calls either, the list is unsupported: an NvmlCallError, never the
+    # mismatch error escaping into the sampler.
+    del (
+        module.nvmlDeviceGetComputeRunningProcesses_v2,
+        module.nvmlDeviceGetGraphicsRunningProcesses_v2,
+    )
+    with pytest.raises(NvmlCallError) as caught:
+        backend.processes("h")
+    assert caught.value.code == "not_supported"
+
+
+@pytest.mark.parametrize("code", ["NVML_ERROR_RESET_REQUIRED", "NVML_ERROR_GPU_NOT_FOUND"])
+def test_a_gpu_that_needs_a_reset_or_is_gone_is_marked_lost(code: str) -> None:
+    pytest.importorskip("pynvml")
+    calls: list[str] = []
+
+    def gone(handle: object) -> Any:
+        calls.append("utilization")
+        raise pynvml_error(code)
+
+    module = fake_pynvml(
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: "h0",
+        nvmlDeviceGetName=lambda h: "NVIDIA H200",
+        nvmlDeviceGetUUID=lambda h: "GPU-00000000-5f3a-c2e7-d9b1-4a6c8e02bd7f",
+        nvmlDeviceGetUtilizationRates=gone,
+    )
+    backend = PynvmlBackend()
+    backend.init = lambda: setattr(backend, "_nvml", module)  # type: ignore[method-assign]
+    probe = NvmlProbe(backend)
+    (first,) = probe.read()
+    (second,) = probe.read()
+    assert first.lost and second.lost and first.name == "NVIDIA H200"
+    assert calls == ["utilization"]  # not asked again
+
+
+def test_gpus_are_matched_to_the_jobs_cuda_devices_by_uuid() -> None:
+    backend = FakeNvmlBackend.four_h100_out_of_cuda_order()
+    job: list[list[str | None] | None] = [None]
+    probe = NvmlProbe(backend, job_uuids=lambda: job[0])
+    # Before the job initializes CUDA: NVML's order, nothing known about the job.
+    before = probe.read()
+    assert [g.index for g in before] == [0, 1, 2, 3]
+    assert {g.in_job for g in before} == {None} and {g.cuda_device for g in before} == {None}
+    job[0] = list(JOB_CUDA_UUIDS)  # CUDA_VISIBLE_DEVICES=2,0
+    after = probe.read()
+    assert [(g.index, g.cuda_device, g.in_job) for g in after] == [
+        (2, "cuda:0", True),
+        (0, "cuda:1", True),
+        (1, None, False),
+        (3, None, False),
+    ]
+    assert after[0].util_gpu_percent == 2.0 and after[0].uuid == backend.gpus[2].uuid
+
+
+def test_mig_instances_are_listed_and_the_parents_utilization_is_asked_again() -> None:
+    backend = FakeNvmlBackend.mig_layout()
+    instance_uuid = backend.gpus[0].mig[0].uuid
+    probe = NvmlProbe(backend, job_uuids=lambda: [instance_uuid[4:]])
+    rows = probe.read()
+    # The job's MIG instance first, then the rest in NVML's order: each GPU, its instances.
+    assert [(g.index, g.mig_parent) for g in rows] == [(0, 0), (0, None), (1, 0), (1, None)]
+    mig = rows[0]
+    assert mig.uuid == instance_uuid and mig.cuda_device == "cuda:0" and mig.in_job
+    assert mig.memory_total_bytes == 40_192 * MIB and mig.util_gpu_percent is None
+    parent = next(g for g in rows if g.index == 0 and g.mig_parent is None)
+    assert parent.in_job is False and parent.util_gpu_percent is None
+    assert parent.memory_total_bytes == 81_920 * MIB
+    probe.read()
+    # Utilization on the parent is not dropped for good: MIG mode can be turned off.
+    assert backend.count("utilization", 0) == 2
 
 
 def _cuda_available() -> bool:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
 
 from torchtop.agent.probes.base import ProbeUnavailable
 from torchtop.agent.probes.nvml import NvmlCallError, NvmlErrorCode
@@ -39,6 +41,16 @@ class FakeGpu:
     #: After this many ``utilization`` calls (the first call of each read) every call on this
     #: GPU raises ``gpu_lost``, as NVML does once a GPU has fallen off the bus.
     lost_after_reads: int | None = None
+    #: NVML's UUID; ``GPU-`` and 8-4-4-4-12 hex digits (``MIG-`` for a MIG instance).
+    uuid: str = ""
+    #: In MIG mode, the GPU's instances (then the GPU itself reports no utilization).
+    mig: list[FakeGpu] = field(default_factory=list)
+
+
+def uuid_of(n: int, prefix: str = "GPU") -> str:
+    """A UUID as NVML spells it, distinct per ``n`` (the GPU check's nvidia-smi fake spells
+    GPU ``n`` the same way)."""
+    return f"{prefix}-{n:08x}-aaaa-bbbb-cccc-dddddddddddd"
 
 
 class FakeNvmlBackend:
@@ -46,6 +58,10 @@ class FakeNvmlBackend:
 
     def __init__(self, gpus: list[FakeGpu] | None = None, init_error: str | None = None) -> None:
         self.gpus = gpus if gpus is not None else [FakeGpu(), FakeGpu(util_gpu=12.0)]
+        for index, gpu in enumerate(self.gpus):
+            gpu.uuid = gpu.uuid or uuid_of(index)
+            for slot, instance in enumerate(gpu.mig):
+                instance.uuid = instance.uuid or uuid_of(100 * (index + 1) + slot, "MIG")
         self.init_error = init_error
         #: Calls per ``(method, gpu index)``; ``gpu index`` is -1 for calls not about a GPU.
         self.calls: Counter[tuple[str, int]] = Counter()
@@ -77,6 +93,29 @@ class FakeNvmlBackend:
     def gpu_lost(cls, after_reads: int = 2) -> FakeNvmlBackend:
         """GPU 1 falls off the bus after ``after_reads`` reads."""
         return cls([FakeGpu(), FakeGpu(lost_after_reads=after_reads)])
+
+    @classmethod
+    def four_h100_out_of_cuda_order(cls) -> FakeNvmlBackend:
+        """Four GPUs in NVML's (PCI bus) order; a job with ``CUDA_VISIBLE_DEVICES=2,0`` sees
+        NVML's GPU 2 as ``cuda:0`` and GPU 0 as ``cuda:1``: :data:`JOB_CUDA_UUIDS`."""
+        return cls([FakeGpu(name="NVIDIA H100 80GB HBM3", util_gpu=float(i)) for i in range(4)])
+
+    @classmethod
+    def mig_layout(cls) -> FakeNvmlBackend:
+        """An A100 in MIG mode with two instances (3g.40gb and 2g.20gb), then an A100 without."""
+        a100 = "NVIDIA A100-SXM4-80GB"
+        instances = [
+            FakeGpu(name=f"{a100} MIG 3g.40gb", memory_total=40_192 * MIB, memory_used=9 * GIB,
+                    fail={"utilization": "not_supported", "power_w": "not_supported",
+                          "power_limit_w": "not_supported", "temperature": "not_supported",
+                          "clocks": "not_supported"}),
+            FakeGpu(name=f"{a100} MIG 2g.20gb", memory_total=19_968 * MIB, memory_used=1 * GIB,
+                    fail={"utilization": "not_supported", "power_w": "not_supported",
+                          "power_limit_w": "not_supported", "temperature": "not_supported",
+                          "clocks": "not_supported"}),
+        ]  # fmt: skip
+        parent = FakeGpu(name=a100, memory_total=81_920 * MIB, mig=instances)
+        return cls([parent, FakeGpu(name=a100, memory_total=81_920 * MIB)])
 
     @classmethod
     def library_not_found(cls) -> FakeNvmlBackend:
@@ -115,9 +154,20 @@ class FakeNvmlBackend:
 
     def _gpu(self, method: str, handle: object) -> FakeGpu:
         assert self.initialized, f"{method} called before init or after shutdown"
+        if isinstance(handle, tuple):  # a MIG instance: (parent, slot)
+            parent, slot = handle
+            self.calls[(method, 1000 * (parent + 1) + slot)] += 1
+            instance = self.gpus[parent].mig[slot]
+            code = instance.fail.get(method)
+            if code is not None:
+                raise NvmlCallError(code, f"{method} failed")
+            return instance
         assert isinstance(handle, int)
         self.calls[(method, handle)] += 1
         gpu = self.gpus[handle]
+        if method == "utilization" and gpu.mig:
+            # A GPU in MIG mode has no utilization of its own (NVML: NOT_SUPPORTED).
+            raise NvmlCallError("not_supported", "utilization in MIG mode")
         if gpu.lost_after_reads is not None and self.calls[("utilization", handle)] > (
             gpu.lost_after_reads
         ):
@@ -153,3 +203,52 @@ class FakeNvmlBackend:
 
     def processes(self, handle: object) -> list[tuple[int, int | None]]:
         return list(self._gpu("processes", handle).processes)
+
+    def uuid(self, handle: object) -> str:
+        return self._gpu("uuid", handle).uuid
+
+    def mig_instances(self, handle: object) -> list[object]:
+        gpu = self._gpu("mig_instances", handle)
+        assert isinstance(handle, int)
+        return [(handle, slot) for slot in range(len(gpu.mig))]
+
+
+#: The job's CUDA devices under ``CUDA_VISIBLE_DEVICES=2,0`` on
+#: :meth:`FakeNvmlBackend.four_h100_out_of_cuda_order`, as torch spells them
+#: (``str(get_device_properties(i).uuid)``: no ``GPU-``).
+JOB_CUDA_UUIDS = [uuid_of(2)[4:], uuid_of(0)[4:]]
+
+
+# -- pynvml itself, for the real backend -----------------------------------------------------
+
+
+def fake_pynvml(**functions: Any) -> SimpleNamespace:
+    """The real pynvml's errors and constants, with the device functions replaced."""
+    import pynvml
+
+    names = [n for n in dir(pynvml) if n.startswith(("NVML_", "NVMLError", "NVMLLibrary"))]
+    namespace = SimpleNamespace(**{n: getattr(pynvml, n) for n in names})
+    for name, function in functions.items():
+        setattr(namespace, name, function)
+    return namespace
+
+
+def pynvml_error(code_name: str) -> Exception:
+    """pynvml's exception for an NVML return code (``NVML_ERROR_RESET_REQUIRED``...)."""
+    import pynvml
+
+    error: Exception = pynvml.NVMLError(getattr(pynvml, code_name))
+    return error
+
+
+def library_mismatch() -> Exception:
+    """What pynvml's unversioned process-list calls raise on a driver without the _v3
+    struct: not an NVMLError (pynvml ``throwOnVersionMismatch``)."""
+    import pynvml
+
+    error: Exception = pynvml.NVMLLibraryMismatchError(
+        "Unversioned function called and the pyNVML version does not match the NVML lib "
+        "version. Either use matching pyNVML and NVML lib versions or use a versioned function "
+        "such as nvmlDeviceGetComputeRunningProcesses_v2"
+    )
+    return error

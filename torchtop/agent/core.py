@@ -170,7 +170,8 @@ class Agent:
         if config.nvml:
             from torchtop.agent.probes.nvml import NvmlProbe
 
-            nvml = NvmlProbe()
+            # GPUs matched to the job's CUDA devices by UUID once it has initialized CUDA.
+            nvml = NvmlProbe(job_uuids=self._cuda.job_uuids)
         self._nvml = nvml
         # Out-of-memory capture, the --memory-limit emulation and snapshot requests.
         self.oom = OomController(

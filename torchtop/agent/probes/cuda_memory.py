@@ -50,6 +50,7 @@ class CudaMemoryProbe:
         self._cuda: Any = cuda
         #: Failures torch handled itself, per device (the OOM capture counts them).
         self.handled_ooms = handled_ooms
+        self._uuids: list[str | None] | None = None
 
     def _module(self) -> Any:
         if self._cuda is None:
@@ -146,6 +147,14 @@ class CudaMemoryProbe:
         except Exception:
             return []
         return [self._device_info(cuda, index, initialized) for index in range(max(0, count))]
+
+    def job_uuids(self) -> list[str | None] | None:
+        """The UUIDs of the job's CUDA devices in CUDA's order, once the job has initialized
+        CUDA (``None`` before): what the NVML probe matches its GPUs to. Read once, since
+        the devices a process sees are fixed from its CUDA initialization on."""
+        if self._uuids is None and self.cuda_initialized():
+            self._uuids = [device.uuid for device in self.devices()]
+        return self._uuids
 
     def cuda_initialized(self) -> bool:
         """Whether the job has initialized CUDA (a flag check: never initializes it)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, TypeVar
 
 from torchtop.agent.probes.base import ProbeUnavailable
@@ -75,6 +75,14 @@ class NvmlBackend(Protocol):
 
     def processes(self, handle: object) -> list[tuple[int, int | None]]:
         """``(pid, bytes used or None)`` for each process with a context on the GPU."""
+        ...
+
+    def uuid(self, handle: object) -> str:
+        """The GPU's UUID, ``GPU-…`` (``MIG-…`` for a MIG instance)."""
+        ...
+
+    def mig_instances(self, handle: object) -> list[object]:
+        """Handles of the GPU's MIG instances; empty when MIG mode is off or unsupported."""
         ...
 
 
@@ -148,15 +156,23 @@ class PynvmlBackend:
     def processes(self, handle: object) -> list[tuple[int, int | None]]:
         # Compute contexts are what a training job has; graphics ones are listed as well so the
         # view of who shares the GPU is whole. A process can be in both lists: it counts once.
+        # The unversioned calls ask for the newest struct (_v3); a driver without it makes
+        # pynvml raise NVMLLibraryMismatchError, and the _v2 calls are asked instead.
         nvml = self._nvml
         found: dict[int, int | None] = {}
         failures: list[NvmlCallError] = []
-        for getter in (
-            nvml.nvmlDeviceGetComputeRunningProcesses,
-            nvml.nvmlDeviceGetGraphicsRunningProcesses,
+        for name in (
+            "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetGraphicsRunningProcesses",
         ):
             try:
-                listed = self._call(getter, handle)
+                try:
+                    listed = self._call(getattr(nvml, name), handle)
+                except NvmlCallError as exc:
+                    older = getattr(nvml, f"{name}_v2", None)
+                    if exc.code != "not_supported" or older is None:
+                        raise
+                    listed = self._call(older, handle)
             except NvmlCallError as exc:
                 if exc.code == "gpu_lost":
                     raise
@@ -169,14 +185,45 @@ class PynvmlBackend:
             raise failures[0]
         return list(found.items())
 
+    def uuid(self, handle: object) -> str:
+        value = self._call(self._nvml.nvmlDeviceGetUUID, handle)
+        return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+    def mig_instances(self, handle: object) -> list[object]:
+        nvml = self._nvml
+        try:
+            current, _pending = self._call(nvml.nvmlDeviceGetMigMode, handle)
+        except NvmlCallError as exc:
+            if exc.code == "gpu_lost":
+                raise
+            return []  # no MIG on this GPU (or this driver)
+        if current != nvml.NVML_DEVICE_MIG_ENABLE:
+            return []
+        instances: list[object] = []
+        for slot in range(int(self._call(nvml.nvmlDeviceGetMaxMigDeviceCount, handle))):
+            try:
+                instances.append(self._call(nvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot))
+            except NvmlCallError as exc:
+                if exc.code == "gpu_lost":
+                    raise
+                # NOT_FOUND: no instance in this slot.
+        return instances
+
     def _call(self, function: Callable[..., _T], *args: object) -> _T:
         nvml = self._nvml
         if nvml is None:
             raise NvmlCallError("other", "NVML is not initialized")
+        mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)
         try:
             return function(*args)
         except nvml.NVMLError as exc:
             raise NvmlCallError(_error_code(nvml, exc), str(exc)) from None
+        except Exception as exc:
+            # Not an NVMLError: pynvml's unversioned calls raise NVMLLibraryMismatchError
+            # when the driver lacks the struct version they ask for.
+            if mismatch is not None and isinstance(exc, mismatch):
+                raise NvmlCallError("not_supported", str(exc)) from None
+            raise
 
 
 def _error_code(nvml: Any, exc: Any) -> NvmlErrorCode:
@@ -184,11 +231,19 @@ def _error_code(nvml: Any, exc: Any) -> NvmlErrorCode:
     if value in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND):
         # A function missing from an older driver is as final as one the GPU does not support.
         return "not_supported"
-    if value == nvml.NVML_ERROR_GPU_IS_LOST:
+    if value in _lost_codes(nvml):
+        # Off the bus, in need of a reset, or gone from the system: the GPU will not answer
+        # again in this process.
         return "gpu_lost"
     if value == nvml.NVML_ERROR_NO_PERMISSION:
         return "no_permission"
     return "other"
+
+
+def _lost_codes(nvml: Any) -> tuple[Any, ...]:
+    """NVML's codes for a GPU that will not answer again: off the bus, needing a reset, gone."""
+    names = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_RESET_REQUIRED", "NVML_ERROR_GPU_NOT_FOUND")
+    return tuple(getattr(nvml, name) for name in names if hasattr(nvml, name))
 
 
 def _init_reason(nvml: Any, exc: Any) -> str:
@@ -223,6 +278,11 @@ class _Gpu:
     unsupported: set[str] = field(default_factory=set)
     processes: list[GpuProcess] | None = None
     processes_read_at: float | None = None
+    uuid: str | None = None
+    #: For a MIG instance, its parent's NVML index.
+    mig_parent: int | None = None
+    #: For a GPU, its MIG instances (``None`` until looked for; empty without MIG).
+    instances: list[_Gpu] | None = None
 
 
 class NvmlProbe:
@@ -240,8 +300,12 @@ class NvmlProbe:
         backend: NvmlBackend | None = None,
         process_interval_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        job_uuids: Callable[[], list[str | None] | None] | None = None,
     ) -> None:
         self._backend: NvmlBackend = backend if backend is not None else PynvmlBackend()
+        #: The UUIDs of the job's CUDA devices in CUDA's order (``cuda:0`` first), once the job
+        #: has initialized CUDA; ``None`` before.
+        self._job_uuids = job_uuids
         self._process_interval_s = process_interval_s
         self._clock = clock
         self._gpus: list[_Gpu] | None = None
@@ -250,7 +314,10 @@ class NvmlProbe:
         self._closed = False
 
     def read(self) -> list[GpuStats]:
-        """One ``GpuStats`` per GPU, in NVML's index order.
+        """One ``GpuStats`` per GPU, each followed by its MIG instances. Once the job has
+        initialized CUDA, GPUs are matched to its devices by UUID (NVML orders them by PCI
+        bus and ignores ``CUDA_VISIBLE_DEVICES``; CUDA puts the fastest first): the job's come
+        first in CUDA's order with ``cuda_device`` set, the others after, ``in_job=False``.
 
         Raises :class:`ProbeUnavailable` when NVML cannot be started (then and on every later
         call, without trying again) or after :meth:`close`.
@@ -261,7 +328,46 @@ class NvmlProbe:
             raise ProbeUnavailable(self._failure)
         if self._gpus is None:
             self._gpus = self._start()
-        return [self._read_gpu(gpu) for gpu in self._gpus]
+        rows: list[GpuStats] = []
+        for gpu in self._gpus:
+            rows.append(self._read_gpu(gpu))
+            rows.extend(self._read_gpu(instance) for instance in self._instances(gpu))
+        return self._matched(rows)
+
+    def _instances(self, gpu: _Gpu) -> list[_Gpu]:
+        """The GPU's MIG instances, looked for once."""
+        if gpu.instances is None and not gpu.lost and gpu.handle is not None:
+            handles = self._call(gpu, "mig", self._backend.mig_instances, gpu.handle)
+            gpu.instances = [
+                _Gpu(slot, handle=handle, mig_parent=gpu.index)
+                for slot, handle in enumerate(handles or [])
+            ]
+            if gpu.instances:
+                # A GPU in MIG mode reports no utilization of its own; that is its mode, not
+                # the GPU's make: keep asking.
+                gpu.unsupported.discard("utilization")
+        if gpu.lost:
+            return []
+        return gpu.instances or []
+
+    def _matched(self, rows: list[GpuStats]) -> list[GpuStats]:
+        uuids: list[str | None] | None = None
+        if self._job_uuids is not None:
+            with contextlib.suppress(Exception):
+                uuids = self._job_uuids()
+        if not uuids:
+            return rows
+        cuda_index = {_uuid_key(u): i for i, u in enumerate(uuids) if u}
+        job: list[tuple[int, GpuStats]] = []
+        others: list[GpuStats] = []
+        for row in rows:
+            index = cuda_index.get(_uuid_key(row.uuid)) if row.uuid else None
+            if index is None:
+                others.append(replace(row, in_job=False))
+            else:
+                job.append((index, replace(row, in_job=True, cuda_device=f"cuda:{index}")))
+        job.sort(key=lambda pair: pair[0])
+        return [row for _, row in job] + others
 
     def close(self) -> None:
         """Shut NVML down if it was started. Later calls do nothing."""
@@ -301,7 +407,7 @@ class NvmlProbe:
 
     def _read_gpu(self, gpu: _Gpu) -> GpuStats:
         if gpu.lost:
-            return GpuStats(index=gpu.index, name=gpu.name, lost=True)
+            return self._lost(gpu)
         backend = self._backend
         try:
             if gpu.handle is None:
@@ -311,6 +417,10 @@ class NvmlProbe:
             handle = gpu.handle
             if gpu.name is None:
                 gpu.name = self._call(gpu, "name", backend.name, handle)
+            if gpu.uuid is None:
+                gpu.uuid = self._call(gpu, "uuid", backend.uuid, handle)
+            if gpu.instances:
+                gpu.unsupported.discard("utilization")
             util = self._call(gpu, "utilization", backend.utilization, handle)
             memory = self._call(gpu, "memory", backend.memory, handle)
             clocks = self._call(gpu, "clocks", backend.clocks, handle)
@@ -327,13 +437,21 @@ class NvmlProbe:
                 clock_sm_mhz=None if clocks is None else int(clocks[0]),
                 clock_memory_mhz=None if clocks is None else int(clocks[1]),
                 processes=self._processes(gpu, handle),
+                uuid=gpu.uuid,
+                mig_parent=gpu.mig_parent,
             )
         except _GpuLost:
             gpu.lost = True
             gpu.handle = None
             gpu.processes = None
-            return GpuStats(index=gpu.index, name=gpu.name, lost=True)
+            return self._lost(gpu)
         return stats
+
+    @staticmethod
+    def _lost(gpu: _Gpu) -> GpuStats:
+        return GpuStats(
+            index=gpu.index, name=gpu.name, lost=True, uuid=gpu.uuid, mig_parent=gpu.mig_parent
+        )
 
     def _processes(self, gpu: _Gpu, handle: object) -> list[GpuProcess] | None:
         now = self._clock()
@@ -366,6 +484,15 @@ class NvmlProbe:
         except Exception:
             # A backend that breaks its contract costs this field, never the sampler thread.
             return None
+
+
+def _uuid_key(uuid: str | None) -> str:
+    """A UUID's 32 hex digits: NVML writes ``GPU-``/``MIG-`` before them, torch does not."""
+    text = (uuid or "").strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if text.startswith(prefix):
+            text = text[len(prefix) :]
+    return text.replace("-", "")
 
 
 def _float(value: float | None) -> float | None:
