@@ -613,7 +613,8 @@ def test_a_failing_or_crashing_group_does_not_stop_the_others(
 @pytest.mark.slow
 def test_the_ops_job_gives_one_window_per_phase_with_its_steps(tmp_path: Path) -> None:
     """The op-window job, on the CPU (no copies there): each phase's window is found by its
-    time, counts its 4 steps, and `.item()` every step is one sync point a step."""
+    time, counts its 4 steps, and `.item()` every step is one host read a step (on a GPU, one
+    sync point a step)."""
     (tmp_path / "work").mkdir()
     session = gpu_check.Session(tmp_path / "work")
     record, out = tmp_path / "ops.ttr", tmp_path / "ops.json"
@@ -624,8 +625,8 @@ def test_the_ops_job_gives_one_window_per_phase_with_its_steps(tmp_path: Path) -
     windows = {name: cmp.window_in(frames, span) for name, span in truth["phases"].items()}
     assert all(truth["phases"][name][2] == 1.0 for name in windows), truth["phases"]
     assert [w and w["steps"] for w in windows.values()] == [4, 4, 4]
-    assert cmp.per_step(windows["item"], "sync_points", 1.0, "syncs").status == cmp.PASS
-    assert cmp.per_step(windows["pinned"], "sync_points", 0.0, "syncs").status == cmp.PASS
+    assert cmp.per_step(windows["item"], "host_reads", 1.0, "reads").status == cmp.PASS
+    assert cmp.per_step(windows["pinned"], "host_reads", 0.0, "reads").status == cmp.PASS
     assert truth["events"] and any(a["name"] == "aten::addmm" for a in truth["key_averages"])
 
 
