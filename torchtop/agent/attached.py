@@ -84,11 +84,12 @@ def _process_started_at() -> float | None:
 
 def write_status(path: str, status: dict[str, Any]) -> None:
     """Write the status file (0600) in one piece: the attacher reads it once it exists."""
+    from torchtop.private_files import open_private
+
     try:
         tmp = f"{path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(status, f)
+        with open_private(tmp) as f:
+            f.write(json.dumps(status).encode())
         os.replace(tmp, path)
     except OSError:
         pass  # the attacher times out and says so

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchtop.private_files import open_private
 from torchtop.transport import AgentInfo, ensure_runtime_dir, find_agent
 
 #: The first Python that ``sys.remote_exec`` exists in.
@@ -55,6 +56,8 @@ SAFE_ENTRIES = (
     "PyCallable_Check",
     "PyErr_CheckSignals",
 )
+#: Seconds the job may take to start the agent once it has begun (imports on a busy machine).
+STARTING_TIMEOUT_S = 120.0
 #: Marks in gdb's output.
 MARK_SCHEDULED = "TORCHTOP: scheduled"
 
@@ -186,6 +189,7 @@ def _ptrace_denied(pid: int) -> AttachRefused:
 _PAYLOAD = """\
 import json, os, sys
 def _torchtop_attach(status, paths, options, runtime_dir):
+    os.close(os.open(status + '.began', os.O_WRONLY | os.O_CREAT, 0o600))
     added = [p for p in paths if p not in sys.path]
     sys.path.extend(added)
     try:
@@ -229,7 +233,9 @@ def payload_line(source: str) -> str:
 def gdb_script(line: str) -> str:
     """The gdb commands that queue ``line`` as a pending call at a safe point, then detach."""
     size = len(line) + 1
-    breaks = "\n".join(f"break {name}" for name in SAFE_ENTRIES)
+    # Thread 1 is the main thread: only a pending call added there wakes it (CPython sets the
+    # eval breaker only when the thread that adds the call is one that may run it).
+    breaks = "\n".join(f"break {name} thread 1" for name in SAFE_ENTRIES)
     return f"""\
 set pagination off
 set confirm off
@@ -252,6 +258,7 @@ end
 continue
 if $scheduled == 0
   p "TORCHTOP: waking the main thread"
+  thread 1
   p (int)Py_AddPendingCall((void*)PyCallable_Check, (void*)0)
   continue
 end
@@ -269,13 +276,13 @@ def run_gdb(
     """Run gdb on ``pid`` with ``script``; its output. Interrupted (never killed: a killed gdb
     would leave its breakpoints in the job) when the job does not come to a breakpoint."""
     path = script_dir / f"attach-{pid}-{secrets.token_hex(4)}.gdb"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(script)
+    with open_private(path) as f:
+        f.write(script.encode())
     command = [
         "gdb",
         "-batch",
         "-nx",
+        "-readnever",  # minimal symbols suffice: reading debug info would hold the job longer
         "-p",
         str(pid),
         "-iex=set debuginfod enabled off",
@@ -365,10 +372,8 @@ except Exception as exc:
 def remote_exec(target: Target, source: str, script_dir: Path) -> None:
     """Queue ``source`` in the job with ``sys.remote_exec``, run by the job's own interpreter."""
     path = script_dir / f"attach-{target.pid}-{secrets.token_hex(4)}.py"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(source)
-    os.chmod(path, 0o600)
+    with open_private(path) as f:
+        f.write(source.encode())
     exe = target.exe or f"/proc/{target.pid}/exe"
     try:
         proc = subprocess.run(
@@ -459,20 +464,34 @@ def start_agent(
 
 
 def _wait_status(status: Path, pid: int, timeout_s: float) -> dict[str, Any]:
+    """The status the job wrote. Once the job has begun the start (on a busy machine its
+    imports take a while), it gets :data:`STARTING_TIMEOUT_S` more to finish."""
+    began = status.with_name(status.name + ".began")
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            result = json.loads(status.read_text())
-        except FileNotFoundError:
-            if not Path(f"/proc/{pid}").exists():
-                raise AttachRefused(f"pid {pid} ended before its agent started") from None
-            time.sleep(0.05)
-            continue
-        except (OSError, ValueError):
-            time.sleep(0.05)
-            continue
-        status.unlink(missing_ok=True)
-        return result if isinstance(result, dict) else {}
+    extended = False
+    try:
+        while time.monotonic() < deadline:
+            try:
+                result = json.loads(status.read_text())
+            except FileNotFoundError:
+                if not Path(f"/proc/{pid}").exists():
+                    raise AttachRefused(f"pid {pid} ended before its agent started") from None
+                if not extended and began.exists():
+                    deadline, extended = time.monotonic() + STARTING_TIMEOUT_S, True
+                time.sleep(0.05)
+                continue
+            except (OSError, ValueError):
+                time.sleep(0.05)
+                continue
+            status.unlink(missing_ok=True)
+            return result if isinstance(result, dict) else {}
+    finally:
+        began.unlink(missing_ok=True)
+    if extended:
+        raise AttachRefused(
+            f"the agent in pid {pid} began to start but did not finish in "
+            f"{STARTING_TIMEOUT_S:.0f} s: see `torchtop ps` in a while"
+        )
     raise AttachRefused(
         f"the agent's start is queued in pid {pid}, but its main thread ran no Python for "
         f"{timeout_s:.0f} s (blocked in a long call?): it starts when that thread runs Python "
