@@ -23,6 +23,7 @@ from torchtop.transport import list_agents
 PLAIN_TRAIN = SCRIPTS / "plain_train.py"
 EXPECTED_STDOUT = "first step done\ntraining done\n"
 ATTACH = [sys.executable, "-m", "torchtop", "attach"]
+HEADLESS_1S = ["--headless", "--duration", "1"]
 AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
 
@@ -184,8 +185,9 @@ def test_refused_without_gdb(tmp_path: Path) -> None:
     try:
         empty = tmp_path / "bin"
         empty.mkdir()
+        record = tmp_path / "r.ttr"
         result = subprocess.run(
-            [*ATTACH, str(target.pid), "--headless", "--record", str(tmp_path / "r.ttr")],
+            [*ATTACH, str(target.pid), "--headless", "--record", str(record), "--duration", "1"],
             capture_output=True,
             text=True,
             env={**os.environ, "PATH": str(empty)},
@@ -199,6 +201,17 @@ def test_refused_without_gdb(tmp_path: Path) -> None:
     assert lines[0].startswith("torchtop: gdb is not installed")
     assert "apt install gdb" in lines[0] and "torchtop run" in lines[0]
     assert "Traceback" not in result.stderr
+    # What can be read from outside is recorded all the same.
+    assert (
+        lines[1]
+        == f"torchtop: watching pid {target.pid} from outside instead (/proc and NVML only)"
+    )
+    messages = read_recording(record).messages
+    samples = [m for m in messages if isinstance(m, Sample)]
+    assert samples and all(s.host is not None and s.host.rss_bytes for s in samples)
+    assert samples[-1].host is not None and samples[-1].host.threads == 1
+    (status,) = [m for m in messages if isinstance(m, ProbeStatus) and m.probe == "attach"]
+    assert status.detail.startswith("watched from outside (gdb is not installed")
 
 
 def test_refused_for_another_users_job(tmp_path: Path) -> None:
@@ -206,9 +219,10 @@ def test_refused_for_another_users_job(tmp_path: Path) -> None:
         pytest.skip("running the attacher as another user needs root and setpriv")
     target = _sleeper()  # ours (root); the attacher runs as nobody
     runtime = f"/tmp/tt-nobody-{os.getpid()}"  # nobody cannot enter the test's own tmp_path
+    record = f"{runtime}.ttr"
     try:
         result = subprocess.run(
-            [*AS_NOBODY, *ATTACH, str(target.pid), "--headless", "--record", "/dev/null"],
+            [*AS_NOBODY, *ATTACH, str(target.pid), *HEADLESS_1S, "--record", record],
             capture_output=True,
             text=True,
             cwd=Path(__file__).resolve().parent.parent,
@@ -220,9 +234,12 @@ def test_refused_for_another_users_job(tmp_path: Path) -> None:
         target.wait()
         shutil.rmtree(runtime, ignore_errors=True)
     assert result.returncode == 1, result.stderr
-    line = result.stderr.strip()
+    line = result.stderr.strip().splitlines()[0]
     assert line.startswith(f"torchtop: pid {target.pid} belongs to root, not to you (nobody)")
-    assert "or with sudo" in line and "\n" not in line
+    assert "or with sudo" in line and "Traceback" not in result.stderr
+    samples = [m for m in read_recording(record).messages if isinstance(m, Sample)]
+    os.unlink(record)
+    assert samples and samples[-1].host is not None and samples[-1].host.rss_bytes
 
 
 def test_yama_scope_refusals_name_the_fix(tmp_path: Path) -> None:
@@ -252,10 +269,11 @@ def test_refused_when_the_jobs_python_cannot_import_torchtop(tmp_path: Path) -> 
     target = _sleeper(base, "-I")  # isolated: no venv, no site-packages of ours
     try:
         refused = torchtop(
-            "attach", str(target.pid), "--headless", "--record", str(tmp_path / "r.ttr")
-        )
+            "attach", str(target.pid), "--headless", "--record", str(tmp_path / "r.ttr"),
+            "--duration", "0.5",
+        )  # fmt: skip
         assert refused.returncode == 1
-        line = refused.stderr.strip().splitlines()[-1]  # after "starting an agent in pid …"
+        line = refused.stderr.strip().splitlines()[1]  # after "starting an agent in pid …"
         assert line.startswith(f"torchtop: pid {target.pid}'s Python (")
         assert "cannot import torchtop (ModuleNotFoundError: No module named 'torchtop')" in line
         assert "torchtop run" in line and "Traceback" not in refused.stderr

@@ -570,6 +570,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
         if args.record is None:
             raise CliError("--headless records without a viewer: give --record FILE")
         info = _attach_target(args, ask=False)
+        if isinstance(info, _Outside):
+            return _record_outside(info, args.record, args.duration)
         return _record_headless(info, args.record, args.duration)
     if args.duration is not None:
         raise CliError("--duration applies to --headless recording")
@@ -587,6 +589,12 @@ def cmd_attach(args: argparse.Namespace) -> int:
         writer = RecordingWriter(args.record) if args.record else None
     except RecordingError as exc:
         raise CliError(str(exc), code=1) from None
+    if isinstance(info, _Outside):
+        from torchtop.attach.outside import outside_source
+
+        source = outside_source(info.pid, info.reason, writer)
+        _run_app(TorchtopApp(source, title=f"pid {info.pid} (from outside)"))
+        return 1
     return _run_app(TorchtopApp(LiveSource(info.address, writer=writer), title=info.command))
 
 
@@ -600,15 +608,52 @@ def _attach_target(args: argparse.Namespace, ask: bool) -> Any:
 
     try:
         if ask and not _confirm_start(read_target(args.pid)):
-            raise CliError(f"no agent started in pid {args.pid}", code=1)
+            return _Outside(args.pid, "no agent started")
         started = start_agent(
             args.pid,
             python_path=args.python_path,
             progress=lambda text: print(f"torchtop: {text}", file=sys.stderr),
         )
     except AttachRefused as exc:
-        raise CliError(str(exc), code=1) from None
+        if not os.path.exists(f"/proc/{args.pid}"):
+            raise CliError(str(exc), code=1) from None
+        # Say why, then show what can be read from outside (exit code 1 all the same).
+        print(f"torchtop: {exc}", file=sys.stderr)
+        print(
+            f"torchtop: watching pid {args.pid} from outside instead (/proc and NVML only)",
+            file=sys.stderr,
+        )
+        return _Outside(args.pid, str(exc))
     return started.info
+
+
+class _Outside:
+    """A job no agent can be started in: it is watched from outside."""
+
+    def __init__(self, pid: int, refusal: str) -> None:
+        self.pid = pid
+        self.reason = refusal.split(":", 1)[0]  # the problem; the fix was printed above
+
+
+def _record_outside(target: _Outside, path: Path, duration: float | None) -> int:
+    """Record ``/proc`` and NVML figures of a job without an agent; exit code 1 (refused)."""
+    from torchtop.attach.outside import OutsideWatch
+    from torchtop.recording import RecordingError, RecordingWriter
+
+    try:
+        writer = RecordingWriter(path)
+    except RecordingError as exc:
+        raise CliError(str(exc), code=1) from None
+    watch = OutsideWatch(target.pid, writer.write, reason=target.reason).start()
+    try:
+        watch.ended.wait(duration)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        watch.stop()
+        writer.close()
+    print(f"recorded pid {target.pid} from outside to {path}", file=sys.stderr)
+    return 1
 
 
 def _confirm_start(target: Any) -> bool:

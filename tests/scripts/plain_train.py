@@ -31,8 +31,8 @@ def batches(args: argparse.Namespace):
         loader = DataLoader(Items(), batch_size=8, num_workers=args.workers)
         while True:
             yield from loader  # a new iterator (and new workers) each short epoch
-    x = torch.randn(8, 128)
-    y = torch.randint(0, 10, (8,))
+    x = torch.randn(64, 128)
+    y = torch.randint(0, 10, (64,))
     while True:
         yield x, y
 
@@ -45,10 +45,11 @@ def main() -> int:
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--sleep", type=float, default=0.01)
     parser.add_argument("--times", default=None)
+    parser.add_argument("--hidden", type=int, default=256)
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = nn.Sequential(nn.Linear(128, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     deadline = time.monotonic() + args.seconds
     times = []
