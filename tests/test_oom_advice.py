@@ -211,7 +211,7 @@ def test_the_viewer_side_and_the_oom_agent_modules_import_no_torch() -> None:
 
     modules = [
         "torchtop.model.oom_advice",
-        "torchtop.oom_report",
+        "torchtop.report",
         "torchtop.sizes",
         "torchtop.model.captures",
         "torchtop.tui.oom_screen",
@@ -224,15 +224,16 @@ def test_the_viewer_side_and_the_oom_agent_modules_import_no_torch() -> None:
 
 
 def test_report_events_carry_the_evidence() -> None:
-    from torchtop.oom_report import CaptureCollector, capture_parts
+    from torchtop.model import JobModel
     from torchtop.protocol import MemoryStats, OomResumed, PhaseBegan, Sample
+    from torchtop.report import capture_parts, report_json
 
-    collector = CaptureCollector()
+    model = JobModel()
     for i in range(60):  # allocated grows step over step
         stats = MemoryStats("cuda:0", "cuda-allocator", (10 + i // 10 * 5) * GiB, 80 * GiB)
-        collector.observe(Sample(float(i), None, [stats]))
-    collector.observe(PhaseBegan(55.0, "eval", 1))
-    collector.observe(
+        model.apply(Sample(float(i), None, [stats]))
+    model.apply(PhaseBegan(55.0, "eval", 1))
+    model.apply(
         _oom(
             t=59.5,
             fragmented=False,
@@ -241,8 +242,8 @@ def test_report_events_carry_the_evidence() -> None:
             snapshot_path="/runs/r.oom-1.pickle",
         )
     )
-    collector.observe(OomResumed(70.0, 1, "timeout"))
-    (event,) = collector.events(start=0.0)
+    model.apply(OomResumed(70.0, 1, "timeout"))
+    (event,) = report_json(model)["events"]
     assert event["kind"] == "oom" and event["t_s"] == 59.5 and event["phase"] == "eval"
     assert event["top_sites"] == [
         {

@@ -570,7 +570,7 @@ def test_a_loader_gone_before_its_iterator_is_read_is_still_named() -> None:
 
 def test_the_hooks_modules_import_neither_torch_nor_the_ui() -> None:
     code = (
-        "import json, sys, torchtop.agent.training, torchtop.steps_summary\n"
+        "import json, sys, torchtop.agent.training, torchtop.model.training\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
     out = subprocess.run(

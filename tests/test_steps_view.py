@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torchtop.model.job import JobModel
-from torchtop.model.training import StepPoint, TrainingState
+from torchtop.model.training import StepPoint, TrainingState, weighted_quantile
 from torchtop.protocol import (
     LoaderInfo,
     LoaderStats,
@@ -18,7 +18,6 @@ from torchtop.protocol import (
     step_detail_weights,
 )
 from torchtop.report import summarize
-from torchtop.steps_summary import weighted_quantile
 from torchtop.tui.widgets.steps import (
     format_seconds,
     format_seconds_short,

@@ -1,4 +1,8 @@
-"""``torchtop report``: a summary of a recording, as JSON or as a table. Standard library only.
+"""``torchtop report``: a recording's model at its end, as JSON or as text.
+
+The recording's messages are folded by :class:`torchtop.model.JobModel`, the same model the
+viewer reads, and this module only renders it: the JSON keys are documented in the README, and
+the text report (rich, imported only for it) renders the JSON.
 
 Peaks are taken over the samples (10 per second by default). On CUDA the allocator's own peak
 counters are exact for the whole run; per-phase peaks are the largest sampled values inside the
@@ -8,187 +12,65 @@ phase, since the agent never resets the job's peak counters.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from torchtop.oom_report import CaptureCollector, capture_parts
-from torchtop.ops_summary import OpsCollector, ops_parts
-from torchtop.protocol import (
-    Dropped,
-    GpuSample,
-    Hello,
-    JobExited,
-    LoaderInfo,
-    LogLine,
-    Message,
-    PhaseBegan,
-    PhaseEnded,
-    ProbeStatus,
-    Sample,
-    StepStats,
-)
+from torchtop.model import CaptureEntry, JobModel, OpTimings, TrainingState
+from torchtop.model.oom_advice import verdict_text
+from torchtop.model.ops import op_avg_s
+from torchtop.model.training import LoaderState
+from torchtop.protocol import MemorySnapshotTaken, Message, OpStat, OutOfMemory
 from torchtop.sizes import format_bytes
-from torchtop.steps_summary import TrainingSummary, training_parts
 
 
-def _max(a: int | None, b: int | None) -> int | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return max(a, b)
-
-
-@dataclass
-class _DevicePeaks:
-    id: str
-    source: str = ""
-    peak_allocated: int | None = None
-    peak_reserved: int | None = None
-    num_ooms: int | None = None
-    num_alloc_retries: int | None = None
-
-
-@dataclass
-class _Phase:
-    id: int
-    name: str
-    start: float
-    end: float | None = None
-    peak_allocated: int | None = None
-    peak_reserved: int | None = None
-    peak_rss: int | None = None
-    samples: int = 0
-
-
-@dataclass
-class _Summary:
-    hello: Hello | None = None
-    first_t: float | None = None
-    last_t: float | None = None
-    samples: int = 0
-    gpu_samples: int = 0
-    dropped: int = 0
-    exit: JobExited | None = None
-    devices: dict[str, _DevicePeaks] = field(default_factory=dict)
-    peak_rss: int | None = None
-    phases: list[_Phase] = field(default_factory=list)
-    open_phases: dict[int, _Phase] = field(default_factory=dict)
-    probes: dict[str, str] = field(default_factory=dict)
-    log_lines: int = 0
-    gpu_peak_util: dict[int, float] = field(default_factory=dict)
-    training: TrainingSummary = field(default_factory=TrainingSummary)
-    #: Out-of-memory failures and snapshots, with their evidence (``events``).
-    captures: CaptureCollector = field(default_factory=CaptureCollector)
-    #: Op-timing windows, and when they were unavailable.
-    ops: OpsCollector = field(default_factory=OpsCollector)
+def fold(messages: Iterable[Message]) -> JobModel:
+    """The model of a recording at its end."""
+    model = JobModel(mode="replay")
+    for message in messages:
+        model.apply(message)
+    return model
 
 
 def summarize(messages: Iterable[Message]) -> dict[str, Any]:
     """The report's JSON object (keys documented in the README)."""
-    s = _Summary()
-    for message in messages:
-        t = getattr(message, "t", None)
-        if isinstance(t, float):
-            s.first_t = t if s.first_t is None else min(s.first_t, t)
-            s.last_t = t if s.last_t is None else max(s.last_t, t)
-        s.captures.observe(message)
-        s.ops.add(message)
-        if isinstance(message, Hello):
-            s.hello = message
-        elif isinstance(message, Sample):
-            _add_sample(s, message)
-        elif isinstance(message, GpuSample):
-            s.gpu_samples += 1
-            for gpu in message.gpus:
-                if gpu.util_gpu_percent is not None:
-                    s.gpu_peak_util[gpu.index] = max(
-                        s.gpu_peak_util.get(gpu.index, 0.0), gpu.util_gpu_percent
-                    )
-        elif isinstance(message, Dropped):
-            s.dropped = max(s.dropped, message.count)
-        elif isinstance(message, JobExited):
-            s.exit = message
-        elif isinstance(message, PhaseBegan):
-            phase = _Phase(id=message.id, name=message.name, start=message.t)
-            s.phases.append(phase)
-            s.open_phases[message.id] = phase
-        elif isinstance(message, PhaseEnded):
-            began = s.open_phases.pop(message.id, None)
-            if began is not None:
-                began.end = message.t
-        elif isinstance(message, ProbeStatus):
-            s.probes[message.probe] = message.detail
-        elif isinstance(message, LogLine):
-            s.log_lines += 1
-        elif isinstance(message, (StepStats, LoaderInfo)):
-            s.training.add(message)
-    return _to_json(s)
+    return report_json(fold(messages))
 
 
-def _add_sample(s: _Summary, sample: Sample) -> None:
-    s.samples += 1
-    rss = sample.host.rss_bytes if sample.host is not None else None
-    s.peak_rss = _max(s.peak_rss, rss)
-    for mem in sample.memory:
-        peaks = s.devices.setdefault(mem.device, _DevicePeaks(id=mem.device))
-        peaks.source = mem.source
-        peaks.peak_allocated = _max(
-            peaks.peak_allocated, _max(mem.allocated_bytes, mem.peak_allocated_bytes)
-        )
-        peaks.peak_reserved = _max(
-            peaks.peak_reserved, _max(mem.reserved_bytes, mem.peak_reserved_bytes)
-        )
-        peaks.num_ooms = _max(peaks.num_ooms, mem.num_ooms)
-        peaks.num_alloc_retries = _max(peaks.num_alloc_retries, mem.num_alloc_retries)
-    primary = _primary(sample)
-    for phase in s.open_phases.values():
-        phase.samples += 1
-        phase.peak_rss = _max(phase.peak_rss, rss)
-        if primary is not None:
-            phase.peak_allocated = _max(phase.peak_allocated, primary.allocated_bytes)
-            phase.peak_reserved = _max(phase.peak_reserved, primary.reserved_bytes)
-
-
-def _primary(sample: Sample) -> Any:
-    for mem in sample.memory:
-        if mem.device.startswith("cuda"):
-            return mem
-    return sample.memory[0] if sample.memory else None
-
-
-def _to_json(s: _Summary) -> dict[str, Any]:
-    start = s.hello.started_at if s.hello is not None else s.first_t
-    end = s.exit.t if s.exit is not None else s.last_t
-    duration = (end - start) if start is not None and end is not None else 0.0
-    names = {d.id: d.name for d in s.hello.devices} if s.hello is not None else {}
+def report_json(model: JobModel) -> dict[str, Any]:
+    """The model rendered as the report's JSON object."""
+    start = model.start
+    duration = model.duration
+    names = {d.id: d.name for d in model.devices}
     devices = [
         {
-            "id": d.id,
-            "name": names.get(d.id, d.id),
-            "source": d.source,
+            "id": d.device,
+            "name": names.get(d.device, d.device),
+            "source": d.latest.source,
             "peak_allocated_bytes": d.peak_allocated,
             "peak_reserved_bytes": d.peak_reserved,
             "num_ooms": d.num_ooms,
             "num_alloc_retries": d.num_alloc_retries,
         }
-        for d in s.devices.values()
+        for d in model.memory.values()
     ]
+    training = model.training
     phases = [
         {
             "name": p.name,
             "start_s": p.start - start if start is not None else 0.0,
-            "duration_s": (p.end - p.start) if p.end is not None else None,
+            "duration_s": p.duration,
             "complete": p.end is not None,
             "samples": p.samples,
             "peak_allocated_bytes": p.peak_allocated,
             "peak_reserved_bytes": p.peak_reserved,
             "peak_rss_bytes": p.peak_rss,
-            **s.training.phase(p.start, p.end),
+            "steps": training.steps_between(p.start, p.end),
+            "median_step_time_s": _r(training.step_time(0.5, p.start, p.end)),
         }
-        for p in s.phases
+        for p in model.phases
+        if p.start is not None  # ended, but began before the recording
     ]
-    hello = s.hello
+    hello = model.hello
+    exit_ = model.exit
     return {
         "job": {
             "argv": hello.argv if hello else None,
@@ -197,21 +79,170 @@ def _to_json(s: _Summary) -> dict[str, Any]:
             "torch": hello.torch if hello else None,
         },
         "duration_s": round(duration, 3),
-        "samples": s.samples,
-        "samples_per_s": round(s.samples / duration, 2) if duration > 0 else None,
-        "dropped": s.dropped,
-        "exit_code": s.exit.exit_code if s.exit is not None else None,
-        "exit_reason": s.exit.reason if s.exit is not None else "no exit recorded",
+        "samples": model.samples,
+        "samples_per_s": round(model.samples / duration, 2) if duration > 0 else None,
+        "dropped": model.dropped,
+        "exit_code": exit_.exit_code if exit_ is not None else None,
+        "exit_reason": exit_.reason if exit_ is not None else "no exit recorded",
         "phases": phases,
         "devices": devices,
-        "host": {"peak_rss_bytes": s.peak_rss},
-        "gpus": [{"index": i, "peak_util_percent": u} for i, u in sorted(s.gpu_peak_util.items())],
-        "probes_unavailable": s.probes,
-        "log_lines": s.log_lines,
-        "events": s.captures.events(start),
-        **s.training.to_json(),
-        **s.ops.to_json(start),
+        "host": {"peak_rss_bytes": model.peak_rss},
+        "gpus": [
+            {"index": i, "peak_util_percent": u} for i, u in sorted(model.gpu_peak_util.items())
+        ],
+        "probes_unavailable": {name: status.detail for name, status in model.probes.items()},
+        "log_lines": model.log_total,
+        "events": [_capture_json(entry, start) for entry in model.captures.entries],
+        **_training_json(training),
+        **_ops_json(model.op_timings, start),
     }
+
+
+def _r(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 6)
+
+
+def _training_json(training: TrainingState) -> dict[str, Any]:
+    run = training.run
+    return {
+        "steps": training.total,
+        "skipped_steps": training.skipped_total,
+        "step_time_s": {
+            "median": _r(training.step_time(0.5)),
+            "p90": _r(training.step_time(0.9)),
+            "mean": _r(run.mean_step_s),
+        },
+        "throughput": {
+            "steps_per_s": round(run.steps_per_s, 3) if run.steps_per_s is not None else None,
+            "samples_per_s": (
+                round(run.samples_per_s, 2) if run.samples_per_s is not None else None
+            ),
+        },
+        "dataloader": {
+            "wait_s": _r(run.wait_s),
+            "wait_fraction": (
+                round(run.wait_fraction, 4) if run.wait_fraction is not None else None
+            ),
+            "first_batch_s": _r(training.first_batch_s),
+            "optimizer_s": _r(run.optimizer_s),
+            "loaders": [_loader_json(x) for x in training.loader_list],
+        },
+    }
+
+
+def _loader_json(state: LoaderState) -> dict[str, Any]:
+    x = state.stats
+    return {
+        "index": x.index,
+        "name": x.name,
+        "dataset": x.dataset,
+        "batch_size": x.batch_size,
+        "num_workers": x.num_workers,
+        "pin_memory": x.pin_memory,
+        "prefetch_factor": x.prefetch_factor,
+        "persistent_workers": x.persistent_workers,
+        "start_method": x.start_method,
+        "batches": x.batches,
+        "samples": x.samples,
+        "epochs": x.epochs,
+        "wait_s": _r(x.wait_s),
+        "first_batch_s": _r(x.first_batch_s),
+        "workers_seen": state.workers_seen,
+        "peak_workers_rss_bytes": state.peak_workers_rss or None,
+    }
+
+
+def _op_json(op: OpStat) -> dict[str, Any]:
+    return {
+        "name": op.name,
+        "calls": op.calls,
+        "self_cpu_s": op.self_cpu_s,
+        "self_device_s": op.self_device_s,
+        "total_cpu_s": op.total_cpu_s,
+        "total_device_s": op.total_device_s,
+        "avg_s": op_avg_s(op),
+        "shapes": op.shapes,
+        "site": op.site,
+    }
+
+
+def _ops_json(ops: OpTimings, start: float | None) -> dict[str, Any]:
+    origin = start or 0.0
+    latest = ops.latest
+    return {
+        "ops": [_op_json(op) for op in latest.cumulative] if latest else [],
+        "profile_windows": ops.windows,
+        "profiled_steps": ops.profiled_steps,
+        # A sync point waits for a device: on a CPU job there is none to wait for.
+        "sync_points_per_step": ops.sync_points_per_step,
+        "host_reads_per_step": ops.host_reads_per_step,
+        "copies_per_step": ops.copies_per_step,
+        "trace_path": ops.last_trace,
+        "requested_traces": list(ops.requested_traces),
+        "ops_unavailable": [
+            {
+                "start_s": round(p.start - origin, 3),
+                "end_s": round(p.end - origin, 3) if p.end is not None else None,
+                "reason": p.reason,
+            }
+            for p in ops.unavailable
+        ],
+    }
+
+
+def _frame(f: Any) -> str:
+    return f"{f.file}:{f.line} {f.function}"
+
+
+def _capture_json(entry: CaptureEntry, start: float | None) -> dict[str, Any]:
+    capture = entry.capture
+    item: dict[str, Any] = {
+        "kind": "oom" if isinstance(capture, OutOfMemory) else "memory_snapshot",
+        "t_s": round(capture.t - start, 3) if start is not None else None,
+        "id": capture.id,
+        "device": capture.device,
+        "phase": entry.phase,
+        "requested_bytes": capture.requested_bytes,
+        "free_bytes": capture.free_bytes,
+        "total_bytes": capture.total_bytes,
+        "reserved_bytes": capture.reserved_bytes,
+        "allocated_bytes": capture.allocated_bytes,
+        "largest_free_block_bytes": capture.largest_free_block_bytes,
+        "fragmented": capture.fragmented,
+        "verdict": verdict_text(capture),
+        "emulated": capture.emulated,
+        "grad_enabled": capture.grad_enabled,
+        "live_count": capture.live_count,
+        "top_sites": [
+            {
+                "file": s.file,
+                "line": s.line,
+                "function": s.function,
+                "bytes": s.bytes,
+                "count": s.count,
+                "stack": [_frame(f) for f in s.stack],
+            }
+            for s in capture.top_sites
+        ],
+        "requested_at": [_frame(f) for f in capture.requested_stack],
+        "snapshot_path": capture.snapshot_path,
+        "snapshot_error": capture.snapshot_error,
+        "suggestions": [
+            {"id": s.id, "title": s.title, "evidence": s.evidence, "demo": s.demo_command}
+            for s in entry.suggestions
+        ],
+    }
+    if isinstance(capture, OutOfMemory):
+        item["message"] = capture.message
+        item["paused"] = capture.paused
+    elif isinstance(capture, MemorySnapshotTaken):
+        item["request_id"] = capture.request_id
+    if entry.resumed is not None:
+        item["resumed"] = entry.resumed
+    return item
+
+
+# -- text ----------------------------------------------------------------------------------------
 
 
 def render_text(report: dict[str, Any]) -> Any:
@@ -275,3 +306,135 @@ def render_text(report: dict[str, Any]) -> Any:
         if probe != "ops":  # given with its time span above
             parts.append(Text(f"{probe}: {detail}", style="dim"))
     return Group(*parts)
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def training_parts(report: dict[str, Any]) -> list[Any]:
+    """The report's steps and loaders as rich renderables (empty when the job took no steps)."""
+    if not report.get("steps"):
+        return []
+    from rich.table import Table
+    from rich.text import Text
+
+    step_time = report["step_time_s"]
+    throughput = report["throughput"]
+    data = report["dataloader"]
+    line = Text()
+    line.append(f"steps {report['steps']}", style="bold")
+    if report["skipped_steps"]:
+        line.append(f" ({report['skipped_steps']} skipped by the GradScaler)")
+    line.append(f" · step median {_ms(step_time['median'])}, p90 {_ms(step_time['p90'])}")
+    if throughput["samples_per_s"] is not None:
+        line.append(f" · {throughput['samples_per_s']:.1f} samples/s")
+    if data["wait_fraction"] is not None:
+        line.append(f" · data wait {data['wait_fraction']:.0%} of step time")
+    parts: list[Any] = [line]
+    if data["loaders"]:
+        table = Table(title="data loaders", title_justify="left")
+        for col in ("loader", "dataset", "batch", "workers", "batches", "wait", "first batch"):
+            table.add_column(col, justify="left" if col in ("loader", "dataset") else "right")
+        for x in data["loaders"]:
+            workers = str(x["num_workers"])
+            if x["start_method"]:
+                workers += f" {x['start_method']}"
+            table.add_row(
+                x["name"],
+                x["dataset"],
+                str(x["batch_size"] if x["batch_size"] is not None else "-"),
+                workers,
+                str(x["batches"]),
+                f"{x['wait_s']:.2f} s",
+                f"{x['first_batch_s']:.2f} s",
+            )
+        parts.append(table)
+    return parts
+
+
+def ops_parts(report: dict[str, Any]) -> list[Any]:
+    """The report's op table as rich renderables (empty when no window was taken)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[Any] = []
+    for period in report.get("ops_unavailable", []):
+        end = f"{period['end_s']:.1f} s" if period["end_s"] is not None else "the end"
+        parts.append(
+            Text(f"{period['reason']} (from {period['start_s']:.1f} s to {end})", style="yellow")
+        )
+    if not report.get("profile_windows"):
+        return parts
+    line = Text()
+    line.append(f"op timings from {report['profile_windows']} profiler windows", style="bold")
+    line.append(f" ({report['profiled_steps']} steps)")
+    sync = report["sync_points_per_step"]
+    copies = report["copies_per_step"]
+    reads = report.get("host_reads_per_step")
+    if sync is not None:
+        line.append(f" · {sync:g} sync points per step")
+    elif report["profiled_steps"]:
+        line.append(" · sync points n/a (CPU only)")
+    if reads:
+        line.append(f" · {reads:g} host reads of CPU tensors per step")
+    if copies is not None:
+        line.append(f" · {copies:g} host-device copies per step")
+    if report["trace_path"]:
+        line.append(f"\nChrome trace of the last window: {report['trace_path']}", style="dim")
+    table = Table(title="top ops by self time", title_justify="left")
+    device = any(op["self_device_s"] is not None for op in report["ops"])
+    columns = ["op", "calls", "self CPU", "total CPU", "avg"] + (["self device"] if device else [])
+    for col in columns:
+        table.add_column(col, justify="left" if col == "op" else "right")
+    for op in report["ops"][:15]:
+        row = [
+            op["name"],
+            str(op["calls"]),
+            _us(op["self_cpu_s"]),
+            _us(op["total_cpu_s"]),
+            _us(op["avg_s"]),
+        ]
+        if device:
+            row.append(_us(op["self_device_s"]))
+        table.add_row(*row)
+    return [*parts, line, table]
+
+
+def _us(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds >= 0.1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-4:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} µs"
+
+
+def capture_parts(events: list[dict[str, Any]]) -> list[Any]:
+    """The text report's lines for each failure and snapshot (imports rich; JSON never does)."""
+    from rich.text import Text
+
+    from torchtop.model.oom_advice import size
+
+    parts: list[Any] = []
+    for event in events:
+        text = Text()
+        if event["kind"] == "oom":
+            text.append("out of memory", "bold red")
+        else:
+            text.append("memory snapshot", "bold cyan")
+        device = event["device"] + (" (emulated)" if event["emulated"] else "")
+        text.append(f" on {device} at {event['t_s']} s")
+        if event.get("phase"):
+            text.append(f" in phase {event['phase']}")
+        text.append(f"\n  {event['verdict']}")
+        for site in event["top_sites"][:3]:
+            where = f"{site['function']} ({site['file'].rsplit('/', 1)[-1]}:{site['line']})"
+            text.append(f"\n  {size(site['bytes']):>10}  {site['count']:>4} live  {where}", "dim")
+        for suggestion in event["suggestions"]:
+            text.append(f"\n  try: {suggestion['title']}  ({suggestion['demo']})", "green")
+        where = event["snapshot_path"] or event["snapshot_error"] or "no snapshot"
+        text.append(f"\n  snapshot: {where}", "dim")
+        parts.append(text)
+    return parts

@@ -1,5 +1,38 @@
 """The model: protocol messages folded into the state of each job, and the queries on it.
 
-Standard library and :mod:`torchtop.protocol` only; no I/O. The viewer, the report and the
-exporters read it, so a figure is computed once and is the same number everywhere.
+Standard library and :mod:`torchtop.protocol` only; no I/O. Feed a :class:`JobModel` every
+message of one job's stream, live or from a recording, with :meth:`JobModel.apply` (and the
+source events of :mod:`torchtop.model.events`); read it at any time. A :class:`RunModel` holds
+the models of several jobs side by side. The viewer, the report and the exporters read the
+model, so a figure is computed once and is the same number everywhere.
 """
+
+from __future__ import annotations
+
+from torchtop.model.captures import CaptureEntry, MemoryCaptures
+from torchtop.model.events import SourceConnected, SourceDisconnected, SourceStatus
+from torchtop.model.job import DeviceMemory, JobIdentity, JobModel, LogEntry, Mark, Phase
+from torchtop.model.ops import OpTimings, UnavailablePeriod
+from torchtop.model.run import RunModel
+from torchtop.model.training import StepPoint, StepTotals, TrainingState, weighted_quantile
+
+__all__ = [
+    "CaptureEntry",
+    "DeviceMemory",
+    "JobIdentity",
+    "JobModel",
+    "LogEntry",
+    "Mark",
+    "MemoryCaptures",
+    "OpTimings",
+    "Phase",
+    "RunModel",
+    "SourceConnected",
+    "SourceDisconnected",
+    "SourceStatus",
+    "StepPoint",
+    "StepTotals",
+    "TrainingState",
+    "UnavailablePeriod",
+    "weighted_quantile",
+]

@@ -1,9 +1,10 @@
-"""Out-of-memory failures and memory snapshots as the viewer knows them. Pure Python.
+"""A job's out-of-memory failures and memory snapshots, each with its evidence and advice.
 
-:class:`MemoryCaptures` folds ``oom``, ``memory_snapshot`` and ``oom_resumed`` messages; the
-app opens the OOM screen when :attr:`MemoryCaptures.opened` goes up, and
-:func:`capture_evidence` gathers, from the rest of the state, what the advice rules
-(:mod:`torchtop.model.oom_advice`) need: the phase of the failure and the memory step over step.
+Pure Python. :class:`MemoryCaptures` folds ``oom``, ``memory_snapshot`` and ``oom_resumed``
+messages. :class:`torchtop.model.JobModel` hands it each capture with the evidence the advice
+rules (:mod:`torchtop.model.oom_advice`) need, gathered from the job at the moment of the
+capture (the phase open then, the device's memory step over step), so the viewer's OOM screen
+and the report give the same verdict and suggestions however much history came after.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from torchtop.model.oom_advice import Evidence, phase_at, step_floors
+from torchtop.model.oom_advice import Evidence, Suggestion, suggest
 from torchtop.protocol import MemoryCapture, Message, OomResumed, OutOfMemory
 
 if TYPE_CHECKING:
@@ -24,9 +25,10 @@ MAX_CAPTURES = 50
 
 @dataclass
 class CaptureEntry:
-    """One capture, and how a pause at it ended (``None`` while the job is held)."""
+    """One capture, its evidence, and how a pause at it ended (``None`` while the job is held)."""
 
     capture: MemoryCapture
+    evidence: Evidence
     resumed: str | None = None
 
     @property
@@ -40,21 +42,33 @@ class CaptureEntry:
             isinstance(self.capture, OutOfMemory) and self.capture.paused and self.resumed is None
         )
 
+    @property
+    def phase(self) -> str | None:
+        """The innermost phase open at the capture."""
+        return self.evidence.phase
+
+    @property
+    def suggestions(self) -> list[Suggestion]:
+        """What to try, most specific first (:func:`torchtop.model.oom_advice.suggest`)."""
+        return suggest(self.evidence)
+
 
 @dataclass
 class MemoryCaptures:
     """The captures so far, newest last; ``opened`` counts those that should open the screen."""
 
     entries: deque[CaptureEntry] = field(default_factory=lambda: deque(maxlen=MAX_CAPTURES))
-    #: Goes up with each new capture the viewer should show at once.
+    #: Goes up with each new capture a viewer should show at once.
     opened: int = 0
 
-    def apply(self, message: Message) -> bool:
+    def apply(self, message: Message, evidence: Evidence | None = None) -> bool:
+        """Fold in a capture (with its evidence; the capture's own figures alone without) or a
+        resume; True if anything changed."""
         if isinstance(message, MemoryCapture):
             for entry in self.entries:
                 if entry.capture == message:
                     return False  # the same capture again (a replayed history)
-            self.entries.append(CaptureEntry(message))
+            self.entries.append(CaptureEntry(message, evidence or Evidence.of(message)))
             self.opened += 1
             return True
         if isinstance(message, OomResumed):
@@ -81,12 +95,9 @@ class MemoryCaptures:
         return None
 
 
-def capture_evidence(state: JobModel, capture: MemoryCapture) -> Evidence:
-    """The advice rules' evidence for ``capture``: its figures, the phase open at it, and the
-    device's allocated memory at the low point of each step before it."""
-    phase = phase_at(((p.name, p.start, p.end) for p in state.phases), capture.t)
-    memory = state.memory.get(capture.device)
-    points = [(p.t, p.allocated) for p in memory.series] if memory is not None else []
-    training = getattr(state, "training", None)
-    ends = [p.t for p in getattr(training, "points", ())]
-    return Evidence.of(capture, phase=phase, floors=step_floors(points, capture.t, ends))
+def capture_evidence(model: JobModel, capture: MemoryCapture) -> Evidence:
+    """The evidence the model gathered for ``capture`` when it arrived."""
+    for entry in model.captures.entries:
+        if entry.capture == capture:
+            return entry.evidence
+    return model.evidence_for(capture)

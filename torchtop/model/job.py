@@ -22,6 +22,8 @@ from torchtop.model.events import (
     SourceSilent,
     SourceStatus,
 )
+from torchtop.model.oom_advice import Evidence, phase_at, step_floors
+from torchtop.model.ops import OpTimings
 from torchtop.model.training import TrainingState
 from torchtop.protocol import (
     DeviceInfo,
@@ -56,7 +58,7 @@ DEFAULT_EVENTS = 2000
 ConnectionState = Literal["connecting", "live", "disconnected", "ended"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class MemoryPoint:
     """One sample of a device's memory on the time axis."""
 
@@ -74,6 +76,9 @@ class DeviceMemory:
     series: deque[MemoryPoint]
     peak_allocated: int | None = None
     peak_reserved: int | None = None
+    #: The allocator's own counters, at their highest (``None`` where it has none).
+    num_ooms: int | None = None
+    num_alloc_retries: int | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -115,6 +120,19 @@ class Phase:
     end: float | None = None
     #: What the phase does and why, in a few sentences (``torchtop.phase(name, description)``).
     description: str | None = None
+    #: The largest sampled values while it ran: the primary device's allocated and reserved
+    #: memory (the job's peak counters are never reset, so these are sampled) and the RSS.
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    peak_rss: int | None = None
+    #: Samples taken while it ran.
+    samples: int = 0
+
+    @property
+    def duration(self) -> float | None:
+        if self.start is None or self.end is None:
+            return None
+        return self.end - self.start
 
     @property
     def running(self) -> bool:
@@ -136,9 +154,22 @@ class LogEntry:
     text: str
 
 
-def _max(*values: int | None) -> int | None:
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
+def _max(a: int | None, b: int | None) -> int | None:
+    """The larger of two readings, either of which may be missing (called per sample: kept
+    to two arguments and no allocation)."""
+    if a is None:
+        return b
+    if b is None or a >= b:
+        return a
+    return b
+
+
+def _primary_stats(memory: list[MemoryStats]) -> MemoryStats | None:
+    """The sample's first CUDA device, else its first device: what phase peaks follow."""
+    for stats in memory:
+        if stats.device.startswith("cuda"):
+            return stats
+    return memory[0] if memory else None
 
 
 def _device_order(device: str) -> tuple[int, int, str]:
@@ -161,11 +192,30 @@ def visible_text(text: str) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class JobIdentity:
+    """Which job a model is: its host, its pid, and its rank in a multi-process run (``None``
+    for a single process). Models of the ranks of one run are kept side by side by it."""
+
+    host: str
+    pid: int
+    rank: int | None = None
+
+    @classmethod
+    def of(cls, hello: Hello, rank: int | None = None) -> JobIdentity:
+        return cls(hello.hostname, hello.pid, rank)
+
+    def __str__(self) -> str:
+        where = f"{self.host}:{self.pid}" if self.host else str(self.pid)
+        return where if self.rank is None else f"{where} rank {self.rank}"
+
+
 @dataclass
 class JobModel:
     """Everything known about one job, built only from messages.
 
-    Bounded: series, logs, phases and marks keep their most recent items only.
+    Bounded: series, logs, phases and marks keep their most recent items only; whole-run
+    figures (peaks, totals, step percentiles) are kept as running values.
     """
 
     mode: str = "live"
@@ -181,11 +231,17 @@ class JobModel:
     #: The earliest time any message carried.
     first_t: float | None = None
 
+    #: Samples (``sample`` messages) and GPU readings folded.
+    samples: int = 0
+    gpu_samples: int = 0
     memory: dict[str, DeviceMemory] = field(default_factory=dict)
     host: HostStats | None = None
+    peak_rss: int | None = None
     rss_series: deque[tuple[float, int | None]] = field(init=False)
     gpus: dict[int, GpuStats] = field(default_factory=dict)
     gpu_t: float | None = None
+    #: Each GPU's highest utilization, in percent.
+    gpu_peak_util: dict[int, float] = field(default_factory=dict)
     probes: dict[str, ProbeStatus] = field(default_factory=dict)
 
     phases: deque[Phase] = field(init=False)
@@ -196,6 +252,7 @@ class JobModel:
 
     dropped: int = 0
     job_ended: bool = False
+    exit: JobExited | None = None
     exit_code: int | None = None
     exit_reason: str = ""
     connection: ConnectionState = "connecting"
@@ -208,10 +265,8 @@ class JobModel:
     training: TrainingState = field(default_factory=TrainingState)
     #: Out-of-memory failures and snapshots (``oom``, ``memory_snapshot``, ``oom_resumed``).
     captures: MemoryCaptures = field(default_factory=MemoryCaptures)
-    #: The latest op-timing window (``ops``): its own table and the cumulative one.
-    ops: OpsWindow | None = None
-    #: Op windows this viewer received (the agent may have taken some before it attached).
-    ops_received: int = 0
+    #: Op-timing windows (``ops``), their traces, and when op timings were unavailable.
+    op_timings: OpTimings = field(default_factory=OpTimings)
 
     _open_phases: dict[int, Phase] = field(default_factory=dict, init=False, repr=False)
 
@@ -235,7 +290,7 @@ class JobModel:
 
     def _apply(self, message: Message) -> bool:
         t = getattr(message, "t", None)
-        changed = self._advance_time(t) if isinstance(t, float | int) else False
+        changed = self._advance_time(t) if isinstance(t, (float, int)) else False
         if isinstance(message, SourceSilent):
             if message.silent_s == self.silent_s:
                 return changed
@@ -244,15 +299,25 @@ class JobModel:
         if self.silent_s is not None:  # anything else: the agent speaks again
             self.silent_s = None
             changed = True
+        # The kinds of every tick first: this runs for every frame of a day-long job.
         if isinstance(message, Sample):
             return self._apply_sample(message) or changed
+        if isinstance(message, (StepStats, LoaderInfo)):
+            return self.training.apply(message) or changed
         if isinstance(message, GpuSample):
             self.gpus = {gpu.index: gpu for gpu in message.gpus}
             self.gpu_t = message.t
+            self.gpu_samples += 1
+            for gpu in message.gpus:
+                if gpu.util_gpu_percent is not None:
+                    self.gpu_peak_util[gpu.index] = max(
+                        self.gpu_peak_util.get(gpu.index, 0.0), gpu.util_gpu_percent
+                    )
             return True
         if isinstance(message, Hello):
             return self._apply_hello(message) or changed
         if isinstance(message, ProbeStatus):
+            self.op_timings.apply(message)
             if self.probes.get(message.probe) == message:
                 return changed
             self.probes[message.probe] = message
@@ -261,6 +326,8 @@ class JobModel:
             phase = Phase(message.id, message.name, message.t, description=message.description)
             self.phases.append(phase)
             self._open_phases[message.id] = phase
+            if len(self._open_phases) > self.max_events:  # never ended: stop following it
+                del self._open_phases[next(iter(self._open_phases))]
             return True
         if isinstance(message, PhaseEnded):
             return self._apply_phase_ended(message) or changed
@@ -272,22 +339,18 @@ class JobModel:
             self.log_total += 1
             return True
         if isinstance(message, Dropped):
-            if message.count == self.dropped:
+            if message.count <= self.dropped:  # a count only grows; an older frame says less
                 return changed
             self.dropped = message.count
             return True
         if isinstance(message, JobExited):
             return self._apply_exit(message) or changed
-        if isinstance(message, (StepStats, LoaderInfo)):
-            return self.training.apply(message) or changed
-        if isinstance(message, (MemoryCapture, OomResumed)):
+        if isinstance(message, MemoryCapture):
+            return self.captures.apply(message, self.evidence_for(message)) or changed
+        if isinstance(message, OomResumed):
             return self.captures.apply(message) or changed
         if isinstance(message, OpsWindow):
-            if message == self.ops:
-                return changed
-            self.ops = message
-            self.ops_received += 1
-            return True
+            return self.op_timings.apply(message) or changed
         if isinstance(message, SourceConnected):
             before = (self.connection, self.address)
             if not self.job_ended:
@@ -338,9 +401,12 @@ class JobModel:
         return changed
 
     def _apply_sample(self, message: Sample) -> bool:
+        self.samples += 1
+        rss = message.host.rss_bytes if message.host is not None else None
         if message.host is not None:
             self.host = message.host
-            self.rss_series.append((message.t, message.host.rss_bytes))
+            self.rss_series.append((message.t, rss))
+            self.peak_rss = _max(self.peak_rss, rss)
         for stats in message.memory:
             device = self.memory.get(stats.device)
             if device is None:
@@ -351,11 +417,20 @@ class JobModel:
                 MemoryPoint(message.t, stats.allocated_bytes, stats.reserved_bytes)
             )
             device.peak_allocated = _max(
-                device.peak_allocated, stats.peak_allocated_bytes, stats.allocated_bytes
+                _max(device.peak_allocated, stats.peak_allocated_bytes), stats.allocated_bytes
             )
             device.peak_reserved = _max(
-                device.peak_reserved, stats.peak_reserved_bytes, stats.reserved_bytes
+                _max(device.peak_reserved, stats.peak_reserved_bytes), stats.reserved_bytes
             )
+            device.num_ooms = _max(device.num_ooms, stats.num_ooms)
+            device.num_alloc_retries = _max(device.num_alloc_retries, stats.num_alloc_retries)
+        primary = _primary_stats(message.memory)
+        for phase in self._open_phases.values():
+            phase.samples += 1
+            phase.peak_rss = _max(phase.peak_rss, rss)
+            if primary is not None:
+                phase.peak_allocated = _max(phase.peak_allocated, primary.allocated_bytes)
+                phase.peak_reserved = _max(phase.peak_reserved, primary.reserved_bytes)
         return True
 
     def _apply_phase_ended(self, message: PhaseEnded) -> bool:
@@ -371,6 +446,7 @@ class JobModel:
     def _apply_exit(self, message: JobExited) -> bool:
         before = (self.job_ended, self.exit_code, self.exit_reason, self.connection)
         self.job_ended = True
+        self.exit = message
         self.exit_code = message.exit_code
         self.exit_reason = message.reason
         self.connection = "ended"
@@ -409,9 +485,19 @@ class JobModel:
         return None
 
     @property
+    def ops(self) -> OpsWindow | None:
+        """The latest op-timing window: its own table and the cumulative one."""
+        return self.op_timings.latest
+
+    @property
+    def ops_received(self) -> int:
+        """Op windows this model received (the agent may have taken some before it attached)."""
+        return self.op_timings.received
+
+    @property
     def ops_windows(self) -> int:
         """Op windows the agent has taken so far (0 before the first arrives)."""
-        return self.ops.window if self.ops is not None else 0
+        return self.op_timings.windows
 
     @property
     def ops_probe(self) -> ProbeStatus | None:
@@ -425,6 +511,27 @@ class JobModel:
         if status is None or status.available:
             return None
         return status.detail or "op timings unavailable"
+
+    @property
+    def identity(self) -> JobIdentity | None:
+        """Which job this is, once its hello arrived."""
+        return JobIdentity.of(self.hello) if self.hello is not None else None
+
+    @property
+    def start(self) -> float | None:
+        """When the job started (its hello), else the first time any message carried."""
+        return self.hello.started_at if self.hello is not None else self.first_t
+
+    @property
+    def end(self) -> float | None:
+        """When the job exited, else the latest time any message carried."""
+        return self.exit.t if self.exit is not None else self.now
+
+    @property
+    def duration(self) -> float:
+        """Seconds from :attr:`start` to :attr:`end` (0 before both are known)."""
+        start, end = self.start, self.end
+        return end - start if start is not None and end is not None else 0.0
 
     @property
     def uptime(self) -> float | None:
@@ -456,6 +563,19 @@ class JobModel:
 
     def marks_between(self, start: float, end: float) -> list[Mark]:
         return [m for m in self.marks if start <= m.t <= end]
+
+    def phase_at(self, t: float) -> str | None:
+        """The innermost phase running at ``t`` (the latest to begin), if any."""
+        return phase_at(((p.name, p.start, p.end) for p in self.phases), t)
+
+    def evidence_for(self, capture: MemoryCapture) -> Evidence:
+        """What the advice rules need about ``capture``, from the job as it is now: the phase
+        open at it, and its device's allocated memory at the low point of each step before it."""
+        memory = self.memory.get(capture.device)
+        points = [(p.t, p.allocated) for p in memory.series] if memory is not None else []
+        ends = [p.t for p in self.training.points]
+        floors = step_floors(points, capture.t, ends)
+        return Evidence.of(capture, phase=self.phase_at(capture.t), floors=floors)
 
     @property
     def explained_phase(self) -> Phase | None:

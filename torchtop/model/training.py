@@ -1,20 +1,26 @@
-"""A job's training loop: its steps and its DataLoaders.
+"""A job's training loop: its steps and its DataLoaders, folded from ``steps`` and ``loaders``.
 
-Pure Python (no Textual, no Rich, no torch), built only from ``steps`` and ``loaders`` messages.
-:class:`torchtop.model.job.JobModel` holds one :class:`TrainingState` and hands it those
-messages; the step and loader panels read it.
+Pure Python. :class:`torchtop.model.JobModel` holds one :class:`TrainingState` and hands it
+those messages; the viewer's step and loader panels, the report and the exporters read it.
 
 Figures come in two spans: *recent* (the steps of the last :data:`RECENT_WINDOW_S` seconds, or
 the last :data:`MIN_RECENT_STEPS` steps when they take longer) and the whole run. The job is
 *input-bound* when the recent wait fraction is at least :data:`INPUT_BOUND_FRACTION`: the
 training thread spent that share of its step time blocked on the next batch.
+
+A frame lists up to ``MAX_STEP_DETAIL`` of its steps; when it sampled them, each listed step
+stands for the steps up to the next one listed (its *weight*), so counts stay exact and
+percentiles are those of an even sample. The whole run's steps are kept in
+:class:`StepHistory`, an even sample of bounded size: exact until it fills, then halved.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torchtop.protocol import LoaderInfo, LoaderStats, Message, StepStats, step_detail_weights
 
@@ -25,12 +31,17 @@ MIN_RECENT_STEPS = 5
 #: A recent wait fraction at or above this flags the job as input-bound.
 INPUT_BOUND_FRACTION = 0.3
 T = TypeVar("T")
+D = TypeVar("D")
 
 #: Steps kept for the charts (each may stand for several when the agent sampled them).
 DEFAULT_STEP_POINTS = 6000
+#: Steps kept for the whole run's percentiles before the sample is halved.
+DEFAULT_HISTORY_STEPS = 16384
+#: Worker pids remembered per loader to count the workers seen (new pids beyond are counted).
+WORKER_PIDS_KEPT = 256
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepPoint:
     """One step as the agent listed it. ``duration`` is ``None`` for the job's first step;
     ``weight`` is how many steps it stands for (more than one when the agent sampled them)."""
@@ -103,15 +114,132 @@ class StepTotals:
         return self.samples / self.time_s if self.time_s > 0 and self.samples else None
 
 
-def _frame_totals(m: StepStats) -> StepTotals:
-    return StepTotals(m.timed, m.time_s, m.wait_s, m.startup_s, m.optimizer_s, m.samples)
+def weighted_quantile(values: Iterable[tuple[float, int]], q: float) -> float | None:
+    """The ``q`` quantile (nearest rank) of ``(value, weight)`` pairs; ``None`` if empty."""
+    ordered = sorted(v for v in values if v[1] > 0)
+    total = sum(w for _, w in ordered)
+    if total == 0:
+        return None
+    rank = max(1, math.ceil(q * total - 1e-9))
+    seen = 0
+    for value, weight in ordered:
+        seen += weight
+        if seen >= rank:
+            return value
+    return ordered[-1][0]
+
+
+@dataclass
+class StepHistory:
+    """The whole run's steps as ``(end, duration, weight)``: an even sample of bounded size.
+
+    Exact until ``capacity`` entries; then every pair of neighbours becomes one entry that
+    stands for both (the later end, the duration of one of the two picked at random, the sum of
+    weights), and new steps are grouped alike as they arrive. Counts stay exact, and
+    percentiles are those of a random sample of the whole run, one step in ``2**halvings``
+    (picked at random, so a periodic pattern in the step times is not aliased away).
+    """
+
+    capacity: int = DEFAULT_HISTORY_STEPS
+    entries: list[tuple[float, float | None, int]] = field(default_factory=list)
+    #: How many times the sample was halved (0: every listed step is here).
+    halvings: int = 0
+    #: Steps not yet grouped into an entry (only once halved): the last end, the picked
+    #: duration, the summed weight, how many there are, and which of them is picked.
+    _group: list[Any] | None = field(default=None, repr=False)
+    _seed: int = field(default=0x2545F4914F6CDD1D, repr=False)
+
+    def _pick(self, n: int) -> int:
+        """A pseudo-random index below ``n`` (a fixed sequence: the same run folds the same)."""
+        self._seed = (self._seed * 6364136223846793005 + 1442695040888963407) & (2**64 - 1)
+        return (self._seed >> 33) % n
+
+    def add(self, end: float, duration: float | None, weight: int) -> None:
+        if not self.halvings:  # every step kept as it came
+            self.entries.append((end, duration, weight))
+            if len(self.entries) >= self.capacity:
+                self._halve()
+            return
+        group = self._group
+        if group is None:
+            group = self._group = [end, None, 0, 0, self._pick(1 << self.halvings)]
+        if group[3] == group[4] or group[1] is None:
+            group[1] = duration
+        group[0] = end
+        group[2] += weight
+        group[3] += 1
+        if group[3] == 1 << self.halvings:
+            self._group = None
+            self.entries.append((group[0], group[1], group[2]))
+            if len(self.entries) >= self.capacity:
+                self._halve()
+
+    def _halve(self) -> None:
+        old = self.entries
+        entries = []
+        for i in range(0, len(old) - 1, 2):
+            a, b = old[i], old[i + 1]
+            kept = b if self._pick(2) else a
+            duration = kept[1] if kept[1] is not None else (a[1] if kept is b else b[1])
+            entries.append((b[0], duration, a[2] + b[2]))
+        self.entries = entries
+        self.halvings += 1
+        if len(old) % 2:  # the odd one out waits for its partner
+            end, duration, weight = old[-1]
+            size = 1 << (self.halvings - 1)
+            self._group = [end, duration, weight, size, size - 1]
+
+    def _all(self) -> Iterator[tuple[float, float | None, int]]:
+        yield from self.entries
+        if self._group is not None:
+            yield (self._group[0], self._group[1], self._group[2])
+
+    def __len__(self) -> int:
+        return len(self.entries) + (self._group is not None)
+
+    def durations(
+        self, start: float | None = None, end: float | None = None
+    ) -> list[tuple[float, int]]:
+        """``(duration, weight)`` of the timed steps that ended in ``[start, end]``."""
+        return [
+            (d, w)
+            for t, d, w in self._all()
+            if d is not None and (start is None or t >= start) and (end is None or t <= end)
+        ]
+
+    def count(self, start: float | None = None, end: float | None = None) -> int:
+        """Steps (weights) that ended in ``[start, end]``."""
+        return sum(
+            w
+            for t, _, w in self._all()
+            if (start is None or t >= start) and (end is None or t <= end)
+        )
+
+
+@dataclass
+class LoaderState:
+    """One DataLoader: its latest stats, and what the run saw of its workers."""
+
+    stats: LoaderStats
+    workers_seen: int = 0
+    peak_workers_rss: int = 0
+    _pids: deque[int] = field(default_factory=lambda: deque(maxlen=WORKER_PIDS_KEPT))
+
+    def observe_workers(self, loader: LoaderStats) -> None:
+        for worker in loader.workers:
+            if worker.pid not in self._pids:
+                self._pids.append(worker.pid)
+                self.workers_seen += 1
+        rss = sum(w.rss_bytes or 0 for w in loader.workers if w.alive)
+        self.peak_workers_rss = max(self.peak_workers_rss, rss)
 
 
 @dataclass
 class TrainingState:
-    """Steps and DataLoaders as the viewer knows them. Bounded: the most recent points only."""
+    """Steps and DataLoaders. Bounded: the chart's recent points, the run's even sample."""
 
     max_points: int = DEFAULT_STEP_POINTS
+    history_steps: int = DEFAULT_HISTORY_STEPS
     #: Steps so far (skipped ones included), and how many a GradScaler skipped.
     total: int = 0
     skipped_total: int = 0
@@ -119,17 +247,31 @@ class TrainingState:
     points: deque[StepPoint] = field(init=False)
     #: Per ``steps`` message: its time and its sums, for the recent window.
     frames: deque[tuple[float, StepTotals]] = field(init=False)
-    loaders: list[LoaderStats] = field(default_factory=list)
+    #: The whole run's steps (an even sample once long), for percentiles over any time range.
+    history: StepHistory = field(init=False)
+    #: Every DataLoader by index, with its latest stats.
+    loader_states: dict[int, LoaderState] = field(default_factory=dict)
     loaders_t: float | None = None
 
     def __post_init__(self) -> None:
         self.points = deque(maxlen=self.max_points)
         self.frames = deque(maxlen=self.max_points)
+        self.history = StepHistory(self.history_steps)
 
     @property
     def has_data(self) -> bool:
         """Whether the job has taken a step or iterated a DataLoader: the panels then show."""
-        return self.total > 0 or bool(self.loaders)
+        return self.total > 0 or bool(self.loader_states)
+
+    @property
+    def loader_list(self) -> list[LoaderState]:
+        """Every loader, in the order the job first iterated them."""
+        return [self.loader_states[i] for i in sorted(self.loader_states)]
+
+    @property
+    def loaders(self) -> list[LoaderStats]:
+        """Every loader's latest stats, in the order the job first iterated them."""
+        return [x.stats for x in self.loader_list]
 
     def apply(self, message: Message) -> bool:
         """Fold in a ``steps`` or ``loaders`` message; True if anything changed."""
@@ -137,36 +279,58 @@ class TrainingState:
             self._apply_steps(message)
             return True
         if isinstance(message, LoaderInfo):
-            if self.loaders_t is not None and message.t < self.loaders_t:
-                return False  # an older reading than the one shown
-            if message.loaders == self.loaders:
-                return False
-            self.loaders = list(message.loaders)
-            self.loaders_t = message.t
-            return True
+            return self._apply_loaders(message)
         return False
+
+    def _apply_loaders(self, message: LoaderInfo) -> bool:
+        # Totals only grow: a frame older than one already seen (the agent's last frames may
+        # cross a late sampler tick's) does not replace a loader's stats.
+        newest = self.loaders_t is None or message.t >= self.loaders_t
+        changed = False
+        for loader in message.loaders:
+            state = self.loader_states.get(loader.index)
+            if state is None:
+                state = self.loader_states[loader.index] = LoaderState(loader)
+                changed = True
+            elif newest and state.stats != loader:
+                state.stats = loader
+                changed = True
+            state.observe_workers(loader)
+        if newest:
+            self.loaders_t = message.t
+        return changed
 
     def _apply_steps(self, m: StepStats) -> None:
         self.total = max(self.total, m.total)
         self.skipped_total = max(self.skipped_total, m.skipped_total)
-        totals = _frame_totals(m)
+        totals = StepTotals(m.timed, m.time_s, m.wait_s, m.startup_s, m.optimizer_s, m.samples)
         self.run.add(totals)
         self.frames.append((m.t, totals))
-        weights = step_detail_weights(m.count, len(m.ends))
-        for i, (t, weight) in enumerate(zip(m.ends, weights, strict=False)):
-            self.points.append(
+        n = len(m.ends)
+        weights = step_detail_weights(m.count, n)
+        durations = _padded(m.durations, n, None)
+        waits = _padded(m.waits, n, 0.0)
+        startups = _padded(m.startups, n, 0.0)
+        optimizer = _padded(m.optimizer, n, 0.0)
+        samples = _padded(m.batch_samples, n, 0)
+        append = self.points.append
+        add = self.history.add
+        for i in range(n):
+            t = m.ends[i]
+            append(
                 StepPoint(
-                    t=t,
-                    duration=_at(m.durations, i),
-                    wait=_at(m.waits, i) or 0.0,
-                    startup=_at(m.startups, i) or 0.0,
-                    optimizer=_at(m.optimizer, i) or 0.0,
-                    samples=_at(m.batch_samples, i) or 0,
-                    weight=weight,
+                    t,
+                    durations[i],
+                    waits[i] or 0.0,
+                    startups[i] or 0.0,
+                    optimizer[i] or 0.0,
+                    samples[i] or 0,
+                    weights[i],
                 )
             )
+            add(t, durations[i], weights[i])
 
-    # -- derived ---------------------------------------------------------------------------
+    # -- queries -----------------------------------------------------------------------------
 
     def recent(self, now: float | None) -> StepTotals:
         """The steps of the last :data:`RECENT_WINDOW_S` seconds before ``now``, or the last
@@ -194,6 +358,22 @@ class TrainingState:
             and fraction >= INPUT_BOUND_FRACTION
         )
 
+    def step_time(
+        self, q: float, start: float | None = None, end: float | None = None
+    ) -> float | None:
+        """The ``q`` quantile of the duration of steps that ended in ``[start, end]`` (the
+        whole run by default); ``None`` without a timed step there."""
+        return weighted_quantile(self.history.durations(start, end), q)
+
+    def steps_between(self, start: float | None, end: float | None) -> int:
+        """Steps that ended in ``[start, end]`` (``None``: open on that side)."""
+        return self.history.count(start, end)
+
+    @property
+    def first_batch_s(self) -> float:
+        """Worker start-up over every loader: the summed first-batch latencies."""
+        return sum(x.stats.first_batch_s for x in self.loader_states.values())
+
     def last_points(self, n: int) -> list[StepPoint]:
         """The last ``n`` steps listed, oldest first."""
         if n <= 0:
@@ -202,5 +382,11 @@ class TrainingState:
         return [self.points[i] for i in range(max(0, kept - n), kept)]
 
 
-def _at(values: list[T], i: int) -> T | None:
-    return values[i] if i < len(values) else None
+def _padded(values: list[T], n: int, missing: D) -> list[T] | list[T | D]:
+    """``values`` as ``n`` entries: cut, or filled with ``missing`` (an agent may list fewer
+    details than ends)."""
+    if len(values) == n:
+        return values
+    padded: list[T | D] = [*values[:n]]
+    padded.extend([missing] * (n - len(padded)))
+    return padded

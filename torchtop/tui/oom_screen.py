@@ -27,9 +27,9 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import DataTable, Footer, Static
 
-from torchtop.model.captures import CaptureEntry, capture_evidence
+from torchtop.model.captures import CaptureEntry
 from torchtop.model.job import JobModel
-from torchtop.model.oom_advice import Suggestion, suggest, verdict_text
+from torchtop.model.oom_advice import Suggestion, verdict_text
 from torchtop.protocol import AllocationSite, MemoryCapture, OutOfMemory, StackFrame
 from torchtop.tui.format import MISSING, format_bytes, format_clock
 from torchtop.tui.widgets.chart import ChartMark, ChartSeries, ChartSpan, TimeSeriesChart
@@ -57,9 +57,8 @@ def banner_text(entry: CaptureEntry, state: JobModel, now: float | None = None) 
     else:
         text.append(" MEMORY SNAPSHOT ", "bold black on cyan")
     text.append(f"  {device}  at {at}", "bold")
-    evidence = capture_evidence(state, capture)
-    if evidence.phase:
-        text.append(f" · phase {evidence.phase}")
+    if entry.phase:
+        text.append(f" · phase {entry.phase}")
     if capture.grad_enabled is not None:
         text.append(" · autograd on" if capture.grad_enabled else " · autograd off", "dim")
     text.append("\n")
@@ -279,8 +278,7 @@ class OomScreen(Screen[None]):
         self.state = state
         capture = self.entry.capture
         self.query_one("#oom-banner", Static).update(banner_text(self.entry, state))
-        evidence = capture_evidence(state, capture)
-        self.suggestions = suggest(evidence)
+        self.suggestions = self.entry.suggestions
         self.query_one("#oom-advice", Static).update(advice_text(self.suggestions))
         series, spans, marks, start, end = timeline(state, capture)
         self.query_one(TimeSeriesChart).set_data(

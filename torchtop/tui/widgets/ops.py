@@ -29,6 +29,8 @@ from textual.events import Resize
 from textual.widgets import DataTable, Input, Static
 
 from torchtop.model.job import JobModel
+from torchtop.model.ops import op_avg_s
+from torchtop.model.ops import per_step as count_per_step
 from torchtop.protocol import OpStat, OpsWindow
 from torchtop.tui.format import MISSING, format_duration
 from torchtop.tui.widgets.steps import format_seconds
@@ -58,11 +60,6 @@ UNAVAILABLE_STYLE = "yellow"
 # -- pure helpers ---------------------------------------------------------------------------------
 
 
-def average_s(op: OpStat) -> float:
-    """Total time per call (0 for an op with no calls)."""
-    return op.total_cpu_s / op.calls if op.calls > 0 else 0.0
-
-
 def op_label(op: OpStat) -> str:
     """The op's name, with its input shapes and call site when the agent split by them."""
     label = op.name
@@ -79,7 +76,7 @@ def sort_ops(ops: Iterable[OpStat], key: SortKey = "self") -> list[OpStat]:
     if key == "calls":
         return sorted(ops, key=lambda op: (-op.calls, -op.self_cpu_s, op_label(op)))
     if key == "avg":
-        return sorted(ops, key=lambda op: (-average_s(op), -op.self_cpu_s, op_label(op)))
+        return sorted(ops, key=lambda op: (-op_avg_s(op), -op.self_cpu_s, op_label(op)))
     return sorted(ops, key=lambda op: (-op.self_cpu_s, op_label(op)))
 
 
@@ -97,19 +94,10 @@ def next_sort(key: SortKey) -> SortKey:
     return SORT_KEYS[(SORT_KEYS.index(key) + 1) % len(SORT_KEYS)]
 
 
-def phase_at(state: JobModel, t: float) -> str | None:
-    """The innermost phase running at ``t`` (the latest to begin), if any."""
-    for phase in reversed(state.phases):
-        if phase.start is not None and phase.start <= t and (phase.end is None or t < phase.end):
-            return phase.name
-    return None
-
-
 def per_step(count: int, steps: int | None) -> str:
     """``count`` per step in one decimal; :data:`MISSING` without steps to divide by."""
-    if not steps:
-        return MISSING
-    return f"{count / steps:.1f}"
+    value = count_per_step(count, steps)
+    return MISSING if value is None else f"{value:.1f}"
 
 
 def format_share(part: float, whole: float) -> str:
@@ -176,7 +164,7 @@ def op_rows(
             f"{op.calls:,}",
             format_seconds(op.total_cpu_s),
             format_seconds(op.self_cpu_s),
-            format_seconds(average_s(op)),
+            format_seconds(op_avg_s(op)),
             format_share(op.self_cpu_s, whole),
             format_seconds(op.self_device_s) if device else None,
         )
@@ -266,7 +254,7 @@ def ops_summary(state: JobModel, *, cumulative: bool = False, width: int = 0) ->
         head.append(format_seconds(window.cost_s))
         if window.requested:
             head.append(" · on request", "dim")
-        phase = phase_at(state, window.began)
+        phase = state.phase_at(window.began)
         if phase is not None:
             head.append(" · in ", "dim")
             head.append(phase, "bold")
