@@ -202,8 +202,8 @@ class JobIdentity:
     rank: int | None = None
 
     @classmethod
-    def of(cls, hello: Hello, rank: int | None = None) -> JobIdentity:
-        return cls(hello.hostname, hello.pid, rank)
+    def of(cls, hello: Hello) -> JobIdentity:
+        return cls(hello.hostname, hello.pid, hello.rank)
 
     def __str__(self) -> str:
         where = f"{self.host}:{self.pid}" if self.host else str(self.pid)
