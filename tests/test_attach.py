@@ -4,6 +4,7 @@ with gdb (Python 3.10-3.13), and every refusal says what to do. Real processes, 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import psutil
 import pytest
 
 from tests.conftest import SCRIPTS, torchtop
+from tests.test_tui_tmux import Terminal, terminal  # noqa: F401 - the tmux fixture
 from torchtop.attach import inject
 from torchtop.protocol import OpsWindow, ProbeStatus, Sample, StepStats
 from torchtop.recording import read_recording
@@ -289,3 +291,47 @@ def test_refused_when_the_jobs_python_cannot_import_torchtop(tmp_path: Path) -> 
     finally:
         target.kill()
         target.wait()
+
+
+# -- the live viewer ------------------------------------------------------------------------
+
+
+@needs_attach
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_the_viewer_asks_then_attaches(
+    tmp_path: Path,
+    jobs: list[Job],
+    terminal: Terminal,  # noqa: F811 - the fixture
+) -> None:
+    job = Job(tmp_path, "--exit-code", "4")
+    jobs.append(job)
+    terminal.keys(f"{sys.executable} -m torchtop attach {job.pid}; echo EXIT=$?", "Enter")
+    terminal.wait_for(lambda s: f"pid {job.pid} (" in s and "runs without torchtop" in s)
+    assert not list_agents()  # nothing started before the answer
+    terminal.keys("y", "Enter")
+    terminal.wait_for(lambda s: "live" in s and f"pid {job.pid}" in s and "RSS" in s)
+    assert [a.pid for a in list_agents()] == [job.pid]
+    terminal.keys("q")
+    assert "EXIT=0\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=30)
+    assert [a.pid for a in list_agents()] == [job.pid]  # detached: the agent stays
+    code, out, _ = job.finish()
+    assert (code, out) == (4, EXPECTED_STDOUT)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_declining_watches_from_outside(
+    tmp_path: Path,
+    jobs: list[Job],
+    terminal: Terminal,  # noqa: F811 - the fixture
+) -> None:
+    job = Job(tmp_path)
+    jobs.append(job)
+    terminal.keys(f"{sys.executable} -m torchtop attach {job.pid}; echo EXIT=$?", "Enter")
+    terminal.wait_for(lambda s: "runs without torchtop" in s)
+    terminal.keys("n", "Enter")
+    terminal.wait_for(lambda s: f"pid {job.pid}" in s and "RSS" in s)
+    terminal.keys("q")
+    assert "EXIT=1\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=30)
+    assert not list_agents()  # no agent was started
+    code, out, _ = job.finish()
+    assert (code, out) == (0, EXPECTED_STDOUT)
