@@ -47,7 +47,21 @@ class LogPanel(RichLog):
         )
         #: ``state.log_total`` when this panel last caught up.
         self.shown_total = 0
+        #: New lines scroll into view unless the reader scrolled up. Kept as a flag, not read
+        #: from the scroll position when lines arrive: a change of height moves the end away
+        #: from where the view is, without the reader having scrolled.
+        self.following = True
         self.border_title = " Log "
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        # Only a move of the view itself says where the reader is: up, they read back; at the
+        # end (by scrolling down, or held there as the panel grew), they follow again.
+        self.following = new_value >= self.max_scroll_y
+
+    def on_resize(self) -> None:
+        if self.following:
+            self.scroll_end(animate=False, immediate=False)
 
     def show_state(self, state: JobModel) -> None:
         """Write the lines that arrived since the last call."""
@@ -55,7 +69,7 @@ class LogPanel(RichLog):
         if new <= 0:
             return
         # Follow the end only if the reader has not scrolled up to read something.
-        follow = self.is_vertical_scroll_end
+        follow = self.following
         kept = len(state.logs)
         for entry in islice(state.logs, max(0, kept - new), kept):
             self.write(log_line(entry), scroll_end=follow)
