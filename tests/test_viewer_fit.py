@@ -10,7 +10,9 @@ from textual.pilot import Pilot
 
 from torchtop.protocol import LogLine, Message
 from torchtop.tui.app import TorchtopApp
+from torchtop.tui.widgets.chart import AXIS_WIDTH
 from torchtop.tui.widgets.log import LogPanel
+from torchtop.tui.widgets.steps import StepTimeChart
 
 
 def _lines(start: int, n: int, t: float = T0 + 40) -> list[Message]:
@@ -78,3 +80,24 @@ async def test_a_reader_who_scrolled_up_stays_put() -> None:
         source.deliver(_lines(200, 30))
         await drained(pilot)
         assert await _at_end(pilot, log)
+
+
+@pilot_test
+async def test_the_step_time_chart_fits_seconds_long_steps_with_millisecond_waits() -> None:
+    # 1 s steps (0.8 to 1.2 s) that wait 2 ms each for data.
+    frames: list[Message] = []
+    total = 0
+    for k in range(6):
+        durations = [0.8 + 0.1 * (i % 5) for i in range(5)]
+        total += 5
+        frames.append(steps_frame(T0 + 5 * (k + 1), total, list(durations), wait=0.002))
+    app = TorchtopApp(FakeSource([*cuda_job(), *frames]))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await drained(pilot)
+        chart = app.query_one(StepTimeChart)
+        rows = chart.render_text().plain.splitlines()
+        top = rows[0][: AXIS_WIDTH - 1].strip()
+        assert top == "2s", rows[0]
+        # The line sits inside the plot, not pinned against its top.
+        plot = [row[AXIS_WIDTH:] for row in rows[:-1]]
+        assert plot[0].strip() == "", rows

@@ -106,6 +106,14 @@ def scale_top(values: Sequence[float]) -> float:
     return nice_seconds(min(present[-1], 4 * median))
 
 
+def series_top(series: Sequence[ChartSeries]) -> float:
+    """The top of an axis that several series share: the highest of each series' own
+    :func:`scale_top`. Each series is scaled by its own values, so millisecond waits under
+    second-long steps do not pull the axis down to their median (and pin the steps at the top).
+    """
+    return max((scale_top([v for _, v in s.points if v is not None]) for s in series), default=0.0)
+
+
 def _wait_style(fraction: float | None) -> str:
     if fraction is None:
         return ""
@@ -279,7 +287,7 @@ class StepTimeChart(TimeSeriesChart):
             t_end=self.t_end,
             spans=self.spans,
             marks=self.marks,
-            y_max=scale_top([v for s in self.series for _, v in s.points if v is not None]),
+            y_max=series_top(self.series),
             format_value=lambda v: format_seconds_short(v),
         )
 
