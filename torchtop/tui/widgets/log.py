@@ -5,6 +5,8 @@ from __future__ import annotations
 from itertools import islice
 
 from rich.text import Text
+from textual import on
+from textual.events import Resize
 from textual.widgets import RichLog
 
 from torchtop.model.job import DEFAULT_LOG_LINES, JobModel, LogEntry
@@ -59,7 +61,8 @@ class LogPanel(RichLog):
         # end (by scrolling down, or held there as the panel grew), they follow again.
         self.following = new_value >= self.max_scroll_y
 
-    def on_resize(self) -> None:
+    @on(Resize)
+    def _keep_following(self) -> None:
         if self.following:
             self.scroll_end(animate=False, immediate=False)
 
