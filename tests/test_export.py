@@ -69,7 +69,9 @@ def hello(rank: int | None = None, pid: int = 100) -> Hello:
     )
 
 
-def cuda(device: str, allocated: int, *, retries: int = 0, ooms: int = 0) -> MemoryStats:
+def cuda(
+    device: str, allocated: int, *, retries: int = 0, ooms: int = 0, handled: int = 0
+) -> MemoryStats:
     return MemoryStats(
         device=device,
         source="cuda",
@@ -78,6 +80,7 @@ def cuda(device: str, allocated: int, *, retries: int = 0, ooms: int = 0) -> Mem
         peak_allocated_bytes=allocated + 32 * MIB,
         num_alloc_retries=retries,
         num_ooms=ooms,
+        handled_ooms=handled,
     )
 
 
@@ -104,6 +107,8 @@ def job_messages(rank: int | None = 3) -> list[Message]:
         steps(T0 + 1, total=10, timed=9, time_s=0.9, wait_s=0.18),
         oom(T0 + 1.5, "cuda:0"),
         Sample(T0 + 2, host, [cuda("cuda:0", 200 * MIB, retries=2, ooms=1)]),
+        # cuDNN's workspace search failed twice and retried smaller: the job never saw those.
+        Sample(T0 + 2, host, [cuda("cuda:1", 10 * MIB, ooms=2, handled=2)]),
         steps(T0 + 2, total=20, timed=10, time_s=1.1, wait_s=0.2),
     ]
 

@@ -444,7 +444,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         return _run_spec(spec)
     finally:
-        exporter.close()
+        exporter.close(wait_s=2.0)  # the job has exited: its feeds end as they read its last
 
 
 def _start_exporter(args: argparse.Namespace, accept: Any, run: str | None = None) -> Any:

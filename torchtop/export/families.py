@@ -140,7 +140,7 @@ def families(snapshots: Iterable[JobSnapshot]) -> list[Family]:
     ooms = Family(
         "torchtop_ooms",
         "counter",
-        "Out-of-memory failures on the device (CUDA, or an emulated --memory-limit device).",
+        "Out-of-memory failures that reached the job (CUDA, or an emulated --memory-limit device).",
         DEVICE_LABELS,
         "{oom}",
     )

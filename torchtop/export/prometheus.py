@@ -31,10 +31,11 @@ from torchtop.export.snapshot import JobSnapshot
 DEFAULT_HOST = "127.0.0.1"
 #: ``torchtop export``'s port when none is given.
 DEFAULT_PORT = 9481
-#: Connections served at once; more are closed at once.
-MAX_CONNECTIONS = 16
-#: Seconds a connection may take to send its request and read the answer.
-CONNECTION_TIMEOUT_S = 5.0
+#: Connections served at once; more are closed at once. Prometheus needs one per scrape.
+MAX_CONNECTIONS = 64
+#: Seconds a connection may take to send its request and read the answer (a scrape takes
+#: milliseconds; a client that hangs holds its thread no longer than this).
+CONNECTION_TIMEOUT_S = 3.0
 
 
 class MetricsError(Exception):

@@ -209,11 +209,16 @@ class Exporter:
         if not self.jobs.ended(address):
             self._rejected.add(address)  # not one to export: do not connect again
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop following and serving. ``wait_s``: first give feeds whose job has exited that
+        long to read the job's last frames, so the final push carries its final figures."""
         self._closed.set()
+        deadline = time.monotonic() + wait_s
         for feed in self.jobs.feeds():
-            feed.close()
+            feed.join(max(0.0, deadline - time.monotonic()))
         if self.otlp is not None:
             self.otlp.close()
+        for feed in self.jobs.feeds():
+            feed.close()
         if self.server is not None:
             self.server.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtop.model.job import JobModel
-from torchtop.protocol import Hello
+from torchtop.protocol import Hello, MemoryStats
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,7 @@ def snapshot_of(model: JobModel) -> JobSnapshot | None:
                 reserved_bytes=mem.reserved_bytes if mem is not None else None,
                 peak_allocated_bytes=mem.peak_allocated_bytes if mem is not None else None,
                 alloc_retries=mem.num_alloc_retries if mem is not None else None,
-                # The allocator's count and the captures can each miss some: take the larger.
-                ooms=max((mem.num_ooms or 0) if mem is not None else 0, ooms.get(device_id, 0)),
+                ooms=max(_ooms_seen(mem), ooms.get(device_id, 0)),
             )
         )
     training = model.training
@@ -110,6 +109,14 @@ def snapshot_of(model: JobModel) -> JobSnapshot | None:
         devices=tuple(devices),
         exited=model.job_ended,
     )
+
+
+def _ooms_seen(mem: MemoryStats | None) -> int:
+    """The allocator's OOMs that reached the job: torch's own handled retries (cuDNN's
+    workspace search) left out. The captures can miss some too: the caller takes the larger."""
+    if mem is None or mem.num_ooms is None:
+        return 0
+    return max(0, mem.num_ooms - (mem.handled_ooms or 0))
 
 
 def _last_sample_t(model: JobModel) -> float | None:
