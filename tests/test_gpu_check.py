@@ -640,3 +640,24 @@ def test_the_overhead_job_gives_the_ratios_the_cost_row_reads(tmp_path: Path) ->
     assert step.rc == 0, step.stderr
     row = cmp.overhead(json.loads(out.read_text()))
     assert row.status in (cmp.PASS, cmp.FAIL) and row.measured.startswith("median "), row
+
+
+def test_the_oom_fixtures_it_saves_feed_the_agents_flow(tmp_path: Path) -> None:
+    """What the OOM jobs write becomes a tests/fixtures/cuda_snapshot_*.json: the agent's flow
+    reads it as it reads the committed ones."""
+    data = fixture("cuda_snapshot_fragmented.json")
+    truth = {
+        "requested": data["observer"]["alloc"],
+        "observer": [{**data["observer"], "memory_stats": data["memory_stats"], "t": 1.0}],
+        "snapshot": data["snapshot"],
+    }
+    saved = gpu_check._observer_fixture(truth)
+    assert saved is not None
+    assert saved["observer"] == data["observer"]
+    assert list(saved["memory_stats"]) == sorted(data["memory_stats"])
+    (tmp_path / "b").mkdir()
+    a, b = agent_oom_event(tmp_path, saved), agent_oom_event(tmp_path / "b", data)
+    for key in ("t", "snapshot_path"):
+        del a[key], b[key]
+    assert a == b
+    assert gpu_check._observer_fixture({**truth, "observer": []}) is None
