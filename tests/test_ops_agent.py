@@ -307,6 +307,28 @@ def test_a_window_spans_two_steps_and_ranks_the_matmuls(sampler: OpsSampler) -> 
     assert any(e.get("name") == "aten::addmm" for e in trace["traceEvents"])
 
 
+def test_a_windows_cost_is_what_the_steps_around_it_lost(sampler: OpsSampler) -> None:
+    """The profiled steps' slowdown, the stop, and the agent's reading and freeing of the
+    events (which hold the GIL) all show in the steps from the window's start to the first
+    that ends after the agent is done: their time beyond the usual step is the cost."""
+    steps = FakeSteps()
+    t = time.perf_counter() - 1.0
+    steps.ends = deque((t + i * 0.01, 0.01) for i in range(50))  # type: ignore[attr-defined]
+    assert _window(sampler, steps) == []  # held: no step has ended since
+    (held,) = sampler._measuring
+    span = held.done - held.start
+    ends = steps.ends  # type: ignore[attr-defined]
+    ends.append((held.start + span / 3, 0.03))  # the two profiled steps
+    ends.append((held.start + span * 2 / 3, 0.02))
+    assert sampler.tick(time.time(), steps) == []  # still none after the agent was done
+    ends.append((time.perf_counter(), 0.015))  # the step the reading slowed down
+    ends.append((time.perf_counter(), 0.04))  # later: not the window's
+    (frame,) = sampler.tick(time.time(), steps)
+    assert isinstance(frame, OpsWindow) and frame.steps == 2
+    assert frame.cost_s == pytest.approx(0.02 + 0.01 + 0.005)
+    assert frame.spacing_s == pytest.approx(frame.cost_s / sampler.budget)
+
+
 def test_cumulative_adds_up_over_windows(sampler: OpsSampler) -> None:
     steps = FakeSteps()
     (first,) = _window(sampler, steps)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import statistics
 import sys
@@ -519,6 +520,10 @@ OWNER_WAIT_S = 2.0
 #: What one profiled event costs the job until windows over steps have measured it: about
 #: 2 µs on a CPU (measured on many tiny ops: 1.8 µs; on a small MLP: 1-4 µs).
 EVENT_COST_S = 2e-6
+#: How long a window's frame waits for a step after it to measure its cost (else: estimated).
+MEASURE_WAIT_S = 2.0
+#: Steps before a window whose median is the usual step time.
+USUAL_STEPS = 64
 #: Requested windows: at most one a second, and the last KEPT_TRACES traces kept.
 REQUEST_GAP_S = 1.0
 KEPT_TRACES = 20
@@ -620,12 +625,49 @@ class _Closed:
 
     result: Any
     began: float
+    #: When the profiler began starting (``perf_counter``).
+    opened_at: float
     wall_s: float
     start_cost_s: float
     stop_cost_s: float
     steps: int | None
     device: bool
     requested: bool
+
+
+@dataclass(slots=True)
+class _Measuring:
+    """A window's frame, held until the steps after it tell what it cost the job."""
+
+    frame: OpsWindow
+    start: float
+    done: float
+    usual: float
+    events: int
+    start_cost_s: float
+    stop_cost_s: float
+    estimate: float
+    deadline: float
+
+
+def _usual_step(ends: deque[tuple[float, float]] | None, before: float) -> float | None:
+    """The median duration of the latest steps that ended before ``before``."""
+    if not ends:
+        return None
+    durations = [d for e, d in ends if e <= before][-USUAL_STEPS:]
+    return statistics.median(durations) if durations else None
+
+
+def _excess(
+    ends: deque[tuple[float, float]], start: float, done: float, usual: float
+) -> float | None:
+    """What the steps from ``start`` to the first that ended after ``done`` took beyond
+    ``usual`` each; ``None`` until such a step has ended (or if the steps from ``start`` on are
+    no longer all at hand)."""
+    if not ends or ends[0][0] > start or ends[-1][0] <= done:
+        return None
+    last = next(e for e, _ in ends if e > done)
+    return sum(max(0.0, d - usual) for e, d in ends if start < e <= last)
 
 
 class OpsSampler:
@@ -675,6 +717,8 @@ class OpsSampler:
         #: Opened by :meth:`window` around a section: only its end closes it.
         self._explicit = False
         self._closed: deque[_Closed] = deque(maxlen=4)
+        #: Windows whose cost is measured on the steps that follow them (sampler thread).
+        self._measuring: deque[_Measuring] = deque()
         #: The window's owner (the thread that opened it) should close it at its next chance:
         #: the profiler can only be stopped from that thread.
         self._close_requested = False
@@ -839,6 +883,7 @@ class OpsSampler:
                 _Closed(
                     result=result,
                     began=self._began,
+                    opened_at=self._opened_at - self._start_cost,
                     wall_s=t0 - self._opened_at,
                     start_cost_s=self._start_cost,
                     stop_cost_s=t1 - t0,
@@ -989,9 +1034,10 @@ class OpsSampler:
         self.clock = steps.clock
         self._recent_steps = steps.recent
         while self._closed:
-            frame = self._frame(self._closed.popleft())
+            frame = self._frame(self._closed.popleft(), getattr(steps, "ends", None))
             if frame is not None:
                 messages.append(frame)
+        messages.extend(self._measured(getattr(steps, "ends", None)))
         if self._blocked and not user_profiler_running():
             self._blocked = False  # the job's profiler has ended
         status = self._status(now)
@@ -1052,7 +1098,9 @@ class OpsSampler:
             t=now, probe=PROBE, available=False, detail=f"op timings unavailable: {reason}"
         )
 
-    def _frame(self, closed: _Closed) -> OpsWindow | None:
+    def _frame(self, closed: _Closed, ends: deque[tuple[float, float]] | None) -> OpsWindow | None:
+        """The window's frame; ``None`` while its cost is being measured (see
+        :meth:`_measured`). ``ends`` are the latest steps' (end, duration)."""
         t0 = time.perf_counter()
         events = read_events(
             closed.result,
@@ -1088,10 +1136,7 @@ class OpsSampler:
         else:
             slowdown = len(events) * statistics.median(self._event_costs)
         cost = closed.start_cost_s + closed.stop_cost_s + slowdown + (time.perf_counter() - t0)
-        self.costs.append((closed.start_cost_s, closed.stop_cost_s, cost))
-        self.spacing_s = max(self.min_spacing_s, cost / self.budget)
-        self._next_due = time.monotonic() + self.spacing_s
-        return OpsWindow(
+        frame = OpsWindow(
             t=time.time(),
             window=self.windows,
             began=closed.began,
@@ -1117,6 +1162,54 @@ class OpsSampler:
             host_reads=window.host_reads,
             total_host_reads=self._total_host_reads,
         )
+        closed.result = None  # kineto's events are freed here, inside what is measured
+        usual = _usual_step(ends, closed.opened_at) if steps else None
+        if usual is None:
+            return self._priced(frame, closed.start_cost_s, closed.stop_cost_s, cost)
+        # What the job lost is measured on its steps: from the window's start to the first
+        # step that ends after all the work above.
+        self._next_due = float("inf")
+        self._measuring.append(
+            _Measuring(
+                frame=frame,
+                start=closed.opened_at,
+                done=time.perf_counter(),
+                usual=usual,
+                events=len(events),
+                start_cost_s=closed.start_cost_s,
+                stop_cost_s=closed.stop_cost_s,
+                estimate=cost,
+                deadline=time.monotonic() + MEASURE_WAIT_S,
+            )
+        )
+        return None
+
+    def _priced(self, frame: OpsWindow, start: float, stop: float, cost: float) -> OpsWindow:
+        """The frame with its cost, and the spacing to the next window that the cost sets."""
+        self.costs.append((start, stop, cost))
+        self.spacing_s = max(self.min_spacing_s, cost / self.budget)
+        self._next_due = time.monotonic() + self.spacing_s
+        return dataclasses.replace(frame, cost_s=cost, spacing_s=self.spacing_s)
+
+    def _measured(
+        self, ends: deque[tuple[float, float]] | None, *, final: bool = False
+    ) -> list[Message]:
+        """Frames of windows whose cost to the job is now known: the steps from the window's
+        start to the first that ended after the agent was done with it, less what those steps
+        usually take. Without such a step in time, the estimate stands."""
+        out: list[Message] = []
+        while self._measuring:
+            m = self._measuring[0]
+            cost = _excess(ends, m.start, m.done, m.usual) if ends else None
+            if cost is None and not final and time.monotonic() < m.deadline:
+                break
+            self._measuring.popleft()
+            if cost is None:
+                cost = m.estimate
+            elif m.events:
+                self._event_costs.append(cost / m.events)
+            out.append(self._priced(m.frame, m.start_cost_s, m.stop_cost_s, cost))
+        return out
 
     def _save_trace(self, closed: _Closed) -> str | None:
         """Write the window's Chrome trace: ``<prefix>ops-last.json`` (replaced each window),
@@ -1148,8 +1241,9 @@ class OpsSampler:
             messages: list[Message] = []
             while self._closed:
                 with contextlib.suppress(Exception):
-                    frame = self._frame(self._closed.popleft())
+                    frame = self._frame(self._closed.popleft(), None)
                     if frame is not None:
                         messages.append(frame)
+            messages.extend(self._measured(None, final=True))
             self._stopped = True
             return messages

@@ -185,6 +185,8 @@ class StepCollector:
         self._records: list[StepRecord] = []
         #: The latest step durations (the op sampler's yardstick for a window's slowdown).
         self.recent: deque[float] = deque(maxlen=64)
+        #: The latest steps' (end, duration): what an op window cost the steps around it.
+        self.ends: deque[tuple[float, float]] = deque(maxlen=4096)
         #: Steps of other optimizers since the clock's last step, each with what happened
         #: before it: (end, optimizer, interval). ``_interval`` runs from the last of them.
         self._others: list[tuple[float, int, _Interval]] = []
@@ -302,6 +304,7 @@ class StepCollector:
         duration = t - self._last_end if self._last_end is not None else None
         if duration is not None:
             self.recent.append(duration)
+            self.ends.append((t, duration))
         # Samples of the loader that fed the step: a validation loop that ran since the last
         # step does not inflate the throughput.
         samples = 0
