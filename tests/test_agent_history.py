@@ -7,13 +7,20 @@ In-process (the agent is built but its sampler is not started): frames go throug
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.test_ops_tui import window
-from tests.test_server import _connect, _read
-from torchtop.agent.core import MAX_REQUESTED_SNAPSHOTS, SNAPSHOTS_PROBE, Agent, AgentConfig
+from tests.test_server import _connect, _fail_once, _read
+from torchtop.agent.core import (
+    MAX_REQUESTED_SNAPSHOTS,
+    SERVER_PROBE,
+    SNAPSHOTS_PROBE,
+    Agent,
+    AgentConfig,
+)
 from torchtop.agent.oom import _empty_capture, _fields
 from torchtop.protocol import (
     REQUEST_SNAPSHOT,
@@ -24,7 +31,7 @@ from torchtop.protocol import (
     ProbeStatus,
     Request,
 )
-from torchtop.transport import remove_server_files
+from torchtop.transport import list_agents, remove_server_files, socket_path_for
 
 
 @pytest.fixture
@@ -74,3 +81,37 @@ def test_snapshot_requests_are_capped_per_job(agent: Agent) -> None:
     statuses = [m for m in sent if isinstance(m, ProbeStatus) and m.probe == SNAPSHOTS_PROBE]
     assert len(statuses) == 1 and not statuses[0].available
     assert f"at most {MAX_REQUESTED_SNAPSHOTS}" in statuses[0].detail
+
+
+def test_a_failing_server_is_reported_on_stderr_and_to_viewers(
+    agent: Agent, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fail_once(monkeypatch, agent.server, "_pump", RuntimeError("boom"))
+    agent.server._wake()
+    messages = _read(_connect(agent.server), 3)
+    statuses = [m for m in messages if isinstance(m, ProbeStatus) and m.probe == SERVER_PROBE]
+    assert statuses and "restarted" in statuses[0].detail
+    assert "torchtop: the agent's socket server failed (RuntimeError('boom')); restarted it" in (
+        capfd.readouterr().err
+    )
+
+
+def test_a_server_that_gives_up_removes_its_socket(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = Agent(AgentConfig(ops=False, nvml=False, oom_capture=False))
+
+    def broken() -> None:
+        raise OSError("selector broken")
+
+    monkeypatch.setattr(agent.server, "_serve", broken)
+    assert socket_path_for(agent.pid).exists()
+    agent.server.start()
+    deadline = time.monotonic() + 5
+    while socket_path_for(agent.pid).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not socket_path_for(agent.pid).exists()
+    assert list_agents() == []
+    assert (
+        "it closed its socket: the job runs on, but no viewer can attach" in capfd.readouterr().err
+    )
