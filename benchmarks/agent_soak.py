@@ -3,10 +3,12 @@
 One process trains a small MLP on one CPU thread with the agent at its defaults (op sampling
 on) and a viewer process attached all along. Every 15 s it records its RSS and the bytes the
 agent's history and client queues hold. Three times (after the first minute, half-way, and at
-the end) a separate process sends 1,000 hellos (connect, hello, close, from 8 threads at once)
-and the job's steps per second while it runs are compared with the steps per second just
-before. Reported: RSS growth beyond the first minute (in all, and per hour by a least-squares
-fit), the history's bytes, and the steps/s ratio during each storm.
+the end) a separate process sends 1,000 hellos (connect, hello, close, from 8 threads at once),
+three times, and the job's steps per second while it runs are compared with the steps per second
+just before, and with those during the same storm sent to a listener of the storm process's own
+(the control: on a machine with few cores the storm's own threads take CPU from the job, agent
+or not). Reported: RSS growth beyond the first minute (in all, and per hour by a least-squares
+fit), the history's and queues' bytes, and the steps/s ratios during the storms.
 
     python -m benchmarks.agent_soak --minutes 30     # the README's figures
     python -m benchmarks.agent_soak --minutes 2      # a smoke run
@@ -101,8 +103,8 @@ def train_for(step, seconds: float) -> tuple[int, float]:  # type: ignore[no-unt
 
 
 def one_storm(step, path: str, *control: str) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
-    """Steps/s while one storm runs (from its first connection to its last), its length, and
-    the hellos that failed to connect."""
+    """Steps/s while one storm runs (from the signal to go, given once the storm process has
+    started and built its threads, to its exit), its length, and the hellos that failed."""
     proc = subprocess.Popen(
         [sys.executable, "-c", STORM, path, str(HELLOS), str(THREADS), *control],
         stdin=subprocess.PIPE,
@@ -164,13 +166,14 @@ def slope_per_hour(points: list[tuple[float, int]]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--no-ops", action="store_true", help="op sampling off (a comparison)")
     args = parser.parse_args()
     total_s = args.minutes * 60
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     step = make_step(*small_mlp())
-    agent = core.start()
+    agent = core.start(ops=not args.no_ops)
     viewer = attach_viewer(agent.info.address)
     process = psutil.Process()
     start = time.monotonic()
@@ -204,6 +207,7 @@ def main() -> None:
     windows = agent.ops.windows if agent.ops is not None else 0
     core.stop()
 
+    full_s = agent.config.history_s + WARM_S
     after_warm = [(m["t"], int(m["rss"])) for m in memory if m["t"] >= WARM_S]
     base = after_warm[0][1] if after_warm else 0
     result = {
@@ -215,9 +219,17 @@ def main() -> None:
         ),
         "rss_growth_end_mb": round((after_warm[-1][1] - base) / 2**20 if after_warm else 0.0, 2),
         "rss_growth_per_hour_mb": round(slope_per_hour(after_warm) / 2**20, 2),
+        # Once the history holds its whole time span (history_s), it only turns over.
+        "rss_growth_per_hour_once_history_full_mb": round(
+            slope_per_hour([(t, r) for t, r in after_warm if t >= full_s]) / 2**20, 2
+        ),
         "history_mb_max": round(max((m["history"] for m in memory), default=0) / 2**20, 2),
         "queued_mb_max": round(max((m["queued"] for m in memory), default=0) / 2**20, 2),
         "storms": storms,
+        "memory_every_15s": [
+            [round(m["t"]), round(m["rss"] / 2**20, 1), round(m["history"] / 2**20, 2)]
+            for m in memory
+        ],
         "storm_ratio_to_control_median": statistics.median(s["ratio_to_control"] for s in storms),
     }
     print(json.dumps(result, indent=2))
