@@ -335,3 +335,54 @@ def test_declining_watches_from_outside(
     assert not list_agents()  # no agent was started
     code, out, _ = job.finish()
     assert (code, out) == (0, EXPECTED_STDOUT)
+
+
+# -- the injection itself, in each Python this machine has ------------------------------------
+
+
+def _pythons() -> list[str]:
+    """The real executables of python3.10 ... python3.13 found on PATH (pyenv shims resolved)."""
+    found = []
+    for minor in range(10, 14):
+        name = shutil.which(f"python3.{minor}")
+        if name is None:
+            continue
+        probe = subprocess.run(
+            [name, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True
+        )
+        if probe.returncode == 0 and probe.stdout.strip():
+            found.append(probe.stdout.strip())
+    return found
+
+
+LOOPS = {
+    "sleeping": "import time\nwhile True: time.sleep(0.01)",
+    # No C-API call gdb waits at: gdb wakes the main thread with a pending no-op.
+    "pure-python": "x = 0\nwhile True: x += 1",
+}
+
+
+@needs_attach
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+@pytest.mark.parametrize("python", _pythons() or [sys.executable])
+def test_gdb_runs_the_start_in_the_main_thread(tmp_path: Path, python: str, loop: str) -> None:
+    if sys.version_info >= inject.REMOTE_EXEC_PYTHON:
+        pytest.skip("Python 3.14+ attaches with sys.remote_exec")
+    target = subprocess.Popen([python, "-I", "-c", LOOPS[loop]])
+    proof = tmp_path / "ran"
+    # Modules loaded before any script runs: the job may be starting up still.
+    code = f"import _thread, os\nopen({str(proof)!r}, 'w').write(str(_thread.get_native_id()))"
+    try:
+        time.sleep(0.5)
+        output = inject.run_gdb(target.pid, inject.gdb_script(inject.payload_line(code)), tmp_path)
+        assert inject.MARK_SCHEDULED in output, output
+        assert ("waking the main thread" in output) == (loop == "pure-python")
+        deadline = time.monotonic() + 30
+        while not proof.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proof.read_text() == str(target.pid)  # ran, in the main thread
+        assert target.poll() is None  # and the job runs on
+        assert not list(tmp_path.glob("*.gdb"))  # gdb's script is gone
+    finally:
+        target.kill()
+        target.wait()

@@ -1,10 +1,10 @@
 """The agent's entry point when ``torchtop attach`` starts it in a job that runs without it.
 
-``torchtop attach`` has the job's own interpreter call :func:`start_attached` at a safe point:
-in the main thread, holding the GIL, between two bytecodes (a pending call scheduled through
-gdb, or ``sys.remote_exec`` on Python 3.14+). It starts the agent once (a second attach finds
-it running) and writes a small status file that the attacher waits for. It never prints to the
-job's output and never raises into the job.
+``torchtop attach`` has the job's own interpreter start a thread at a safe point (in the main
+thread, holding the GIL, between two bytecodes: a pending call scheduled through gdb, or
+``sys.remote_exec`` on Python 3.14+), and that thread calls :func:`start_attached`. It starts
+the agent once (a second attach finds it running) and writes a small status file that the
+attacher waits for. It never prints to the job's output and never raises into the job.
 
 An agent started this late sees the job from this moment on: optimizer steps from the next
 one, DataLoader batches from the next ``next()`` (a new iterator is also named and its workers
@@ -37,11 +37,6 @@ def start_attached(status_path: str, options: dict[str, Any], runtime_dir: str) 
             agent = core.start(**options)
             agent.publish(attach_status(time.time(), _process_started_at()))
         write_status(status_path, {"ok": True, "reused": reused, "address": agent.info.address})
-    except KeyboardInterrupt:  # the job's Ctrl-C, arrived while we ran: it is the job's
-        import _thread
-
-        _thread.interrupt_main()
-        write_status(status_path, {"ok": False, "error": "interrupted"})
     except BaseException as exc:  # nothing of ours may reach the job
         write_status(status_path, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
 

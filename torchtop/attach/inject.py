@@ -16,8 +16,9 @@ does). So nothing of ours runs at the stop itself:
   none of those functions; after a short wait gdb interrupts it and queues a no-op pending call
   (``PyCallable_Check``, as memray does) that brings the main thread to one of the breakpoints.
 
-The payload imports :mod:`torchtop.agent.attached` from the job's own environment (or from
-``--python-path``) and writes a status file (0600) that :func:`start_agent` waits for. Every
+The payload starts a thread in the job that imports :mod:`torchtop.agent.attached` from the
+job's own environment (or from ``--python-path``) and starts the agent, then writes a status
+file (0600) that :func:`start_agent` waits for. Every
 refusal is one line that names the fix.
 """
 
@@ -187,8 +188,9 @@ def _ptrace_denied(pid: int) -> AttachRefused:
 # -- the payload ----------------------------------------------------------------------------
 
 _PAYLOAD = """\
-import json, os, sys
+import _thread
 def _torchtop_attach(status, paths, options, runtime_dir):
+    import json, os, sys
     os.close(os.open(status + '.began', os.O_WRONLY | os.O_CREAT, 0o600))
     added = [p for p in paths if p not in sys.path]
     sys.path.extend(added)
@@ -207,16 +209,22 @@ def _torchtop_attach(status, paths, options, runtime_dir):
         for p in added:
             if p in sys.path:
                 sys.path.remove(p)
-_torchtop_attach(%r, %r, %r, %r)
+_thread.start_new_thread(_torchtop_attach, (%r, %r, %r, %r))
 """
 
 
 def payload_source(
     status_path: str, python_path: str | None, options: dict[str, Any], runtime_dir: str
 ) -> str:
-    """The Python the job runs: import the agent's entry point (from the directories of
-    ``python_path`` too, after the job's own, and only while it starts) and start it; an import
-    that fails is written to the status file, never to the job's output."""
+    """The Python the job runs at its safe point: a thread of its own that imports the agent's
+    entry point (from the directories of ``python_path`` too, after the job's own, and only
+    while it starts) and starts it; an import that fails is written to the status file, never
+    to the job's output.
+
+    The import runs in a new thread, not in the main thread where the safe point is: the main
+    thread may be halfway through importing a module, and importing from inside that would
+    find it (or a module it needs) partly initialized. A thread of its own waits for the main
+    thread's import to finish, as any thread does."""
     paths = [p for p in (python_path or "").split(os.pathsep) if p]
     return _PAYLOAD % (status_path, paths, options, runtime_dir)
 
