@@ -99,14 +99,24 @@ def test_series_are_bounded() -> None:
     assert len(state.rss_series) == 50
 
 
-def test_fragmentation_is_reserved_minus_allocated() -> None:
+def test_cache_is_reserved_minus_allocated_and_fragmented_is_inactive_split() -> None:
     state = JobModel()
-    state.apply(sample(T0, cuda(3 * GiB, 5 * GiB)))
-    assert state.memory["cuda:0"].fragmentation == 2 * GiB
+    state.apply(sample(T0, cuda(3 * GiB, 5 * GiB, inactive_split_bytes=GiB // 4)))
+    memory = state.memory["cuda:0"]
+    # The cache holds whole free segments as well; only the split ones are fragmentation.
+    assert memory.cache == 2 * GiB and memory.fragmented == GiB // 4
     state.apply(sample(T0 + 1, cuda(None, 5 * GiB)))
-    assert state.memory["cuda:0"].fragmentation is None
+    assert state.memory["cuda:0"].cache is None and state.memory["cuda:0"].fragmented is None
     state.apply(sample(T0 + 2, cuda(3 * GiB, None)))
-    assert state.memory["cuda:0"].fragmentation is None
+    assert state.memory["cuda:0"].cache is None
+
+
+def test_ooms_the_job_saw_leave_out_those_torch_handled() -> None:
+    state = JobModel()
+    state.apply(sample(T0, cuda(3 * GiB, 5 * GiB, num_ooms=5, handled_ooms=4)))
+    assert state.memory["cuda:0"].ooms == 1
+    state.apply(sample(T0 + 1, cuda(3 * GiB, 5 * GiB, num_ooms=2)))
+    assert state.memory["cuda:0"].ooms == 2
 
 
 def test_peaks_are_running_maxima_of_peak_fields_and_current_values() -> None:
@@ -142,11 +152,45 @@ def test_primary_device_is_the_first_cuda_device_else_cpu() -> None:
     assert state.device_ids == ["cuda:0", "cuda:1", "cpu"]
 
 
-def test_primary_device_from_hello_before_any_sample() -> None:
+def test_a_job_on_one_gpu_of_a_node_shows_that_gpu() -> None:
+    # The hello lists every GPU the node lets the job see; the CUDA probe samples only the
+    # devices the job has reserved memory on: here cuda:3.
+    node = [DeviceInfo("cpu", "cpu")] + [
+        DeviceInfo(f"cuda:{i}", "NVIDIA H200", 141 * GiB) for i in range(8)
+    ]
     state = JobModel()
-    state.apply(hello([DeviceInfo("cpu", "cpu"), DeviceInfo("cuda:0", "NVIDIA H200", 141 * GiB)]))
-    assert state.primary_device == "cuda:0"
-    assert state.primary_memory is None
+    state.apply(hello(node))
+    assert state.primary_device == "cpu" and state.used_devices == ["cpu"]
+    state.apply(
+        sample(
+            T0,
+            MemoryStats("cpu", "cpu-heap", 1, 2),
+            MemoryStats("cuda:3", "cuda-allocator", 3 * GiB, 4 * GiB),
+        )
+    )
+    assert state.primary_device == "cuda:3" and state.used_devices == ["cuda:3"]
+    assert state.primary_memory is state.memory["cuda:3"]
+
+
+def test_a_job_on_several_gpus_shows_them_all_and_one_that_never_held_memory_not() -> None:
+    state = JobModel()
+    state.apply(hello([DeviceInfo(f"cuda:{i}", "NVIDIA H200") for i in range(4)]))
+    state.apply(
+        sample(
+            T0,
+            MemoryStats("cuda:0", "cuda-allocator", 0, 0, peak_allocated_bytes=0),
+            MemoryStats("cuda:2", "cuda-allocator", 3 * GiB, 4 * GiB),
+            MemoryStats("cuda:1", "cuda-allocator", 0, 2 * GiB),
+        )
+    )
+    assert state.used_devices == ["cuda:1", "cuda:2"] and state.primary_device == "cuda:1"
+
+
+def test_a_cpu_job_on_a_gpu_node_shows_the_cpu() -> None:
+    state = JobModel()
+    state.apply(hello([DeviceInfo("cpu", "cpu"), DeviceInfo("cuda:0", "NVIDIA H200")]))
+    state.apply(sample(T0, MemoryStats("cpu", "cpu-heap", 1, 2)))
+    assert state.primary_device == "cpu" and state.primary_memory is state.memory["cpu"]
 
 
 @pytest.mark.parametrize(

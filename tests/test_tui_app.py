@@ -92,6 +92,7 @@ def cuda_job(seconds: int = 30) -> list[Message]:
             6 * GiB,
             peak_allocated_bytes=5 * GiB,
             peak_reserved_bytes=6 * GiB,
+            inactive_split_bytes=GiB // 2,
             num_alloc_retries=1,
             num_ooms=0,
             free_bytes=80 * GiB,
@@ -215,7 +216,7 @@ async def test_cuda_memory_figures_and_chart() -> None:
         assert "allocated 4.00 GiB" in figures
         assert "reserved 6.00 GiB" in figures
         assert "peak 5.00 GiB / 6.00 GiB" in figures
-        assert "fragmentation 2.00 GiB" in figures
+        assert "cache 2.00 GiB" in figures and "fragmented 512 MiB" in figures
         assert "retries 1" in figures
         assert "OOMs 0" in figures
         assert "device 61.0/141.0 GiB" in figures
@@ -473,7 +474,7 @@ async def test_question_mark_opens_help() -> None:
         await pilot.pause()
         assert isinstance(app.screen, HelpScreen)
         help_text = static_text(app.screen.query_one("#help-text", Static))
-        assert "fragmentation" in help_text and "quit" in help_text
+        assert "fragmented" in help_text and "quit" in help_text
         await pilot.press("escape")
         await pilot.pause()
         assert not isinstance(app.screen, HelpScreen)
@@ -546,7 +547,7 @@ async def test_unreadable_values_show_as_dashes() -> None:
     async with app.run_test(size=SIZE) as pilot:
         await drained(pilot)
         assert "allocated —" in memory_text(app)
-        assert "fragmentation —" in memory_text(app)
+        assert "cache —" in memory_text(app) and "fragmented —" in memory_text(app)
         assert "GPU0" in device_text(app) and "—" in device_text(app)
         assert "CPU —" in host_text(app)
         assert "torch —" in header_text(app)

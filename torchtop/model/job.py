@@ -85,13 +85,48 @@ class DeviceMemory:
         return self.device.startswith("cuda")
 
     @property
-    def fragmentation(self) -> int | None:
-        """Reserved but not allocated: the caching allocator's cache (or RSS above the heap)."""
+    def cache(self) -> int | None:
+        """Reserved but not allocated: the caching allocator's cache, all of it (segments
+        ``empty_cache()`` would hand back included); on the CPU, RSS above the heap."""
         allocated = self.latest.allocated_bytes
         reserved = self.latest.reserved_bytes
         if allocated is None or reserved is None:
             return None
         return reserved - allocated
+
+    @property
+    def fragmented(self) -> int | None:
+        """Free bytes inside segments that are split between live blocks (the allocator's
+        ``inactive_split_bytes``): memory a larger request cannot use, and ``empty_cache()``
+        cannot free. ``None`` where the allocator does not say (the CPU)."""
+        return self.latest.inactive_split_bytes
+
+    @property
+    def in_use(self) -> bool:
+        """The job has held memory here: allocated or reserved above 0, now or at a peak (or
+        nothing could be read)."""
+        stats = self.latest
+        known = [
+            value
+            for value in (
+                stats.allocated_bytes,
+                stats.reserved_bytes,
+                self.peak_allocated,
+                self.peak_reserved,
+            )
+            if value is not None
+        ]
+        # A device whose figures could not be read at all is shown (with dashes), not hidden.
+        return not known or any(value > 0 for value in known)
+
+    @property
+    def ooms(self) -> int | None:
+        """Out-of-memory failures the job saw: the allocator's count less those torch handled
+        itself (cuDNN's retries with a smaller workspace)."""
+        total = self.latest.num_ooms
+        if total is None:
+            return None
+        return max(0, total - (self.latest.handled_ooms or 0))
 
     @property
     def allocated_label(self) -> str:
@@ -465,12 +500,24 @@ class JobModel:
         return sorted(ids, key=_device_order)
 
     @property
+    def used_devices(self) -> list[str]:
+        """The devices the memory panel shows: the CUDA devices the job has held memory on,
+        in index order, or the CPU when it has none. The hello lists every visible GPU; a job
+        on ``cuda:3`` of an 8-GPU node (or a CPU job there) uses only some, or none."""
+        used = [
+            device
+            for device in self.device_ids
+            if device.startswith("cuda")
+            and (memory := self.memory.get(device)) is not None
+            and memory.in_use
+        ]
+        return used or ["cpu"]
+
+    @property
     def primary_device(self) -> str:
-        """The device the memory panel shows: the first CUDA device if any, else ``"cpu"``."""
-        for device in self.device_ids:
-            if device.startswith("cuda"):
-                return device
-        return "cpu"
+        """The device whose figures and chart the memory panel shows: the first device in
+        :attr:`used_devices`."""
+        return self.used_devices[0]
 
     @property
     def primary_memory(self) -> DeviceMemory | None:

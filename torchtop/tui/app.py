@@ -74,9 +74,10 @@ HELP_PANELS = (
     ),
     (
         "Memory",
-        "the first GPU, else the CPU. [cyan]allocated[/]: tensors; [magenta]reserved[/]: "
-        "the caching allocator's hold; fragmentation: reserved minus allocated; retries, OOMs: "
-        "allocator failures. CPU: heap (or RSS) and RSS. The chart: the last 2 minutes "
+        "the GPUs the job uses (the others beneath), else the CPU. [cyan]allocated[/]: "
+        "tensors; [magenta]reserved[/]: the caching allocator's hold; cache: reserved minus "
+        "allocated; fragmented: free pieces of split segments; OOMs: failures the job saw "
+        "(+ those torch handled). CPU: heap (or RSS) and RSS. The chart: the last 2 minutes "
         "(all once the job ends), phases and ◆ marks beneath.",
     ),
     (

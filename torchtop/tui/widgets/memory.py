@@ -49,19 +49,25 @@ def _second_line(memory: DeviceMemory) -> Text:
     stats = memory.latest
     line = Text()
     if memory.is_cuda:
-        line.append("fragmentation ", "dim")
-        line.append(format_bytes(memory.fragmentation))
-        line.append("   retries ", "dim")
+        # cache: reserved less allocated, what empty_cache() could partly hand back;
+        # fragmented: free pieces of split segments (inactive_split_bytes).
+        line.append("cache ", "dim")
+        line.append(format_bytes(memory.cache))
+        line.append("  fragmented ", "dim")
+        line.append(format_bytes(memory.fragmented))
+        line.append("  retries ", "dim")
         retries = stats.num_alloc_retries
         line.append(MISSING if retries is None else str(retries), "bold yellow" if retries else "")
-        line.append("   OOMs ", "dim")
-        ooms = stats.num_ooms
+        line.append("  OOMs ", "dim")
+        ooms = memory.ooms
         line.append(MISSING if ooms is None else str(ooms), "bold red" if ooms else "")
+        if stats.handled_ooms:
+            line.append(f" +{stats.handled_ooms} handled", "dim")
         if stats.free_bytes is not None or stats.total_bytes is not None:
             used = None
             if stats.free_bytes is not None and stats.total_bytes is not None:
                 used = stats.total_bytes - stats.free_bytes
-            line.append("   device ", "dim")
+            line.append("  device ", "dim")
             line.append(format_used_total(used, stats.total_bytes))
     elif stats.source == "cpu-tensors" and stats.total_bytes is not None:
         # ``torchtop run --memory-limit``: live tensor bytes against the emulated limit.
@@ -74,10 +80,21 @@ def _second_line(memory: DeviceMemory) -> Text:
         line.append(MISSING if ooms is None else str(ooms), "bold red" if ooms else "")
     else:
         line.append(f"RSS {MINUS} {memory.allocated_label} ", "dim")
-        line.append(format_bytes(memory.fragmentation))
+        line.append(format_bytes(memory.cache))
         line.append("   peak RSS ", "dim")
         line.append(format_bytes(memory.peak_reserved))
     return line
+
+
+def other_devices(state: JobModel) -> str:
+    """The job's other devices, when it uses several: ``cuda:3 4.00 GiB · cuda:5 3.50 GiB``
+    (allocated), for the panel's bottom border."""
+    others = []
+    for device in state.used_devices[1:]:
+        memory = state.memory.get(device)
+        allocated = memory.latest.allocated_bytes if memory is not None else None
+        others.append(f"{device} {format_bytes(allocated)}")
+    return f" also {' · '.join(others)} " if others else ""
 
 
 def chart_window(state: JobModel) -> tuple[float, float]:
@@ -121,7 +138,8 @@ def chart_data(
 
 
 class MemoryPanel(Vertical):
-    """Allocated, reserved, peak and fragmentation of the primary device, over their chart."""
+    """Allocated, reserved, peak, cache and fragmentation of the primary device, over their
+    chart; the job's other devices in one line beneath."""
 
     DEFAULT_CSS = """
     MemoryPanel {
@@ -140,6 +158,7 @@ class MemoryPanel(Vertical):
         """Redraw from ``state``."""
         device = state.primary_device
         self.border_title = f" Memory · {device} "
+        self.border_subtitle = other_devices(state)
         self.query_one("#memory-figures", Static).update(memory_figures(state))
         series, spans, marks, t_start, t_end = chart_data(state)
         self.query_one(TimeSeriesChart).set_data(
