@@ -216,6 +216,27 @@ def test_memory_labels_say_what_the_numbers_are(
 # -- host, GPUs, probes -------------------------------------------------------------------------
 
 
+def test_the_jobs_gpus_come_first_and_other_jobs_gpus_count_in_no_peak() -> None:
+    # As the agent sends them once matched by UUID: NVML's GPU 2 is the job's cuda:0, a MIG
+    # instance follows its GPU, GPU 0 belongs to another job.
+    state = JobModel()
+    rows = [
+        GpuStats(2, "H100", 40.0, cuda_device="cuda:0", in_job=True),
+        GpuStats(0, "H100", 99.0, in_job=False),
+        GpuStats(1, "A100", 10.0, in_job=False),
+        GpuStats(0, "A100 MIG 3g.40gb", None, mig_parent=1, in_job=False),
+    ]
+    state.apply(GpuSample(T0, rows))
+    assert [(g.index, g.mig_parent) for g in state.gpu_rows] == [
+        (2, None),
+        (0, None),
+        (1, None),
+        (0, 1),
+    ]
+    assert state.gpus[0].name == "H100"  # a MIG instance's index never hides a GPU's
+    assert state.gpu_peak_util == {2: 40.0}
+
+
 def test_host_gpus_and_probes() -> None:
     state = JobModel()
     state.apply(sample(T0, host=HOST))

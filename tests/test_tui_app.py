@@ -260,6 +260,16 @@ async def test_device_panel_shows_a_line_per_gpu() -> None:
         app.sink(GpuSample(T0 + 40, [GpuStats(0, "NVIDIA H200", lost=True)]))
         await drained(pilot)
         assert "lost" in device_text(app)
+        # Matched to the job's CUDA devices: the job's first, saying which; the others marked.
+        matched = [
+            GpuStats(3, "NVIDIA H200", 88.0, cuda_device="cuda:0", in_job=True),
+            GpuStats(0, "NVIDIA H200", 12.0, in_job=False),
+        ]
+        app.sink(GpuSample(T0 + 41, matched))
+        await drained(pilot)
+        first, second = [line for line in device_text(app).splitlines() if "GPU" in line][:2]
+        assert first.split()[:3] == ["GPU3", "cuda:0", "88%"], first
+        assert second.split()[:2] == ["GPU0", "(other)"], second
 
 
 @pilot_test

@@ -274,6 +274,9 @@ class JobModel:
     peak_rss: int | None = None
     rss_series: deque[tuple[float, int | None]] = field(init=False)
     gpus: dict[int, GpuStats] = field(default_factory=dict)
+    #: The latest NVML reading, in the agent's order: the job's GPUs first (matched to its CUDA
+    #: devices by UUID), then the others; MIG instances after their GPU.
+    gpu_rows: list[GpuStats] = field(default_factory=list)
     gpu_t: float | None = None
     #: Each GPU's highest utilization, in percent.
     gpu_peak_util: dict[int, float] = field(default_factory=dict)
@@ -340,10 +343,14 @@ class JobModel:
         if isinstance(message, (StepStats, LoaderInfo)):
             return self.training.apply(message) or changed
         if isinstance(message, GpuSample):
-            self.gpus = {gpu.index: gpu for gpu in message.gpus}
+            self.gpus = {gpu.index: gpu for gpu in message.gpus if gpu.mig_parent is None}
+            self.gpu_rows = list(message.gpus)
             self.gpu_t = message.t
             self.gpu_samples += 1
             for gpu in message.gpus:
+                # Peaks are the job's GPUs' (all of them while the agent cannot tell).
+                if gpu.mig_parent is not None or gpu.in_job is False:
+                    continue
                 if gpu.util_gpu_percent is not None:
                     self.gpu_peak_util[gpu.index] = max(
                         self.gpu_peak_util.get(gpu.index, 0.0), gpu.util_gpu_percent

@@ -12,9 +12,18 @@ from torchtop.tui.format import MISSING, format_percent, format_used_total
 
 def gpu_line(gpu: GpuStats) -> Text:
     """``GPU0  98%  60.1/80.0 GiB  65°C  410 W  1980 MHz``: utilisation first; units say the
-    rest, so the line needs no column headings."""
+    rest, so the line needs no column headings. Once the agent has matched GPUs to the job's
+    CUDA devices, the job's say which (``GPU2 cuda:0``) and the others ``(other)``."""
     line = Text(no_wrap=True, overflow="ellipsis")
-    line.append(f"GPU{gpu.index:<2}", "bold")
+    if gpu.mig_parent is not None:
+        line.append(f"GPU{gpu.mig_parent}·MIG{gpu.index}", "bold")
+    else:
+        line.append(f"GPU{gpu.index:<2}", "bold")
+    # Whose GPU: the job's CUDA device it is, or another job's (NVML sees the whole node).
+    if gpu.cuda_device is not None:
+        line.append(f" {gpu.cuda_device}", "green")
+    elif gpu.in_job is False:
+        line.append(" (other)", "dim")
     if gpu.lost:
         line.append(" lost: NVML reports the GPU gone", "bold red")
         return line
@@ -40,7 +49,7 @@ def nvml_unavailable_line(detail: str) -> Text:
 
 def device_text(state: JobModel) -> Text:
     """The panel's lines: GPUs first, then any probe that is not available and why."""
-    lines: list[Text] = [gpu_line(gpu) for _, gpu in sorted(state.gpus.items())]
+    lines: list[Text] = [gpu_line(gpu) for gpu in state.gpu_rows]
     nvml = state.nvml
     if not lines:
         if nvml is not None and not nvml.available:
