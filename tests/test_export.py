@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -38,7 +39,7 @@ from torchtop.protocol import (
     Sample,
     StepStats,
 )
-from torchtop.transport import AgentInfo
+from torchtop.transport import AgentInfo, find_agent
 
 UUID0 = "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52"
 UUID1 = "GPU-11111111-2222-3333-4444-555555555555"
@@ -309,7 +310,7 @@ def test_the_job_set_serves_only_the_run_asked_for() -> None:
         feeds[address] = Feed()
         jobs.add(AgentInfo(1, [], T0, address), feeds[address])  # type: ignore[arg-type]
         jobs.apply(address, hello(rank))
-    assert [s.identity.rank for s in jobs.snapshots()] == [0]
+    assert [s.labels.rank for s in jobs.snapshots()] == [0]
     assert feeds["b"].closed and not feeds["a"].closed
 
 
@@ -357,3 +358,35 @@ def test_otlp_carries_the_same_figures_as_prometheus() -> None:
         (name, lbl) for name, lbl in values(exposition([snap])) if not name.endswith("_created")
     }
     assert len(got) == len(prometheus_series)
+
+
+@pytest.mark.slow
+def test_export_of_one_pid_serves_that_job_and_ends_with_it(tmp_path: Any) -> None:
+    job = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "train_metrics.py"), "--start", "--steps", "20"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while find_agent(job.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        exporter = subprocess.Popen(
+            [sys.executable, "-m", "torchtop", "export", str(job.pid), "--metrics", "127.0.0.1:0"],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert exporter.stderr is not None
+        line = exporter.stderr.readline()
+        assert "serving metrics on http://127.0.0.1:" in line
+        url = line.split()[-1]
+        body = ""
+        while f'run="{job.pid}"' not in body and time.monotonic() < deadline:
+            body = fetch(url)[2]
+            time.sleep(0.2)
+        assert f'run="{job.pid}"' in body
+        assert job.wait(120) == 0
+        assert exporter.wait(60) == 0  # it ended with the job
+    finally:
+        job.kill()
+        job.wait()

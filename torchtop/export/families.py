@@ -52,7 +52,7 @@ def _opt(value: int | None) -> str:
 
 
 def job_labels(snap: JobSnapshot) -> tuple[str, ...]:
-    i = snap.identity
+    i = snap.labels
     return (i.run, _opt(i.rank), _opt(i.local_rank), i.hostname)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from torchtop.export.snapshot import JobSnapshot, snapshot_of
 from torchtop.feed import AgentFeed
 from torchtop.model.job import JobModel
+from torchtop.model.run import RunModel
 from torchtop.protocol import Hello, Message
 from torchtop.transport import AgentInfo, list_agents
 
@@ -32,10 +33,16 @@ ENDED_KEEP_S = 60.0
 class _Followed:
     info: AgentInfo
     feed: AgentFeed
-    model: JobModel | None = None
+    #: Its hello arrived, of the run asked for: its stream is folded into the run's model.
+    accepted: bool = False
     snapshot: JobSnapshot | None = None
     ended_at: float | None = None
     dirty: bool = False
+
+
+def _exported_job() -> JobModel:
+    # Only the latest readings and the totals are exported: keep no long series.
+    return JobModel(history_points=1, log_lines=1, max_events=1)
 
 
 AgentFilter = Callable[[AgentInfo], bool]
@@ -57,11 +64,13 @@ def descends_from(ancestor: int) -> AgentFilter:
 
 @dataclass
 class JobSet:
-    """The jobs being exported, keyed by their agent's address."""
+    """The jobs being exported: one stream per agent (keyed by its address) folded into the
+    jobs' :class:`RunModel`."""
 
     ended_keep_s: float = ENDED_KEEP_S
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _jobs: dict[str, _Followed] = field(default_factory=dict)
+    model: RunModel = field(default_factory=lambda: RunModel(new_job=_exported_job))
     #: Only jobs whose hello says this run id (``torchtop export RUN``).
     run: str | None = None
 
@@ -79,15 +88,14 @@ class JobSet:
             job = self._jobs.get(address)
             if job is None:
                 return
-            if job.model is None:
+            if not job.accepted:
                 if not isinstance(message, Hello):
                     return
                 if self.run is not None and (message.run_id or str(message.pid)) != self.run:
                     job.feed.close()  # another run: not ours
                     return
-                # Only the latest readings and totals are exported: keep no long series.
-                job.model = JobModel(history_points=1, log_lines=1, max_events=1)
-            job.model.apply(message)
+                job.accepted = True
+            self.model.apply(address, message)
             job.dirty = True
 
     def ended(self, address: str) -> bool:
@@ -97,7 +105,7 @@ class JobSet:
             if job is None:
                 return False
             job.ended_at = time.monotonic()
-            if job.model is None:
+            if not job.accepted:
                 del self._jobs[address]
                 return False
             return True
@@ -110,15 +118,16 @@ class JobSet:
             for address, job in list(self._jobs.items()):
                 if job.ended_at is not None and now - job.ended_at > self.ended_keep_s:
                     del self._jobs[address]
+                    self.model.jobs.pop(address, None)
                     continue
-                if job.model is None:
+                if not job.accepted:
                     continue
                 if job.dirty or job.snapshot is None:
-                    job.snapshot = snapshot_of(job.model)
+                    job.snapshot = snapshot_of(self.model.jobs[address])
                     job.dirty = False
                 if job.snapshot is not None:
                     out.append(job.snapshot)
-        out.sort(key=lambda s: (s.identity.run, s.identity.rank or 0, s.identity.pid))
+        out.sort(key=lambda s: (s.labels.run, s.labels.rank or 0, s.labels.pid))
         return out
 
     def feeds(self) -> list[AgentFeed]:
@@ -131,7 +140,7 @@ class JobSet:
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(1 for job in self._jobs.values() if job.model is not None)
+            return sum(1 for job in self._jobs.values() if job.accepted)
 
 
 class Exporter:
@@ -189,10 +198,18 @@ class Exporter:
         for info in list_agents(clean_stale=False):
             if info.address in self._rejected or self.jobs.follows(info.address):
                 continue
-            if info.pid == os.getpid() or not self._accept(info):
+            if info.pid == os.getpid() or not self._accept(info) or not self._of_run(info):
                 self._rejected.add(info.address)
                 continue
             self.follow(info)
+
+    def _of_run(self, info: AgentInfo) -> bool:
+        """Whether the agent's description file places it in the run asked for (its hello
+        is checked again: a file without the identity is followed and decided then)."""
+        run = self.jobs.run
+        if run is None or not info.identity:
+            return True
+        return str(info.identity.get("run_id") or info.pid) == run
 
     def follow(self, info: AgentInfo) -> None:
         address = info.address

@@ -14,8 +14,8 @@ from torchtop.protocol import Hello, MemoryStats
 
 
 @dataclass(frozen=True)
-class JobIdentity:
-    """Who a job is, as its labels say: one series per (run, rank) on a host."""
+class JobLabels:
+    """Who a job is, as its series' labels say: one series per (run, rank) on a host."""
 
     pid: int
     hostname: str
@@ -25,7 +25,7 @@ class JobIdentity:
     world_size: int | None = None
 
     @classmethod
-    def of(cls, hello: Hello) -> JobIdentity:
+    def of(cls, hello: Hello) -> JobLabels:
         return cls(
             pid=hello.pid,
             hostname=hello.hostname,
@@ -56,7 +56,7 @@ class JobSnapshot:
     """A job's figures at one moment. Counters are totals since the job started (steps) or
     since the exporter attached (the sums over steps it saw)."""
 
-    identity: JobIdentity
+    labels: JobLabels
     #: Wall-clock time of the latest sample folded, the moment the gauges describe.
     sample_t: float | None = None
     steps_total: int = 0
@@ -99,7 +99,7 @@ def snapshot_of(model: JobModel) -> JobSnapshot | None:
         )
     training = model.training
     return JobSnapshot(
-        identity=JobIdentity.of(hello),
+        labels=JobLabels.of(hello),
         sample_t=_last_sample_t(model),
         steps_total=training.total,
         timed_steps=training.run.steps,
