@@ -1,8 +1,10 @@
 """``torchtop run``: start the user's unchanged script in a child process with the agent inside.
 
-Standard library only: the child imports torch, this process never does. Headless, the child
-shares our terminal (its output passes straight through) and we exit with its exit code. With a
-viewer, the child gets its own session and no terminal, so it can outlive a viewer that detaches.
+Standard library only: the child imports torch, this process never does. The job's stdout and
+stderr are copied by this process (:mod:`torchtop.job_output`), so they arrive complete however
+the job ends. Headless, they pass straight through to our terminal and we exit with the job's
+exit code. With a viewer, the child gets its own session and no terminal, so it can outlive a
+viewer that detaches; its output goes to a log file and the viewer.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchtop.feed import AgentFeed
+from torchtop.job_output import JobOutput
 from torchtop.private_files import open_private
-from torchtop.protocol import JobExited, OutOfMemory
+from torchtop.protocol import JobExited, LogLine, Message, OutOfMemory
 from torchtop.recording import RecordingWriter
 from torchtop.transport import TransportError, ensure_runtime_dir
 
@@ -76,13 +80,56 @@ def exit_status(returncode: int) -> tuple[int, str]:
     return returncode, f"exited with code {returncode}"
 
 
-class Job:
-    """The child process running the user's code under the agent."""
+class LogLines:
+    """The job's output lines as ``log`` messages for a recording (and a viewer's ``sink``).
 
-    def __init__(self, spec: RunSpec) -> None:
+    A recording starts with the agent's hello: lines that come before it are held until the
+    agent has spoken (:meth:`agent_spoke`) or the job has ended (:meth:`close`).
+    """
+
+    def __init__(
+        self, writer: RecordingWriter | None, sink: Callable[[Message], None] | None = None
+    ) -> None:
+        self._writer = writer
+        self._sink = sink
+        self._pending: list[LogLine] | None = []
+        self._lock = threading.Lock()
+
+    def line(self, stream: str, text: str) -> None:
+        message = LogLine(t=time.time(), stream=stream, text=text)
+        if self._sink is not None:
+            self._sink(message)
+        with self._lock:
+            if self._pending is not None:
+                self._pending.append(message)
+            elif self._writer is not None:
+                self._writer.write(message)
+
+    def agent_spoke(self) -> None:
+        """The agent's first frame is in the recording: held lines follow it, the rest as they
+        come."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            if pending and self._writer is not None:
+                for message in pending:
+                    self._writer.write(message)
+
+    close = agent_spoke
+
+
+class Job:
+    """The child process running the user's code under the agent.
+
+    ``on_line(stream, text)`` receives each line the job writes to stdout or stderr.
+    """
+
+    def __init__(self, spec: RunSpec, on_line: Callable[[str, str], None] | None = None) -> None:
         self.spec = spec
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path: Path | None = None
+        self._log_fd: int | None = None
+        self._on_line = on_line
+        self._output: JobOutput | None = None
         self._stopping = False
 
     def start(self) -> None:
@@ -90,9 +137,10 @@ class Job:
         # A viewer or recorder will attach: at exit the agent waits (briefly) until it has all.
         expects_client = not spec.headless or spec.record is not None
         options = {
-            "capture_output": True,
             "linger_s": 5.0 if expects_client else 0.0,
             **spec.agent_options,
+            # Copied here, outside the job, so that nothing it wrote dies with it.
+            "capture_output": False,
         }
         env = dict(os.environ)
         env[OPTIONS_ENV] = json.dumps(options)
@@ -103,22 +151,33 @@ class Job:
             directory = ensure_runtime_dir()
         except TransportError as exc:
             raise RunError(str(exc)) from None
+        if spec.headless:
+            destinations = {"stdout": sys.stdout.fileno(), "stderr": sys.stderr.fileno()}
+        else:
+            self.log_path = directory / f"job-{int(time.time() * 1000)}.log"
+            log = open_private(self.log_path)
+            self._log_fd = os.dup(log.fileno())
+            log.close()
+            destinations = dict.fromkeys(JobOutput.STREAMS, self._log_fd)
+        output = JobOutput(destinations, self._on_line)
+        stdout, stderr = output.child_fds
         try:
             if spec.headless:
-                self.process = subprocess.Popen(cmd, env=env)
+                self.process = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
             else:
-                self.log_path = directory / f"job-{int(time.time() * 1000)}.log"
-                with open_private(self.log_path) as log:
-                    self.process = subprocess.Popen(
-                        cmd,
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
+                self.process = subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=stdout,
+                    stderr=stderr,
+                    start_new_session=True,
+                )
         except OSError as exc:
+            output.close_unstarted()
             raise RunError(f"cannot start {sys.executable}: {exc.strerror}") from None
+        output.start()
+        self._output = output
 
     @property
     def pid(self) -> int:
@@ -129,11 +188,30 @@ class Job:
         return self.process is not None and self.process.poll() is None
 
     def wait(self, timeout: float | None = None) -> int | None:
+        """The job's return code once it has exited and its output is all copied; None if it
+        still runs after ``timeout``."""
         assert self.process is not None
         try:
-            return self.process.wait(timeout)
+            returncode = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             return None
+        if self._output is not None:
+            self._output.finish()
+        self._close_log()
+        return returncode
+
+    def detach(self) -> None:
+        """The job runs on without us: its output goes on into the log file through a relay."""
+        if self._output is not None and self._log_fd is not None and self.running():
+            self._output.hand_over(self._log_fd)
+            self._output = None
+            self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._log_fd)
+            self._log_fd = None
 
     def signal(self, signum: int) -> None:
         if self.running():
@@ -160,7 +238,8 @@ class Job:
 def run_headless(spec: RunSpec) -> int:
     """Run the job with its output passing straight through; return its exit code."""
     writer = RecordingWriter(spec.record) if spec.record is not None else None
-    job = Job(spec)
+    log = LogLines(writer)
+    job = Job(spec, on_line=log.line)
     job.start()
     # Ctrl-C reaches the job from the terminal; we outlive it to finish the recording.
     # SIGTERM sent to us is passed on to the job.
@@ -168,6 +247,12 @@ def run_headless(spec: RunSpec) -> int:
     previous_term = signal.signal(signal.SIGTERM, lambda signum, frame: job.signal(signum))
     feed = None
     ooms: list[OutOfMemory] = []
+
+    def received(message: Message) -> None:
+        log.agent_spoke()
+        if isinstance(message, OutOfMemory):
+            ooms.append(message)
+
     try:
         if writer is not None:
             feed = AgentFeed(
@@ -175,7 +260,7 @@ def run_headless(spec: RunSpec) -> int:
                 alive=job.running,
                 writer=writer,
                 client="recorder",
-                on_message=lambda m: ooms.append(m) if isinstance(m, OutOfMemory) else None,
+                on_message=received,
             )
             feed.start()
         returncode = job.wait()
@@ -187,6 +272,7 @@ def run_headless(spec: RunSpec) -> int:
     if feed is not None and writer is not None:
         feed.join(timeout=10.0)
         feed.close()
+        log.close()
         if feed.saw_exit is None:
             writer.write(JobExited(t=time.time(), exit_code=returncode, reason=reason))
         writer.close()

@@ -1,9 +1,11 @@
-"""Capture of the job's stdout and stderr at the file-descriptor level.
+"""Capture of the job's stdout and stderr at the file-descriptor level, inside the job.
 
-Under ``torchtop run`` the agent puts a pipe behind fds 1 and 2. A reader thread copies every
+With ``capture_output=True`` the agent puts a pipe behind fds 1 and 2. A reader thread copies every
 byte on to the original destination unchanged (so the output still passes straight through) and
 publishes each line as a ``log`` frame. Output written by C code and by forked DataLoader workers
-is caught too, since it is the descriptor that is redirected, not ``sys.stdout``.
+is caught too, since it is the descriptor that is redirected, not ``sys.stdout``. The copy dies
+with the process, so ``torchtop run`` does not use it: it copies the job's output from outside
+(:mod:`torchtop.job_output`), where nothing written before an abrupt end is lost.
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-#: A longer line is cut: frames stay far below the protocol's size limit.
-MAX_LINE_CHARS = 16_384
+from torchtop.job_output import LineSplitter, write_all
 
 
 class OutputCapture:
@@ -25,7 +26,7 @@ class OutputCapture:
     def __init__(self, emit: Callable[[str, str], None]) -> None:
         self._emit = emit
         self._streams: list[tuple[str, int, int, int]] = []  # (name, fd, saved fd, read end)
-        self._partial: dict[int, bytes] = {}
+        self._splitters: dict[int, LineSplitter] = {}
         self._passthrough: dict[int, bool] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -38,7 +39,9 @@ class OutputCapture:
             os.dup2(write_end, fd)
             os.close(write_end)
             self._streams.append((name, fd, saved, read_end))
-            self._partial[read_end] = b""
+            self._splitters[read_end] = LineSplitter(
+                lambda text, stream=name: self._emit(stream, text)  # type: ignore[misc]
+            )
             self._passthrough[read_end] = True
         self._thread = threading.Thread(target=self._run, name="torchtop-output", daemon=True)
         self._thread.start()
@@ -90,43 +93,13 @@ class OutputCapture:
                     data = os.read(read_end, 65536)
                 except OSError:
                     data = b""
-                name, saved = by_read_end[read_end]
+                _name, saved = by_read_end[read_end]
                 if not data:
                     open_ends.discard(read_end)
                     continue
-                self._forward(read_end, saved, data)
-                self._split(read_end, name, data)
-        for read_end, (name, _saved) in by_read_end.items():
-            rest = self._partial.get(read_end, b"")
-            if rest:
-                self._emit_line(name, rest)
-                self._partial[read_end] = b""
-
-    def _forward(self, read_end: int, saved: int, data: bytes) -> None:
-        if not self._passthrough[read_end]:
-            return
-        view = memoryview(data)
-        try:
-            while view:
-                written = os.write(saved, view)
-                view = view[written:]
-        except OSError:
-            # The original destination is gone (a closed terminal): keep capturing regardless.
-            self._passthrough[read_end] = False
-
-    def _split(self, read_end: int, name: str, data: bytes) -> None:
-        buffered = self._partial[read_end] + data
-        *lines, rest = buffered.split(b"\n")
-        for line in lines:
-            self._emit_line(name, line)
-        if len(rest) > MAX_LINE_CHARS * 4:
-            self._emit_line(name, rest)
-            rest = b""
-        self._partial[read_end] = rest
-
-    def _emit_line(self, name: str, raw: bytes) -> None:
-        text = raw.decode("utf-8", errors="replace").rstrip("\r")
-        if len(text) > MAX_LINE_CHARS:
-            text = text[:MAX_LINE_CHARS] + " …"
-        with contextlib.suppress(Exception):
-            self._emit(name, text)
+                if self._passthrough[read_end]:
+                    # The original destination gone (a closed terminal): capture regardless.
+                    self._passthrough[read_end] = write_all(saved, data)
+                self._splitters[read_end].feed(data)
+        for splitter in self._splitters.values():
+            splitter.flush()

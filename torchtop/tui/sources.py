@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 
 from torchtop.feed import AgentFeed
-from torchtop.protocol import JobExited, LogLine, Message, Request
+from torchtop.protocol import JobExited, Message, Request
 from torchtop.recording import RecordingWriter
-from torchtop.runner import Job, RunSpec, exit_status
+from torchtop.runner import Job, LogLines, RunSpec, exit_status
 from torchtop.transport import AgentInfo
 from torchtop.tui.source import (
     Sink,
@@ -21,9 +21,6 @@ from torchtop.tui.source import (
     SourceSilent,
     SourceStatus,
 )
-
-#: How much of the job's log file to show when the job died before its agent started.
-EARLY_LOG_BYTES = 64 * 1024
 
 
 class LiveSource(Source):
@@ -77,26 +74,32 @@ class RunSource(Source):
 
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
-        self.job = Job(spec)
+        self.job = Job(spec, on_line=self._line)
         self.writer = RecordingWriter(spec.record) if spec.record is not None else None
         self._feed: AgentFeed | None = None
         self._sink: Sink | None = None
+        self._log: LogLines | None = None  # the job's output, copied by this process
         self.detached = False
         self.stopping = False
 
     def start(self, sink: Sink) -> None:
         self._sink = sink
+        log = self._log = LogLines(self.writer, sink)
         self.job.start()
         sink(SourceStatus(t=time.time(), text=f"started pid {self.job.pid}; waiting for its agent"))
 
         def connected(address: object) -> None:
             sink(SourceConnected(t=time.time(), address=str(address)))
 
+        def received(message: Message) -> None:
+            log.agent_spoke()
+            sink(message)
+
         self._feed = AgentFeed(
             pid=self.job.pid,
             alive=self.job.running,
             writer=self.writer,
-            on_message=sink,
+            on_message=received,
             on_connect=connected,
             on_end=self._ended,
             on_silence=_silence_to(sink),
@@ -107,8 +110,8 @@ class RunSource(Source):
         assert sink is not None and self._feed is not None
         if not self.detached:
             returncode = self.job.wait(timeout=10.0)
-            if self._feed.frames == 0:
-                self._replay_log_file(sink)
+            if self._log is not None:
+                self._log.close()
             if returncode is not None and self._feed.saw_exit is None:
                 _code, why = exit_status(returncode)
                 exited = JobExited(t=time.time(), exit_code=returncode, reason=why)
@@ -119,25 +122,9 @@ class RunSource(Source):
             self.writer.close()
         sink(SourceDisconnected(t=time.time(), reason=reason))
 
-    def _replay_log_file(self, sink: Sink) -> None:
-        """The job died before its agent could stream: show what it printed from its log file."""
-        path = self.job.log_path
-        if path is None:
-            return
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, 2)
-                size = f.tell()
-                f.seek(max(0, size - EARLY_LOG_BYTES))
-                text = f.read().decode("utf-8", errors="replace")
-        except OSError:
-            return
-        now = time.time()
-        for line in text.splitlines():
-            message = LogLine(t=now, stream="stdout", text=line)
-            if self.writer is not None:
-                self.writer.write(message)
-            sink(message)
+    def _line(self, stream: str, text: str) -> None:
+        if self._log is not None:
+            self._log.line(stream, text)
 
     def job_running(self) -> bool:
         return self.job.running()
@@ -161,6 +148,7 @@ class RunSource(Source):
     def close(self) -> None:
         if self.job.running():
             self.detached = True
+            self.job.detach()
         if self._feed is not None:
             self._feed.close()
             self._feed.join(2.0)

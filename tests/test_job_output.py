@@ -1,0 +1,93 @@
+"""The job's output arrives complete however the job ends: copied outside the job process."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import torchtop
+from torchtop.protocol import LogLine
+from torchtop.recording import read_recording
+from torchtop.runner import Job, RunSpec
+
+#: name: (the job, torchtop's exit code, the stream, lines that must arrive)
+ABRUPT_ENDS = {
+    "os_exit": (
+        "print('last words before os._exit')\nimport os\nos._exit(7)\n",
+        7,
+        "stdout",
+        ["last words before os._exit"],
+    ),
+    "segfault": (
+        "import ctypes, faulthandler\nfaulthandler.enable()\nprint('before the crash')\n"
+        "ctypes.string_at(0)\n",
+        128 + signal.SIGSEGV,
+        "stderr",
+        ["Fatal Python error: Segmentation fault", 'job.py", line 4 in <module>'],
+    ),
+    "abort": (
+        "import os, sys\nsys.stderr.write('a C library says why, then aborts\\n')\nos.abort()\n",
+        128 + signal.SIGABRT,
+        "stderr",
+        ["a C library says why, then aborts"],
+    ),
+}
+
+
+@pytest.mark.parametrize("end", sorted(ABRUPT_ENDS))
+def test_output_before_an_abrupt_end_reaches_the_terminal_and_the_recording(
+    tmp_path: Path, end: str
+) -> None:
+    source, code, stream, expected = ABRUPT_ENDS[end]
+    (tmp_path / "job.py").write_text(source)
+    rec = tmp_path / "r.ttr"
+    out = torchtop("run", "--headless", "--no-ops", "--record", str(rec), "job.py", cwd=tmp_path)
+    assert out.returncode == code, out.stderr
+    printed = out.stdout if stream == "stdout" else out.stderr
+    for text in expected:
+        assert text in printed, (end, out.stdout, out.stderr)
+    recorded = [m for m in read_recording(rec).messages if isinstance(m, LogLine)]
+    for text in expected:
+        assert any(m.stream == stream and text in m.text for m in recorded), (end, recorded)
+
+
+def test_a_live_runs_output_reaches_its_log_and_the_viewer(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(ABRUPT_ENDS["os_exit"][0])
+    lines: list[tuple[str, str]] = []
+    job = Job(
+        RunSpec(target=[str(tmp_path / "job.py")], agent_options={"ops": False}),
+        on_line=lambda stream, text: lines.append((stream, text)),
+    )
+    job.start()
+    assert job.wait(60) == 7
+    assert ("stdout", "last words before os._exit") in lines
+    assert job.log_path is not None
+    assert job.log_path.read_text() == "last words before os._exit\n"
+
+
+def test_a_detached_jobs_output_goes_on_into_its_log(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(
+        "import sys, time\n"
+        "print('first', flush=True)\n"
+        "time.sleep(1.5)\n"
+        "print('after the viewer left')\n"
+        "sys.stderr.write('and on stderr\\n')\n"
+    )
+    lines: list[tuple[str, str]] = []
+    job = Job(
+        RunSpec(target=[str(tmp_path / "job.py")], agent_options={"ops": False}),
+        on_line=lambda stream, text: lines.append((stream, text)),
+    )
+    job.start()
+    while ("stdout", "first") not in lines:
+        time.sleep(0.05)
+    job.detach()
+    assert job.process is not None and job.process.wait(60) == 0
+    assert job.log_path is not None
+    deadline = time.monotonic() + 30  # the relay writes the last lines once they come
+    while "and on stderr" not in job.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job.log_path.read_text() == "first\nafter the viewer left\nand on stderr\n"

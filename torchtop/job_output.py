@@ -1,0 +1,206 @@
+"""The job's stdout and stderr, copied outside the job. Standard library only.
+
+Under ``torchtop run`` the job writes its fds 1 and 2 into pipes that torchtop's own process
+reads. A copy made inside the job would die with it: the line printed just before ``os._exit``,
+faulthandler's report on a segfault or a C library's message before ``abort()`` sit in a pipe
+that nobody reads any more. Read from outside, every byte the job (and any process it forked)
+wrote arrives, however it ends. Each byte goes on unchanged to its destination (the terminal, or
+the live run's log file) and each line is handed on for the recording and the viewer.
+
+When a viewer leaves a job running, the pipes pass to a small relay process
+(``python -m torchtop.job_output``) that goes on copying them into the log file until the job
+and its children have closed them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+#: A longer line is cut: frames stay far below the protocol's size limit.
+MAX_LINE_CHARS = 16_384
+#: Once the job has exited, a pipe quiet this long is done: a forked worker that outlived the
+#: job may hold its write end open forever.
+QUIET_AFTER_EXIT_S = 0.2
+
+
+class LineSplitter:
+    """Bytes of one stream in, whole lines out (``emit(text)``); over-long lines are cut."""
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self._emit = emit
+        self._partial = b""
+
+    def feed(self, data: bytes) -> None:
+        *lines, rest = (self._partial + data).split(b"\n")
+        for line in lines:
+            self._emit_line(line)
+        if len(rest) > MAX_LINE_CHARS * 4:
+            self._emit_line(rest)
+            rest = b""
+        self._partial = rest
+
+    def flush(self) -> None:
+        """The last line, even without its newline."""
+        if self._partial:
+            self._emit_line(self._partial)
+            self._partial = b""
+
+    def _emit_line(self, raw: bytes) -> None:
+        text = raw.decode("utf-8", errors="replace").rstrip("\r")
+        if len(text) > MAX_LINE_CHARS:
+            text = text[:MAX_LINE_CHARS] + " …"
+        with contextlib.suppress(Exception):
+            self._emit(text)
+
+
+def write_all(fd: int, data: bytes) -> bool:
+    """Write all of ``data``; False once the destination is gone (a closed terminal or pipe)."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError:
+        return False
+    return True
+
+
+class JobOutput:
+    """Pipes for the job's stdout and stderr, copied by a thread of this process.
+
+    ``destinations`` maps ``"stdout"``/``"stderr"`` to the fd each stream is copied to;
+    ``on_line(stream, text)`` receives every line.
+    """
+
+    STREAMS = ("stdout", "stderr")
+
+    def __init__(
+        self, destinations: dict[str, int], on_line: Callable[[str, str], None] | None = None
+    ) -> None:
+        self._destinations = dict(destinations)
+        self._on_line = on_line
+        self._read: dict[str, int] = {}
+        self._write: dict[str, int] = {}
+        for stream in self.STREAMS:
+            self._read[stream], self._write[stream] = os.pipe()
+        self._splitters = {
+            stream: LineSplitter(lambda text, s=stream: self._line(s, text))  # type: ignore[misc]
+            for stream in self.STREAMS
+        }
+        self._job_exited = threading.Event()
+        self._handover = threading.Event()
+        self._thread = threading.Thread(target=self._copy, name="torchtop-output", daemon=True)
+
+    @property
+    def child_fds(self) -> tuple[int, int]:
+        """The write ends, for the job's stdout and stderr."""
+        return self._write["stdout"], self._write["stderr"]
+
+    def start(self) -> None:
+        """Once the job has started: our copies of the write ends go, so EOF means it is done."""
+        for fd in self._write.values():
+            os.close(fd)
+        self._write.clear()
+        self._thread.start()
+
+    def close_unstarted(self) -> None:
+        """The job could not be started: release every pipe end."""
+        for fd in [*self._write.values(), *self._read.values()]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._write.clear()
+        self._read.clear()
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """After the job has exited: copy what is left in the pipes, then stop."""
+        self._job_exited.set()
+        self._thread.join(timeout)
+
+    def hand_over(self, log_fd: int) -> None:
+        """The job runs on without us: a detached relay process copies the rest to ``log_fd``."""
+        self._handover.set()
+        self._thread.join()
+        remaining = list(self._read.values())
+        if remaining:
+            with contextlib.suppress(OSError):
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "torchtop.job_output",
+                        str(log_fd),
+                        *map(str, remaining),
+                    ],
+                    pass_fds=(log_fd, *remaining),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+        self._close_read_ends()
+
+    def _line(self, stream: str, text: str) -> None:
+        if self._on_line is not None:
+            self._on_line(stream, text)
+
+    def _copy(self) -> None:
+        by_fd = {fd: stream for stream, fd in self._read.items()}
+        passthrough = dict.fromkeys(self.STREAMS, True)
+        while by_fd and not self._handover.is_set():
+            exited = self._job_exited.is_set()
+            try:
+                ready, _, _ = select.select(
+                    list(by_fd), [], [], QUIET_AFTER_EXIT_S if exited else 0.1
+                )
+            except (OSError, ValueError):
+                break
+            if not ready and exited:
+                break
+            for fd in ready:
+                stream = by_fd[fd]
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:
+                    data = b""
+                if not data:
+                    del by_fd[fd]
+                    continue
+                if passthrough[stream]:
+                    # Keep reading whatever happens to the destination: the job must never block.
+                    passthrough[stream] = write_all(self._destinations[stream], data)
+                self._splitters[stream].feed(data)
+        if not self._handover.is_set():
+            for splitter in self._splitters.values():
+                splitter.flush()
+            self._close_read_ends()
+
+    def _close_read_ends(self) -> None:
+        for fd in self._read.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._read.clear()
+
+
+def relay(log_fd: int, read_fds: list[int]) -> None:
+    """Copy ``read_fds`` into ``log_fd`` until every writer has closed them."""
+    open_fds = set(read_fds)
+    while open_fds:
+        ready, _, _ = select.select(list(open_fds), [], [])
+        for fd in ready:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                data = b""
+            if data:
+                write_all(log_fd, data)
+            else:
+                open_fds.discard(fd)
+
+
+if __name__ == "__main__":
+    relay(int(sys.argv[1]), [int(fd) for fd in sys.argv[2:]])
