@@ -320,13 +320,15 @@ def hello_uuid(
 
 def shown_devices_match(shown: Sequence[str] | None, expected: Sequence[str], job: str) -> Check:
     """Issue 19, point 1: the memory view shows the devices the job uses (allocated or reserved
-    > 0, or its current device), not the first device the hello lists."""
+    > 0, or its current device), not the first device the hello lists. For a CUDA job
+    (``expected`` names CUDA devices) the CUDA devices shown are those; the host's memory may
+    be shown beside them."""
     name = f"view: devices shown ({job})"
     if shown is None:
         return check(name, ", ".join(expected), "the model gave no list of devices", False)
-    return check(
-        name, ", ".join(expected), ", ".join(shown) or "none", list(shown) == list(expected)
-    )
+    cuda = any(d.startswith("cuda") for d in expected)
+    compared = [d for d in shown if d.startswith("cuda")] if cuda else list(shown)
+    return check(name, ", ".join(expected), ", ".join(shown) or "none", compared == list(expected))
 
 
 # --------------------------------------------------------------------------------------------

@@ -239,6 +239,10 @@ def test_shown_devices() -> None:
     assert cmp.shown_devices_match(["cpu"], ["cpu"], "CPU job").status == cmp.PASS
     assert cmp.shown_devices_match(["cuda:0"], ["cpu"], "CPU job").status == cmp.FAIL
     assert cmp.shown_devices_match(None, ["cpu"], "CPU job").status == cmp.FAIL
+    assert cmp.shown_devices_match(["cpu", "cuda:0"], ["cpu"], "CPU job").status == cmp.FAIL
+    assert cmp.shown_devices_match(["cuda:0", "cpu"], ["cuda:0"], "CUDA job").status == cmp.PASS
+    assert cmp.shown_devices_match(["cuda:0", "cuda:1"], ["cuda:0"], "CUDA job").failed
+    assert cmp.shown_devices_match(["cpu"], ["cuda:0"], "CUDA job").failed
 
 
 def test_shown_devices_reads_a_recording_through_the_model(tmp_path: Path) -> None:
