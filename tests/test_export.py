@@ -166,6 +166,14 @@ def test_a_ranks_figures_under_prometheus_names_and_dcgm_labels() -> None:
     )
 
 
+def test_an_oom_on_a_device_never_sampled_is_still_counted() -> None:
+    snap = snapshot_of(model_of([hello(3), oom(T0 + 1, "cuda:1")]))
+    assert snap is not None
+    got = values(exposition([snap]))
+    assert got[("torchtop_ooms_total", labels(device="cuda:1", UUID=UUID1))] == 1
+    assert not any(name.startswith("torchtop_cuda_memory") for name, _ in got)
+
+
 def test_a_single_process_has_no_rank_and_its_pid_names_the_run() -> None:
     snap = snapshot_of(model_of(job_messages(rank=None)))
     assert snap is not None

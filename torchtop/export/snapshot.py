@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtop.model.job import JobModel
-from torchtop.protocol import Hello, MemoryStats
+from torchtop.protocol import Hello
 
 
 @dataclass(frozen=True)
@@ -42,13 +42,15 @@ class DeviceFigures:
     """One device's latest allocator reading, with its UUID and captured OOMs."""
 
     device: str
+    #: ``MemoryStats.source``: "cuda", "cpu-heap", ...; empty for a device known only by its
+    #: captured OOMs.
     source: str
     uuid: str | None
-    allocated_bytes: int | None
-    reserved_bytes: int | None
-    peak_allocated_bytes: int | None
-    alloc_retries: int | None
-    ooms: int
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    alloc_retries: int | None = None
+    ooms: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,19 +84,24 @@ def snapshot_of(model: JobModel) -> JobSnapshot | None:
     devices = []
     for device_id in model.device_ids:
         memory = model.memory.get(device_id)
-        mem = memory.latest if memory is not None else None
-        if mem is None and device_id not in ooms:
+        if memory is None:
+            if device_id in ooms:
+                devices.append(
+                    DeviceFigures(device_id, "", uuids.get(device_id), ooms=ooms[device_id])
+                )
             continue
+        mem = memory.latest
         devices.append(
             DeviceFigures(
                 device=device_id,
-                source=mem.source if mem is not None else "",
+                source=mem.source,
                 uuid=uuids.get(device_id),
-                allocated_bytes=mem.allocated_bytes if mem is not None else None,
-                reserved_bytes=mem.reserved_bytes if mem is not None else None,
-                peak_allocated_bytes=mem.peak_allocated_bytes if mem is not None else None,
-                alloc_retries=mem.num_alloc_retries if mem is not None else None,
-                ooms=max(_ooms_seen(mem), ooms.get(device_id, 0)),
+                allocated_bytes=mem.allocated_bytes,
+                reserved_bytes=mem.reserved_bytes,
+                peak_allocated_bytes=memory.peak_allocated,
+                alloc_retries=memory.num_alloc_retries,
+                # The allocator's count and the captures can each miss some: take the larger.
+                ooms=max(memory.ooms or 0, ooms.get(device_id, 0)),
             )
         )
     training = model.training
@@ -109,14 +116,6 @@ def snapshot_of(model: JobModel) -> JobSnapshot | None:
         devices=tuple(devices),
         exited=model.job_ended,
     )
-
-
-def _ooms_seen(mem: MemoryStats | None) -> int:
-    """The allocator's OOMs that reached the job: torch's own handled retries (cuDNN's
-    workspace search) left out. The captures can miss some too: the caller takes the larger."""
-    if mem is None or mem.num_ooms is None:
-        return 0
-    return max(0, mem.num_ooms - (mem.handled_ooms or 0))
 
 
 def _last_sample_t(model: JobModel) -> float | None:
