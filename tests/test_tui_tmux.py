@@ -107,3 +107,29 @@ def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Term
     finally:
         for agent in list_agents():
             os.kill(agent.pid, signal.SIGKILL)
+
+
+def test_the_live_run_exits_with_the_jobs_code(terminal: Terminal) -> None:
+    script = SCRIPTS / "train_mlp.py"
+    command = f"{sys.executable} -m torchtop run {script} --steps 5 --exit-code 3; echo EXIT=$?"
+    terminal.keys(command, "Enter")
+    terminal.wait_for(lambda s: "ended · exit 3" in s)
+    terminal.keys("q")
+    assert "EXIT=3\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
+
+
+def test_a_job_stopped_from_the_viewer_exits_130(terminal: Terminal) -> None:
+    script = SCRIPTS / "train_mlp.py"
+    command = f"{sys.executable} -m torchtop run {script} --steps 100000 --sleep 0.02; echo EXIT=$?"
+    terminal.keys(command, "Enter")
+    try:
+        terminal.wait_for(lambda s: "running" in s and "step 0 loss" in s)
+        terminal.keys("q")
+        terminal.wait_for(lambda s: "still running" in s)
+        terminal.keys("s")
+        screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=30)
+        assert "EXIT=130\n" in screen
+        assert list_agents() == []
+    finally:
+        for agent in list_agents():
+            os.kill(agent.pid, signal.SIGKILL)

@@ -488,7 +488,10 @@ def _run_spec(spec: Any) -> int:
         note = source.after_exit_note()
         if note:
             print(note, file=sys.stderr)
-        return code
+        # The job's own exit code, as headless gives it (a job stopped from the viewer: 130);
+        # the viewer's, when the job runs on without it.
+        job_code = source.job.exit_code
+        return job_code if job_code is not None else code
     except (RunError, RecordingError) as exc:
         raise CliError(str(exc), code=1) from None
 

@@ -200,6 +200,14 @@ class Job:
         self._close_log()
         return returncode
 
+    @property
+    def exit_code(self) -> int | None:
+        """The shell-style exit code of a job that has ended (``128 + N`` for signal N, so a job
+        stopped by its SIGINT gives 130); None while it runs or before it started."""
+        if self.process is None or self.process.returncode is None:
+            return None
+        return exit_status(self.process.returncode)[0]
+
     def detach(self) -> None:
         """The job runs on without us: its output goes on into the log file through a relay."""
         if self._output is not None and self._log_fd is not None and self.running():
