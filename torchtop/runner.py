@@ -154,7 +154,7 @@ class Job:
         if spec.headless:
             destinations = {"stdout": sys.stdout.fileno(), "stderr": sys.stderr.fileno()}
         else:
-            self.log_path = directory / f"job-{int(time.time() * 1000)}.log"
+            self.log_path = directory / f"starting-{os.getpid()}-{time.time_ns()}.log"
             log = open_private(self.log_path)
             self._log_fd = os.dup(log.fileno())
             log.close()
@@ -178,6 +178,12 @@ class Job:
             raise RunError(f"cannot start {sys.executable}: {exc.strerror}") from None
         output.start()
         self._output = output
+        if self.log_path is not None:
+            # Named after the job, so the runtime directory's cleanup knows whose it is.
+            named = self.log_path.with_name(f"{self.process.pid}-job.log")
+            with contextlib.suppress(OSError):
+                os.rename(self.log_path, named)
+                self.log_path = named
 
     @property
     def pid(self) -> int:

@@ -7,8 +7,10 @@ lists. The server checks each peer's uid and refuses other users.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import socket
 import stat
 import struct
@@ -72,7 +74,46 @@ def ensure_runtime_dir() -> Path:
             f"sockets and files there: `chmod 700 {path}` if it is yours alone, or set "
             "TORCHTOP_RUNTIME_DIR to a new path (torchtop creates it, mode 0700)"
         )
+    with contextlib.suppress(OSError):
+        prune_runtime_dir(path)
     return path
+
+
+#: What the files of ended jobs may take together in the runtime directory; the oldest go first.
+ENDED_JOBS_CAP_BYTES = 64 << 20
+#: The files torchtop names in the runtime directory after a job's pid: its description, its live
+#: run's log, its op traces and OOM snapshots. Nothing else there is ever deleted.
+_JOB_FILE = re.compile(r"(\d+)(\.json|-job\.log|-ops-(last|\d+)\.json|-oom-\d+\.pickle)")
+
+
+def prune_runtime_dir(directory: Path, cap_bytes: int = ENDED_JOBS_CAP_BYTES) -> list[Path]:
+    """Delete the oldest files of ended jobs until those left take at most ``cap_bytes``; return
+    them. A running job's files, and files torchtop did not name, are never touched (recordings
+    and the files beside them live where the user asked, not here)."""
+    alive: dict[int, bool] = {}
+    ended: list[tuple[float, int, Path]] = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            match = _JOB_FILE.fullmatch(entry.name)
+            if match is None or not entry.is_file(follow_symlinks=False):
+                continue
+            pid = int(match.group(1))
+            if pid not in alive:
+                alive[pid] = pid_alive(pid)
+            if alive[pid]:
+                continue
+            info = entry.stat(follow_symlinks=False)
+            ended.append((info.st_mtime, info.st_size, Path(entry.path)))
+    total = sum(size for _, size, _ in ended)
+    removed = []
+    for _mtime, size, path in sorted(ended):
+        if total <= cap_bytes:
+            break
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+        total -= size
+    return removed
 
 
 def peer_uid(sock: socket.socket) -> int | None:
