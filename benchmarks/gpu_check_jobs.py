@@ -348,6 +348,10 @@ def job_ops(out: str, device_name: str = "cuda") -> None:
 
     from torchtop.agent.ops import paused, read_events, window
 
+    # No sampled window from here on (one opened by time while CUDA starts would be open when
+    # the explicit ones are asked for); the explicit windows below open all the same.
+    sampled_windows = paused()
+    sampled_windows.__enter__()
     torch.manual_seed(0)
     cuda = device_name == "cuda"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -374,31 +378,31 @@ def job_ops(out: str, device_name: str = "cuda") -> None:
             loss.item()
 
     phases: dict[str, list[float]] = {}
-    with paused():
-        for _ in range(5):
-            step(x_dev, item=True)  # warm-up: cuBLAS handles, the optimizer's state
+    for _ in range(5):
+        step(x_dev, item=True)  # warm-up: cuBLAS handles, the optimizer's state
+    synchronize()
+    time.sleep(0.5)  # the agent's thread picks the step clock that counts window steps
+    for name, source, item, non_blocking in (
+        ("item", x_dev, True, False),
+        ("pinned", x_pinned, False, True),
+        ("pageable", x_pageable, False, False),
+    ):
+        t0 = time.time()
+        # No synchronize inside: it would be one more sync point. The model is small, so
+        # the GPU keeps up with the launches and is done when the window closes.
+        with window() as opened:
+            for _ in range(OPS_STEPS):
+                step(source.to(device, non_blocking=non_blocking), item=item)
         synchronize()
-        time.sleep(0.5)  # the agent's thread picks the step clock that counts window steps
-        for name, source, item, non_blocking in (
-            ("item", x_dev, True, False),
-            ("pinned", x_pinned, False, True),
-            ("pageable", x_pageable, False, False),
-        ):
-            t0 = time.time()
-            # No synchronize inside: it would be one more sync point. The model is small, so
-            # the GPU keeps up with the launches and is done when the window closes.
-            with window() as opened:
-                for _ in range(OPS_STEPS):
-                    step(source.to(device, non_blocking=non_blocking), item=item)
-            synchronize()
-            phases[name] = [t0, time.time(), float(opened)]
-            time.sleep(0.3)
-        time.sleep(1.0)  # the agent's thread reads the windows
+        phases[name] = [t0, time.time(), float(opened)]
+        time.sleep(0.3)
+    time.sleep(1.0)  # the agent's thread reads the windows
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with profile(activities=activities) as prof:
         for _ in range(OPS_STEPS):
             step(x_dev, item=False)
         synchronize()
+    sampled_windows.__exit__(None, None, None)
     table = []
     for avg in prof.key_averages():
         self_device = getattr(avg, "self_device_time_total", None)
