@@ -577,6 +577,11 @@ def test_a_step_past_its_timeout_is_killed(tmp_path: Path) -> None:
     session = gpu_check.Session(tmp_path)
     step = session.run("sleep", [sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
     assert step.rc is None and "killed after" in step.stderr
+    # Near the deadline a step gets only what is left of it, whatever its own timeout.
+    session.started = time.monotonic() - gpu_check.DEADLINE_S - gpu_check.STEP_GRACE_S + 1
+    t0 = time.monotonic()
+    step = session.run("sleep", [sys.executable, "-c", "import time; time.sleep(60)"], timeout=50)
+    assert step.rc is None and time.monotonic() - t0 < 20
 
 
 def test_a_failing_or_crashing_group_does_not_stop_the_others(
