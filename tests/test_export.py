@@ -268,6 +268,26 @@ def test_hanging_and_excess_connections_cost_only_themselves(server: MetricsServ
             time.sleep(0.1)
 
 
+def test_a_figure_that_fails_fails_that_scrape_only() -> None:
+    calls = []
+
+    def read() -> list[JobSnapshot]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a model in a state nobody foresaw")
+        snap = snapshot_of(model_of(job_messages()))
+        assert snap is not None
+        return [snap]
+
+    srv = MetricsServer(registry_for(read)).start()
+    try:
+        assert fetch(srv.url)[0] == 500
+        status, _, body = fetch(srv.url)
+        assert status == 200 and "torchtop_steps_total" in body
+    finally:
+        srv.close()
+
+
 def test_a_port_in_use_is_one_clear_error() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
