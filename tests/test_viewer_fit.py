@@ -3,16 +3,30 @@ time chart scales each series to fit, and every screen fits 80x24 (issue 11: 2, 
 
 from __future__ import annotations
 
-from fakes.source import FakeSource
-from test_steps_view import steps_frame
-from test_tui_app import SIZE, T0, cuda_job, drained, pilot_test
-from textual.pilot import Pilot
+import re
 
-from torchtop.protocol import LogLine, Message
-from torchtop.tui.app import TorchtopApp
+from fakes.source import FakeSource
+from rich.text import Text
+from test_steps_view import steps_frame
+from test_tui_app import HOST, SIZE, T0, cuda_job, drained, hello, pilot_test, static_text
+from textual.content import Content
+from textual.geometry import Region, Size
+from textual.pilot import Pilot
+from textual.widgets import Static
+from textual.widgets._toast import Toast
+
+from torchtop.model.events import SourceDisconnected
+from torchtop.protocol import JobExited, LogLine, MemoryStats, Message, PhaseBegan, Sample
+from torchtop.tui.app import HelpScreen, TorchtopApp
 from torchtop.tui.widgets.chart import AXIS_WIDTH
+from torchtop.tui.widgets.device import DevicePanel
+from torchtop.tui.widgets.host import HostPanel
 from torchtop.tui.widgets.log import LogPanel
+from torchtop.tui.widgets.memory import MemoryPanel
 from torchtop.tui.widgets.steps import StepTimeChart
+
+MiB = 1 << 20
+GiB = 1 << 30
 
 
 def _lines(start: int, n: int, t: float = T0 + 40) -> list[Message]:
@@ -101,3 +115,93 @@ async def test_the_step_time_chart_fits_seconds_long_steps_with_millisecond_wait
         # The line sits inside the plot, not pinned against its top.
         plot = [row[AXIS_WIDTH:] for row in rows[:-1]]
         assert plot[0].strip() == "", rows
+
+
+# -- 80x24 --------------------------------------------------------------------------------------
+
+
+def _inside(region: Region, screen: Size) -> bool:
+    return (
+        region.x >= 0
+        and region.y >= 0
+        and region.right <= screen.width
+        and (region.bottom <= screen.height)
+    )
+
+
+@pilot_test
+async def test_the_help_scrolls_to_its_last_line_at_80x24() -> None:
+    app = TorchtopApp(FakeSource(cuda_job()))
+    async with app.run_test(size=SIZE) as pilot:
+        await drained(pilot)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        dialog = app.screen.query_one("#help-dialog")
+        assert _inside(dialog.region, app.size)
+        for _ in range(6):
+            await pilot.press("pagedown")
+        await pilot.pause()
+        assert dialog.max_scroll_y > 0 and dialog.scroll_y == dialog.max_scroll_y
+        text = app.screen.query_one("#help-text")
+        # The last row, the log's, is on screen inside the box.
+        assert text.region.y + text.region.height - dialog.scroll_y <= dialog.region.bottom
+
+
+@pilot_test
+async def test_toasts_leave_the_gpu_host_and_log_rows_free() -> None:
+    source = FakeSource(cuda_job())
+    app = TorchtopApp(source)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await drained(pilot)
+        source.deliver([JobExited(T0 + 31, 1, ""), SourceDisconnected(T0 + 31, "job exited")])
+        await drained(pilot)
+        await pilot.pause(0.2)
+        toasts = list(app.screen.query(Toast))
+        assert toasts, "the job's end is announced"
+        covered = [app.query_one(w).region for w in (DevicePanel, HostPanel, LogPanel)]
+        for toast in toasts:
+            assert _inside(toast.region, app.size)
+            for region in covered:
+                assert not toast.region.overlaps(region), (toast.region, region)
+
+
+def _figures(app: TorchtopApp) -> str:
+    return static_text(app.query_one(MemoryPanel).query_one("#memory-figures", Static))
+
+
+def _figure_lines(app: TorchtopApp) -> tuple[list[str], int]:
+    """The memory figures' lines as written (before the panel cuts them), and its width."""
+    figures = app.query_one(MemoryPanel).query_one("#memory-figures", Static)
+    content = figures.visual
+    assert isinstance(content, Content | Text)
+    return content.plain.splitlines(), figures.content_region.width
+
+
+@pilot_test
+async def test_the_memory_figures_fit_beside_the_phase_panel() -> None:
+    heap = MemoryStats("cpu", "cpu-heap", int(1.23 * GiB), int(2.34 * GiB))
+    cpu = [hello(cuda=False), *(Sample(T0 + i / 10, HOST, [heap]) for i in range(20))]
+    for job in (cpu, cuda_job()):
+        described = PhaseBegan(T0 + 1, "repeat", 7, description="Repeats a tensor. " * 8)
+        app = TorchtopApp(FakeSource([*job, described]))
+        async with app.run_test(size=SIZE) as pilot:
+            await drained(pilot)
+            await pilot.pause()
+            lines, width = _figure_lines(app)
+            assert 30 < width < 60  # beside the phase panel
+            for line in lines:
+                assert len(line) <= width, (line, width)
+            # Each figure whole (its value with it), the peak among them.
+            assert any(re.search(r"peak [\d.]+ GiB", line) for line in lines), lines
+
+
+@pilot_test
+async def test_rss_below_the_heap_is_explained_not_shown_negative() -> None:
+    stats = MemoryStats("cpu", "cpu-heap", 620 * MiB, 564 * MiB)
+    app = TorchtopApp(FakeSource([hello(cuda=False), Sample(T0, HOST, [stats])]))
+    async with app.run_test(size=SIZE) as pilot:
+        await drained(pilot)
+        figures = _figures(app)
+        assert "-56" not in figures and "\u221256" not in figures, figures
+        assert "heap > RSS" in figures, figures

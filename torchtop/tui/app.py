@@ -14,7 +14,7 @@ from rich.table import Table
 from textual import log
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.timer import Timer
 from textual.widgets import Footer, Static
@@ -135,10 +135,15 @@ class HelpScreen(ModalScreen[None]):
     ]
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="help-dialog") as dialog:
+        # At 80x24 the help is twice the screen's height: the box scrolls, and has the focus
+        # so the arrow and page keys scroll it.
+        with VerticalScroll(id="help-dialog", can_focus=True) as dialog:
             dialog.border_title = "torchtop help"
-            dialog.border_subtitle = "esc, ? or q to close"
+            dialog.border_subtitle = "↑↓ PgUp PgDn scroll · esc, ? or q close"
             yield Static(help_table(), id="help-text")
+
+    def on_mount(self) -> None:
+        self.query_one("#help-dialog").focus()
 
     def action_close(self) -> None:
         self.dismiss(None)
@@ -308,7 +313,7 @@ class TorchtopApp(App[int]):
                 f"The job ended ({words}). Press q to quit.",
                 title="Job ended",
                 severity="information" if ok else "error",
-                timeout=8,
+                timeout=5,
             )
         elif state.connection == "disconnected" and state.mode != "replay":
             self.notify(
@@ -316,7 +321,7 @@ class TorchtopApp(App[int]):
                 "the job may have been killed. The data stays on screen.",
                 title="Connection lost",
                 severity="error",
-                timeout=12,
+                timeout=6,
             )
 
     # -- actions -------------------------------------------------------------------------------

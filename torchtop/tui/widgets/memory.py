@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from rich.text import Text
+from textual import on
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.events import Resize
 from textual.widgets import Static
 
 from torchtop.model.job import DeviceMemory, JobModel
@@ -21,69 +25,128 @@ ALLOCATED_STYLE = "cyan"
 RESERVED_STYLE = "magenta"
 
 
-def memory_figures(state: JobModel) -> Text:
-    """Two lines of figures for the primary device; its colour squares are the chart's legend."""
+#: Shorter names for the figures' labels, for a narrow panel.
+_SHORT = {"allocated": "alloc", "reserved": "resv"}
+#: How a line's figures are set apart at full width, and when the line is tight.
+WIDE = "   "
+TIGHT = "  "
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of the panel's lines, and a shorter way to write it when the line is tight."""
+
+    full: Text
+    short: Text | None = None
+
+
+def _figure(label: str, value: str, *, short_label: str | None = None, style: str = "") -> Figure:
+    full = Text.assemble((f"{label} ", "dim"), (value, style))
+    if short_label is None:
+        return Figure(full)
+    return Figure(full, Text.assemble((f"{short_label} ", "dim"), (value, style)))
+
+
+def _square(style: str, label: str, value: str) -> Figure:
+    """A figure behind its colour square, the chart's legend."""
+    full = Text.assemble(("■ ", style), (f"{label} ", "dim"), (value, "bold"))
+    short_label = _SHORT.get(label)
+    if short_label is None:
+        return Figure(full)
+    return Figure(full, Text.assemble(("■ ", style), (f"{short_label} ", "dim"), (value, "bold")))
+
+
+def fit_lines(lines: list[tuple[list[Figure], str]], width: int | None) -> Text:
+    """The figures as written on their lines (each with its separator) when they fit ``width``
+    (or no width is known); else written short and flowed over as many lines, in order,
+    leaving out what does not fit rather than cutting a figure in the middle."""
+    wide = [Text(sep).join(f.full for f in figures) for figures, sep in lines]
+    if width is None or width <= 0 or all(line.cell_len <= width for line in wide):
+        return Text("\n", no_wrap=True, overflow="ellipsis").join(wide)
+    out: list[Text] = [Text()]
+    for figure in (f for figures, _ in lines for f in figures):
+        part = figure.short or figure.full
+        current = out[-1]
+        if not current.plain:
+            if part.cell_len <= width:
+                current.append_text(part)
+        elif current.cell_len + len(TIGHT) + part.cell_len <= width:
+            current.append(TIGHT)
+            current.append_text(part)
+        elif len(out) < len(lines) and part.cell_len <= width:
+            out.append(part.copy())
+    return Text("\n", no_wrap=True, overflow="ellipsis").join(out)
+
+
+def memory_figures(state: JobModel, width: int | None = None) -> Text:
+    """Two lines of figures for the primary device, fitted to ``width`` cells when given; its
+    colour squares are the chart's legend."""
     memory = state.primary_memory
     device = state.primary_device
     if memory is None:
         waiting = "waiting for the first sample…" if not state.lost else "no memory samples"
         return Text.assemble((device, "bold"), "  ", (waiting, "dim"))
     stats = memory.latest
-    first = Text()
-    first.append("■ ", ALLOCATED_STYLE)
-    first.append(f"{memory.allocated_label} ", "dim")
-    first.append(format_bytes(stats.allocated_bytes), "bold")
-    first.append("   ")
-    first.append("■ ", RESERVED_STYLE)
-    first.append(f"{memory.reserved_label} ", "dim")
-    first.append(format_bytes(stats.reserved_bytes), "bold")
-    first.append("   peak " if memory.is_cuda else f"   peak {memory.allocated_label} ", "dim")
-    first.append(format_bytes(memory.peak_allocated))
+    allocated = memory.allocated_label
+    first = [
+        _square(ALLOCATED_STYLE, allocated, format_bytes(stats.allocated_bytes)),
+        _square(RESERVED_STYLE, memory.reserved_label, format_bytes(stats.reserved_bytes)),
+    ]
+    peak = format_bytes(memory.peak_allocated)
     if memory.is_cuda:
-        first.append(" / ", "dim")
-        first.append(format_bytes(memory.peak_reserved))
-    return Text("\n", no_wrap=True, overflow="ellipsis").join([first, _second_line(memory)])
+        reserved_peak = format_bytes(memory.peak_reserved)
+        full = Text.assemble(("peak ", "dim"), peak, (" / ", "dim"), reserved_peak)
+        first.append(Figure(full, Text.assemble(("peak ", "dim"), peak)))
+    else:
+        first.append(_figure(f"peak {allocated}", peak, short_label="peak"))
+    return fit_lines([(first, WIDE), _second_line(memory)], width)
 
 
-def _second_line(memory: DeviceMemory) -> Text:
+def _second_line(memory: DeviceMemory) -> tuple[list[Figure], str]:
     stats = memory.latest
-    line = Text()
     if memory.is_cuda:
         # cache: reserved less allocated, what empty_cache() could partly hand back;
         # fragmented: free pieces of split segments (inactive_split_bytes).
-        line.append("cache ", "dim")
-        line.append(format_bytes(memory.cache))
-        line.append("  fragmented ", "dim")
-        line.append(format_bytes(memory.fragmented))
-        line.append("  retries ", "dim")
         retries = stats.num_alloc_retries
-        line.append(MISSING if retries is None else str(retries), "bold yellow" if retries else "")
-        line.append("  OOMs ", "dim")
         ooms = memory.ooms
-        line.append(MISSING if ooms is None else str(ooms), "bold red" if ooms else "")
+        ooms_text = Text(MISSING if ooms is None else str(ooms), "bold red" if ooms else "")
         if stats.handled_ooms:
-            line.append(f" +{stats.handled_ooms} handled", "dim")
+            ooms_text.append(f" +{stats.handled_ooms} handled", "dim")
+        line = [
+            _figure("cache", format_bytes(memory.cache)),
+            _figure("fragmented", format_bytes(memory.fragmented), short_label="frag"),
+            _figure(
+                "retries",
+                MISSING if retries is None else str(retries),
+                style="bold yellow" if retries else "",
+            ),
+            Figure(Text.assemble(("OOMs ", "dim"), ooms_text)),
+        ]
         if stats.free_bytes is not None or stats.total_bytes is not None:
             used = None
             if stats.free_bytes is not None and stats.total_bytes is not None:
                 used = stats.total_bytes - stats.free_bytes
-            line.append("  device ", "dim")
-            line.append(format_used_total(used, stats.total_bytes))
-    elif stats.source == "cpu-tensors" and stats.total_bytes is not None:
+            line.append(_figure("device", format_used_total(used, stats.total_bytes)))
+        return line, TIGHT
+    if stats.source == "cpu-tensors" and stats.total_bytes is not None:
         # ``torchtop run --memory-limit``: live tensor bytes against the emulated limit.
-        line.append("emulated limit ", "dim")
-        line.append(format_bytes(stats.total_bytes))
-        line.append("   free ", "dim")
-        line.append(format_bytes(stats.free_bytes))
-        line.append("   OOMs ", "dim")
         ooms = stats.num_ooms
-        line.append(MISSING if ooms is None else str(ooms), "bold red" if ooms else "")
+        limit = [
+            _figure("emulated limit", format_bytes(stats.total_bytes), short_label="limit"),
+            _figure("free", format_bytes(stats.free_bytes)),
+            _figure(
+                "OOMs", MISSING if ooms is None else str(ooms), style="bold red" if ooms else ""
+            ),
+        ]
+        return limit, WIDE
+    over = memory.cache
+    if over is not None and over < 0:
+        # The heap counts what malloc handed out, RSS the pages touched: a heap above RSS is
+        # memory allocated but not yet written (or swapped out), not a negative amount.
+        gap = Figure(Text("heap > RSS: untouched pages", "dim"), Text("heap > RSS", "dim"))
     else:
-        line.append(f"RSS {MINUS} {memory.allocated_label} ", "dim")
-        line.append(format_bytes(memory.cache))
-        line.append("   peak RSS ", "dim")
-        line.append(format_bytes(memory.peak_reserved))
-    return line
+        gap = _figure(f"RSS {MINUS} {memory.allocated_label}", format_bytes(over))
+    return [gap, _figure("peak RSS", format_bytes(memory.peak_reserved))], WIDE
 
 
 def other_devices(state: JobModel) -> str:
@@ -150,16 +213,29 @@ class MemoryPanel(Vertical):
     }
     """
 
+    _state: JobModel | None = None
+
     def compose(self) -> ComposeResult:
         yield Static(id="memory-figures")
         yield TimeSeriesChart(id="memory-chart")
+
+    def _show_figures(self) -> None:
+        if self._state is not None:
+            figures = self.query_one("#memory-figures", Static)
+            figures.update(memory_figures(self._state, figures.content_region.width))
+
+    @on(Resize)
+    def _fit_figures(self) -> None:
+        """The figures are fitted to the width: a panel beside the phase panel is narrower."""
+        self._show_figures()
 
     def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``."""
         device = state.primary_device
         self.border_title = f" Memory · {device} "
         self.border_subtitle = other_devices(state)
-        self.query_one("#memory-figures", Static).update(memory_figures(state))
+        self._state = state
+        self._show_figures()
         series, spans, marks, t_start, t_end = chart_data(state)
         self.query_one(TimeSeriesChart).set_data(
             series, t_start=t_start, t_end=t_end, spans=spans, marks=marks
