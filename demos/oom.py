@@ -42,6 +42,8 @@ from torchtop.sizes import parse_size
 #: The size of the device that ``torchtop demo oom`` emulates when the demo runs on the CPU.
 #: The demo catalog reads it without importing this module; ``--memory-limit`` overrides it.
 CPU_MEMORY_LIMIT = "512MiB"
+#: ``torch.OutOfMemoryError`` (torch 2.5 on), or the same class under its older name.
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 #: With ``--quick`` on CUDA, this process may use at most this much of the GPU.
 CUDA_QUICK_CAP = 4 << 30
 MICRO_BATCHES = 4
@@ -136,7 +138,7 @@ def double_until_oom(
                 training.step(x, y)
                 if options.cuda:
                     torch.cuda.synchronize(options.device)
-            except torch.OutOfMemoryError as error:
+            except OutOfMemoryError as error:
                 seconds = time.perf_counter() - start_time  # until it failed
                 message = str(error)
                 asked = error_figure(message, r"Tried to allocate ([0-9.]+ [KMGT]iB)")
@@ -251,7 +253,7 @@ def fit_the_batch(
                 extra={"batch": batch, "fits": "yes"},
                 description=description,
             )
-        except torch.OutOfMemoryError as error:  # not on the devices this demo sizes itself for
+        except OutOfMemoryError as error:  # not on the devices this demo sizes itself for
             print(f"{name}: torch.OutOfMemoryError too: {str(error).split('. ')[0]}.")
             results.append(harness.PhaseResult(name, 0.0, 0, {"batch": batch, "fits": "no"}))
             continue

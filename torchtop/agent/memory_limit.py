@@ -142,7 +142,9 @@ class MemoryLimitTracker(TensorTracker):
             self._in_oom = False
         import torch
 
-        raise torch.OutOfMemoryError(message or oom_message(nbytes, limit, self._live))
+        # torch.OutOfMemoryError from torch 2.5; the same class as torch.cuda's before.
+        error = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+        raise error(message or oom_message(nbytes, limit, self._live))
 
     # -- sites ----------------------------------------------------------------------------------
 
