@@ -1,6 +1,7 @@
 """Every ``torchtop`` command line of the README's shell blocks is accepted by the real CLI and
 runs: headless ones as written, viewer ones with ``--headless`` (the viewer itself is driven in
-tmux by test_tui_tmux.py), the demos' runs by test_demos.py."""
+tmux by test_tui_tmux.py). Commands that run until stopped or take long are run by their own
+tests (:data:`RUN_ELSEWHERE`); here they are parsed."""
 
 from __future__ import annotations
 
@@ -23,7 +24,13 @@ PLACEHOLDERS = [
     ("NAME", "broadcasting"),
     ("cpu|cuda", "cpu"),
     ("--duration 60", "--duration 1"),  # a minute of recording is the user's, not the test's
+    ("--metrics 9481", "--metrics 127.0.0.1:0"),  # a free port: other tests may hold 9481
+    ("DIR", "{tmp}"),
 ]
+
+#: Subcommands whose runs other tests make: the demos take seconds each, an export serves until
+#: stopped.
+RUN_ELSEWHERE = {"demo": "test_demos.py", "export": "test_export.py"}
 
 TRAIN = """\
 import argparse, time
@@ -40,7 +47,7 @@ p.add_argument("--epochs", type=int, required=True)
 print("epochs", p.parse_args().epochs, "file", __file__)
 """
 
-JOB = "import time\nfor _ in range(300):\n    time.sleep(0.1)\n"
+JOB = "import time\nwhile True:  # until the test ends it\n    time.sleep(0.1)\n"
 
 
 def readme_commands() -> list[str]:
@@ -56,10 +63,10 @@ def readme_commands() -> list[str]:
     return lines
 
 
-def concrete(line: str, pid: int) -> list[str]:
+def concrete(line: str, pid: int, tmp: Path) -> list[str]:
     for placeholder, value in PLACEHOLDERS:
         line = line.replace(placeholder, value)
-    return line.format(pid=pid).split()[1:]
+    return line.format(pid=pid, tmp=tmp).split()[1:]
 
 
 def is_viewer(argv: list[str]) -> bool:
@@ -95,10 +102,10 @@ def test_every_readme_command_parses_and_runs(tmp_path: Path) -> None:
             time.sleep(0.1)
         (agent,) = list_agents()
         for line in readme_commands():
-            argv = concrete(line, agent.pid)
+            argv = concrete(line, agent.pid, tmp_path)
             cli.parse_args(argv)  # raises CliError for a line the CLI rejects
-            if argv[0] == "demo" and argv[1:2] != ["--list"] and "--source" not in argv:
-                continue  # each demo's run is test_demos.py's
+            if argv[0] in RUN_ELSEWHERE and argv[1:2] != ["--list"] and "--source" not in argv:
+                continue
             if is_viewer(argv):
                 if argv[0] == "replay":
                     out = torchtop(*argv, cwd=tmp_path)
