@@ -14,9 +14,11 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -226,3 +228,31 @@ def test_a_multi_rank_run_has_one_series_per_rank(prometheus: Prometheus) -> Non
     assert sorted(int(s["metric"]["rank"]) for s in series) == [0, 1, 2]
     for title in ("Step time per rank", "Steps per second", "DataLoader wait share", "Host RSS"):
         assert answered[title] == {"0", "1", "2"}, (title, answered)
+
+
+def test_run_metrics_follows_the_ranks_a_launcher_starts() -> None:
+    # Another job of this user, not started by the runner: not the runner's to export.
+    other = start_rank(0, 1, "not-ours", 200)
+    job = Torchtop(
+        "run", "--headless", "--no-ops", "--metrics", "127.0.0.1:0",
+        str(SCRIPTS / "launch_ranks.py"), "2", "launched", "15",
+    )  # fmt: skip
+    try:
+        url = f"http://{job.address()}/metrics"
+        host = socket.gethostname()
+        wanted = {
+            f'torchtop_steps_total{{hostname="{host}",local_rank="{rank}",rank="{rank}",'
+            f'run="launched"}} {float(15 + 5 * rank)}'
+            for rank in (0, 1)
+        }
+        lines: set[str] = set()
+        while job.process.poll() is None and not wanted <= lines:
+            lines = set(get(url).splitlines())
+            time.sleep(0.2)
+        assert wanted <= lines, lines
+        assert not any("not-ours" in line for line in lines)
+        assert job.wait() == 0, "".join(job.lines)
+    finally:
+        other.kill()
+        other.wait()
+        job.process.kill()
