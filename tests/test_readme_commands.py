@@ -5,7 +5,9 @@ tests (:data:`RUN_ELSEWHERE`); here they are parsed."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -95,6 +97,7 @@ def test_every_readme_command_parses_and_runs(tmp_path: Path) -> None:
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,  # torchtop and its job: one group to end together
     )
     try:
         deadline = time.monotonic() + 60
@@ -130,5 +133,5 @@ def test_every_readme_command_parses_and_runs(tmp_path: Path) -> None:
             if "train.py" in argv and "--lr" in argv:
                 assert "lr 0.0003" in out.stdout
     finally:
-        job.kill()
+        os.killpg(job.pid, signal.SIGKILL)
         job.wait()
