@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fakes.allocator import fail_into_job
 from fakes.source import RequestingSource
 from rich.console import Console
 from test_tui_app import SIZE, T0, cuda_job, drained, pilot_test, static_text
@@ -52,7 +53,9 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> OutOfMemory:
         "grad_enabled": lambda: True,
     }
     o = data["observer"]
-    controller.observe_cuda_oom(o["device"], o["alloc"], o["device_total"], o["device_free"])
+    # As torch does: the observer, then the error raised into the job's code.
+    args = (o["device"], o["alloc"], o["device_total"], o["device_free"])
+    fail_into_job(controller.observe_cuda_oom, args)
     (event,) = [m for m in messages if isinstance(m, OutOfMemory)]
     return dataclasses.replace(event, t=T0 + 29.5)
 
