@@ -100,6 +100,8 @@ def _model_agrees_with_report(model: JobModel, report: dict[str, Any]) -> None:
     assert report["sync_points_per_step"] == model.op_timings.sync_points_per_step
     peaks = {d["id"]: d["peak_allocated_bytes"] for d in report["devices"]}
     assert peaks == {k: v.peak_allocated for k, v in model.memory.items()}
+    ooms = {d["id"]: d["num_ooms"] for d in report["devices"]}
+    assert ooms == {k: model.device_ooms(k) for k in model.memory}
     assert [e["kind"] == "oom" for e in report["events"]] == [
         e.is_oom for e in model.captures.entries
     ]
@@ -145,6 +147,11 @@ def test_model_report_and_viewer_show_the_same_figures(
                 assert f"peak {format_bytes(peak)}" in figures or (
                     f"{primary.allocated_label} {format_bytes(peak)}" in figures
                 )
+                ooms = next(
+                    d["num_ooms"] for d in report["devices"] if d["id"] == state.primary_device
+                )
+                if ooms is not None and (primary.is_cuda or "emulated" in figures):
+                    assert f"OOMs {ooms}" in figures, figures
             if report["steps"]:
                 steps = static_text(app.query_one(StepPanel).query_one("#step-figures", Static))
                 assert f"step {report['steps']:,}" in steps

@@ -47,7 +47,7 @@ def report_json(model: JobModel) -> dict[str, Any]:
             "source": d.latest.source,
             "peak_allocated_bytes": d.peak_allocated,
             "peak_reserved_bytes": d.peak_reserved,
-            "num_ooms": d.num_ooms,
+            "num_ooms": model.device_ooms(d.device),
             "num_alloc_retries": d.num_alloc_retries,
         }
         for d in model.memory.values()

@@ -100,8 +100,7 @@ def snapshot_of(model: JobModel) -> JobSnapshot | None:
                 reserved_bytes=mem.reserved_bytes,
                 peak_allocated_bytes=memory.peak_allocated,
                 alloc_retries=memory.num_alloc_retries,
-                # The allocator's count and the captures can each miss some: take the larger.
-                ooms=max(memory.ooms or 0, ooms.get(device_id, 0)),
+                ooms=model.device_ooms(device_id) or 0,
             )
         )
     training = model.training

@@ -618,6 +618,17 @@ class JobModel:
     def marks_between(self, start: float, end: float) -> list[Mark]:
         return [m for m in self.marks if start <= m.t <= end]
 
+    def device_ooms(self, device: str) -> int | None:
+        """Out-of-memory failures on ``device`` that reached the job: the allocator's count
+        (torch's own handled retries left out) or the failures captured, whichever is larger,
+        as each can miss some; ``None`` when neither is known."""
+        memory = self.memory.get(device)
+        counted = memory.ooms if memory is not None else None
+        captured = sum(1 for e in self.captures.entries if e.is_oom and e.capture.device == device)
+        if counted is None and not captured:
+            return None
+        return max(counted or 0, captured)
+
     def phase_at(self, t: float) -> str | None:
         """The innermost phase running at ``t`` (the latest to begin), if any."""
         return phase_at(((p.name, p.start, p.end) for p in self.phases), t)

@@ -99,16 +99,16 @@ def memory_figures(state: JobModel, width: int | None = None) -> Text:
         first.append(Figure(full, Text.assemble(("peak ", "dim"), peak)))
     else:
         first.append(_figure(f"peak {allocated}", peak, short_label="peak"))
-    return fit_lines([(first, WIDE), _second_line(memory)], width)
+    return fit_lines([(first, WIDE), _second_line(state, memory)], width)
 
 
-def _second_line(memory: DeviceMemory) -> tuple[list[Figure], str]:
+def _second_line(state: JobModel, memory: DeviceMemory) -> tuple[list[Figure], str]:
     stats = memory.latest
     if memory.is_cuda:
         # cache: reserved less allocated, what empty_cache() could partly hand back;
         # fragmented: free pieces of split segments (inactive_split_bytes).
         retries = stats.num_alloc_retries
-        ooms = memory.ooms
+        ooms = state.device_ooms(memory.device)
         ooms_text = Text(MISSING if ooms is None else str(ooms), "bold red" if ooms else "")
         if stats.handled_ooms:
             ooms_text.append(f" +{stats.handled_ooms} handled", "dim")
@@ -130,7 +130,7 @@ def _second_line(memory: DeviceMemory) -> tuple[list[Figure], str]:
         return line, TIGHT
     if stats.source == "cpu-tensors" and stats.total_bytes is not None:
         # ``torchtop run --memory-limit``: live tensor bytes against the emulated limit.
-        ooms = stats.num_ooms
+        ooms = state.device_ooms(memory.device)
         limit = [
             _figure("emulated limit", format_bytes(stats.total_bytes), short_label="limit"),
             _figure("free", format_bytes(stats.free_bytes)),
