@@ -160,7 +160,7 @@ def test_clear_errors_not_tracebacks(tmp_path: Path) -> None:
         (["run", "--bogus", "x.py"], "unrecognized arguments: --bogus"),
         (["run", "--headless", "-m", "no_such_module_xyz"], "no module named"),
         (["report", str(tmp_path / "missing.ttr")], "no recording at"),
-        (["attach", "999999", "--headless", "--record", "x.ttr"], "no agent running in pid 999999"),
+        (["attach", "999999", "--headless", "--record", "x.ttr"], "no process 999999"),
         (["demo", "no-such-demo"], "no demo named"),
         (["frobnicate"], "invalid choice"),
     ]:
