@@ -829,6 +829,7 @@ class _Watch:
         self._controller = controller
         self.pending = pending
         self._frames = frames  # innermost first
+        self._outermost = frames[-1]
         self._saved = [(f, f.f_trace, f.f_trace_lines) for f in frames]
         self._previous = sys.gettrace()
         self._torch_dir = _torch_dir()
@@ -869,12 +870,12 @@ class _Watch:
         if event == "exception":
             if self._in_flight is None:
                 self._in_flight = arg[1]
-            if frame is self._frames[-1] or not is_library_frame(
+            if frame is self._outermost or not is_library_frame(
                 frame.f_code.co_filename, self._torch_dir
             ):
                 self._finish(reached=True)
                 return None
-        elif event == "return" and (self._in_flight is None or frame is self._frames[-1]):
+        elif event == "return" and (self._in_flight is None or frame is self._outermost):
             # Returning with no error in flight: it was handled. Out of the thread's last
             # frame with one: the thread ends by it.
             self._finish(reached=self._in_flight is not None)
@@ -891,9 +892,13 @@ class _Watch:
             with contextlib.suppress(Exception):
                 frame.f_trace = trace
                 frame.f_trace_lines = lines
+        # Hold no frame (nor the tensors in their locals) past the end of the watch.
+        self._saved = []
+        self._frames = []
 
     def _finish(self, *, reached: bool) -> None:
         self._stop()
+        self._outermost = None
         controller = self._controller
         with controller._lock:
             if controller._pending_here.get(threading.get_ident()) is self:
