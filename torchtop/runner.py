@@ -292,7 +292,8 @@ def run_headless(spec: RunSpec) -> int:
         writer.close()
         if feed.frames == 0:
             print(
-                f"torchtop: nothing was recorded: {feed.end_reason or 'no agent'}",
+                "torchtop: the recording holds only the job's output and exit, no figures: "
+                f"{feed.end_reason or 'no agent'}",
                 file=sys.stderr,
             )
         for oom in ooms:
