@@ -133,9 +133,12 @@ def measure(
             if not hooks_only:
                 agent.sampler.pause()
             agent.training.uninstall()
+            paused = time.monotonic()
             off_block = block(step, seconds)
             agent.training.reinstall()
             agent.sampler.resume()
+            if not hooks_only and agent.ops is not None:
+                agent.ops.resumed_after(time.monotonic() - paused)
             on_block = block(step, seconds)
             off += off_block
             on += on_block

@@ -522,8 +522,6 @@ OWNER_WAIT_S = 2.0
 EVENT_COST_S = 2e-6
 #: How long a window's frame waits for a step after it to measure its cost (else: estimated).
 MEASURE_WAIT_S = 2.0
-#: A gap between two ticks longer than this is a pause of the agent, not counted in the spacing.
-PAUSED_S = 0.5
 #: Steps before a window whose median is the usual step time.
 USUAL_STEPS = 64
 #: Requested windows: at most one a second, and the last KEPT_TRACES traces kept.
@@ -740,7 +738,6 @@ class OpsSampler:
         self._request = threading.Event()
         self._next_due = 0.0
         self._started = time.monotonic()
-        self._last_tick = 0.0
         #: A window over steps has been armed (the first comes as soon as steps do).
         self._step_window_armed = False
         #: What one profiled event costs the job in seconds: learned from windows over steps
@@ -784,6 +781,12 @@ class OpsSampler:
             skip_inherited_destructors()
 
     # -- requests from other threads ---------------------------------------------------------
+
+    def resumed_after(self, paused_s: float) -> None:
+        """The agent's sampler was paused for ``paused_s`` seconds (the overhead benchmark's
+        "off" blocks): no window could open meanwhile, so that time does not count toward the
+        spacing, which keeps the windows' share of the time sampled within the budget."""
+        self._next_due += paused_s
 
     def request_window(self) -> None:
         """A viewer asked for a window now (server I/O thread): the next tick arms one."""
@@ -1037,11 +1040,6 @@ class OpsSampler:
         self.clock = steps.clock
         self._recent_steps = steps.recent
         monotonic = time.monotonic()
-        if self._last_tick and monotonic - self._last_tick > PAUSED_S:
-            # The agent was paused (or starved): that time does not count toward the spacing,
-            # which keeps the windows' share of the time it sampled within the budget.
-            self._next_due += monotonic - self._last_tick
-        self._last_tick = monotonic
         while self._closed:
             frame = self._frame(self._closed.popleft(), getattr(steps, "ends", None))
             if frame is not None:
