@@ -386,3 +386,25 @@ def test_gdb_runs_the_start_in_the_main_thread(tmp_path: Path, python: str, loop
     finally:
         target.kill()
         target.wait()
+
+
+def test_remote_exec_runs_the_jobs_own_interpreter_and_says_why_it_failed(tmp_path: Path) -> None:
+    """Python 3.14+: ``sys.remote_exec`` is called by the job's own executable. Here the
+    interpreter named as the job's lacks it (before 3.14), and the refusal carries its error."""
+    if sys.version_info >= inject.REMOTE_EXEC_PYTHON:
+        pytest.skip("this Python has sys.remote_exec")
+    target = _sleeper()
+    try:
+        job = inject.read_target(target.pid)
+        assert job.python == sys.version_info[:2]
+        assert job.exe is not None and os.path.samefile(job.exe, sys.executable)
+        as_314 = inject.Target(pid=job.pid, uid=job.uid, exe=job.exe, python=(3, 14))
+        with pytest.raises(inject.AttachRefused) as refused:
+            inject.remote_exec(as_314, "pass", tmp_path)
+        assert str(refused.value).startswith(
+            f"sys.remote_exec could not reach pid {target.pid} (AttributeError"
+        )
+        assert not list(tmp_path.iterdir())  # the script file is gone
+    finally:
+        target.kill()
+        target.wait()
