@@ -43,6 +43,7 @@ def main() -> int:
     for name in ("attached", "control"):
         job_args = ["--stop-file", str(stop), "--times", str(folder / f"{name}.json")]
         job_args += ["--sleep", "0", "--seconds", "600", "--hidden", str(args.hidden)]
+        job_args += ["--threads", "1"]  # two jobs on a shared machine: no spinning OpenMP pools
         jobs.append(
             subprocess.Popen(
                 [sys.executable, str(JOB), *job_args], stdout=subprocess.PIPE, text=True, env=env

@@ -301,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     attach.add_argument(
         "--python-path",
-        metavar="DIR",
-        help="a directory the job's Python can import torchtop from (when its environment "
-        "has no torchtop)",
+        metavar="DIRS",
+        help="directories (':'-separated) the job's Python can import torchtop from, when its "
+        "environment has none (the refusal names them)",
     )
     attach.add_argument(
         "--headless", action="store_true", help="record without a viewer (needs --record)"

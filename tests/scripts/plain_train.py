@@ -46,8 +46,11 @@ def main() -> int:
     parser.add_argument("--sleep", type=float, default=0.01)
     parser.add_argument("--times", default=None)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=0, help="torch's threads (0: its own)")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
