@@ -57,7 +57,7 @@ def main() -> int:
     def attach(i: int) -> bool:
         record = str(folder / f"r{i}.ttr")
         out = subprocess.run(
-            [*ATTACH, str(attached.pid), "--record", record, "--duration", "0.3"],
+            [*ATTACH, str(attached.pid), "--record", record, "--duration", "1"],
             capture_output=True,
             text=True,
             env=env,
