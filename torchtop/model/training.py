@@ -174,6 +174,14 @@ class StepHistory:
             if len(self.entries) >= self.capacity:
                 self._halve()
 
+    def extend(self, ends: list[float], durations: list[float | None], weights: list[int]) -> None:
+        """:meth:`add` for each of a frame's steps (at once while no step is grouped)."""
+        if self.halvings or len(self.entries) + len(ends) >= self.capacity:
+            for entry in zip(ends, durations, weights, strict=False):
+                self.add(*entry)
+            return
+        self.entries.extend(zip(ends, durations, weights, strict=False))
+
     def _halve(self) -> None:
         old = self.entries
         entries = []
@@ -313,22 +321,11 @@ class TrainingState:
         startups = _padded(m.startups, n, 0.0)
         optimizer = _padded(m.optimizer, n, 0.0)
         samples = _padded(m.batch_samples, n, 0)
-        append = self.points.append
-        add = self.history.add
-        for i in range(n):
-            t = m.ends[i]
-            append(
-                StepPoint(
-                    t,
-                    durations[i],
-                    waits[i] or 0.0,
-                    startups[i] or 0.0,
-                    optimizer[i] or 0.0,
-                    samples[i] or 0,
-                    weights[i],
-                )
-            )
-            add(t, durations[i], weights[i])
+        # The protocol checked the lists' types; missing entries were filled above.
+        self.points.extend(
+            map(StepPoint, m.ends, durations, waits, startups, optimizer, samples, weights)
+        )
+        self.history.extend(m.ends, durations, weights)
 
     # -- queries -----------------------------------------------------------------------------
 
