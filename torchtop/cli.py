@@ -775,12 +775,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from torchtop.recording import RecordingError, read_recording
     from torchtop.report import render_text, summarize
+    from torchtop.report_ranks import is_multi_rank, ranks_parts, summarize_ranks
 
     try:
         contents = read_recording(args.file)
     except RecordingError as exc:
         raise CliError(str(exc), code=1) from None
-    report = summarize(contents.messages)
+    if is_multi_rank(contents.sources):
+        report = summarize_ranks(contents.messages, contents.sources)
+    else:
+        report = summarize(contents.messages)
     report["recording"] = {
         "path": str(args.file),
         "skipped_frames": contents.skipped,
@@ -790,9 +794,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        from rich.console import Console
+        from rich.console import Console, Group
 
-        Console().print(render_text(report))
+        Console().print(Group(render_text(report), *ranks_parts(report)))
     return 0
 
 

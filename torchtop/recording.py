@@ -8,10 +8,11 @@ a file cut short reads up to its last whole frame.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -19,6 +20,23 @@ from torchtop.private_files import open_private
 from torchtop.protocol import MAX_FRAME_BYTES, Message, decode, encode
 
 FLUSH_INTERVAL_S = 0.5
+#: A recording of several agents (the ranks of one job) tags each agent's frames with its source.
+_SRC = re.compile(rb',"src":"([^"\\]*)"\}\s*$')
+
+
+def tag_frame(frame: bytes, source: str) -> bytes:
+    """``frame`` (one JSON object) with ``"src": source`` added as its last field, which
+    readers that do not know it ignore."""
+    body = frame.rstrip()
+    if not body.endswith(b"}"):
+        return frame  # not an object: left as it is, for the reader to skip
+    return body[:-1] + b',"src":"' + source.encode() + b'"}'
+
+
+def frame_source(frame: bytes) -> str | None:
+    """The source a frame was tagged with by :func:`tag_frame`, or None (the run's own)."""
+    match = _SRC.search(frame)
+    return match.group(1).decode() if match else None
 
 
 class RecordingError(Exception):
@@ -80,12 +98,16 @@ class RecordingContents:
     truncated: bool
     #: Where the whole frames end: the byte offset of the cut-off frame when ``truncated``.
     end_byte: int = 0
+    #: Each message's source (:func:`tag_frame`), None for untagged ones; all None in a
+    #: recording of one process.
+    sources: list[str | None] = field(default_factory=list)
 
 
 def read_recording(path: str | os.PathLike[str]) -> RecordingContents:
     """All messages of a recording, skipping unknown kinds and damaged lines. A file without a
     single readable frame (empty, or not a recording) is a :class:`RecordingError`."""
     messages: list[Message] = []
+    sources: list[str | None] = []
     skipped = 0
     truncated = False
     end_byte = 0
@@ -103,6 +125,7 @@ def read_recording(path: str | os.PathLike[str]) -> RecordingContents:
             continue
         if message is not None:
             messages.append(message)
+            sources.append(frame_source(line))
     if not messages:
         if end_byte == 0 and not truncated:
             raise RecordingError(
@@ -111,7 +134,11 @@ def read_recording(path: str | os.PathLike[str]) -> RecordingContents:
             )
         raise RecordingError(f"{path} is not a torchtop recording (no readable frames)")
     return RecordingContents(
-        messages=messages, skipped=skipped, truncated=truncated, end_byte=end_byte
+        messages=messages,
+        skipped=skipped,
+        truncated=truncated,
+        end_byte=end_byte,
+        sources=sources,
     )
 
 

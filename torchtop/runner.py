@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,14 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchtop.agent.rank_start import rank_environment
 from torchtop.feed import AgentFeed
 from torchtop.job_output import JobOutput
 from torchtop.private_files import open_private
 from torchtop.protocol import JobExited, LogLine, Message, OutOfMemory
+from torchtop.ranks import RankFeeds
 from torchtop.recording import RecordingWriter
 from torchtop.transport import TransportError, ensure_runtime_dir
 
 OPTIONS_ENV = "TORCHTOP_AGENT_OPTIONS"
+#: Modules that launch the ranks of a distributed job: run as launchers (:attr:`RunSpec.launcher`).
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 #: How long a job has to stop after SIGINT before SIGTERM, and after SIGTERM before SIGKILL.
 STOP_GRACE_S = 5.0
 
@@ -48,10 +53,30 @@ class RunSpec:
     headless: bool = False
     record: Path | None = None
 
+    @property
+    def launcher(self) -> bool:
+        """The target starts the job's ranks (``torchrun ...``, ``-m torch.distributed.run ...``,
+        ``python -m torch.distributed.run ...``: any program, on PATH or by its path, that is not
+        a ``.py`` script): it runs without an agent, and each rank torchelastic starts gets one
+        (:mod:`torchtop.agent.rank_start`)."""
+        first = self.target[0] if self.target else ""
+        if first == "-m":
+            return len(self.target) > 1 and self.target[1] in LAUNCHER_MODULES
+        path = Path(first)
+        if path.is_file():  # a program named by its path, not a Python script
+            return path.suffix != ".py" and os.access(path, os.X_OK)
+        return os.sep not in first and shutil.which(first) is not None
+
     def validate(self) -> None:
         if not self.target:
             raise RunError("nothing to run: give a script or -m MODULE (see `torchtop run --help`)")
-        if self.target[0] == "-m":
+        if self.launcher:
+            if not self.headless:
+                raise RunError(
+                    "a multi-rank job runs headless for now: add --headless "
+                    "(and --record FILE to keep every rank's figures)"
+                )
+        elif self.target[0] == "-m":
             if len(self.target) < 2 or not self.target[1]:
                 raise RunError("-m needs a module name, e.g. `torchtop run -m mypkg.train`")
         else:
@@ -142,10 +167,16 @@ class Job:
             # Copied here, outside the job, so that nothing it wrote dies with it.
             "capture_output": False,
         }
-        env = dict(os.environ)
-        env[OPTIONS_ENV] = json.dumps(options)
+        if spec.launcher:
+            # No agent in the launcher: one in each rank it starts, from its sitecustomize.
+            env = rank_environment(os.environ, options)
+            target = spec.target
+            cmd = [sys.executable, *target] if target[0] == "-m" else list(target)
+        else:
+            env = dict(os.environ)
+            env[OPTIONS_ENV] = json.dumps(options)
+            cmd = [sys.executable, "-m", "torchtop.agent.bootstrap", *spec.target]
         env.setdefault("PYTHONUNBUFFERED", "1")
-        cmd = [sys.executable, "-m", "torchtop.agent.bootstrap", *spec.target]
         try:
             # The agent listens there: a folder that is not the user's own is refused up front.
             directory = ensure_runtime_dir()
@@ -175,7 +206,7 @@ class Job:
                 )
         except OSError as exc:
             output.close_unstarted()
-            raise RunError(f"cannot start {sys.executable}: {exc.strerror}") from None
+            raise RunError(f"cannot start {cmd[0]}: {exc.strerror}") from None
         output.start()
         self._output = output
         if self.log_path is not None:
@@ -259,7 +290,7 @@ def run_headless(spec: RunSpec) -> int:
     # SIGTERM sent to us is passed on to the job.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     previous_term = signal.signal(signal.SIGTERM, lambda signum, frame: job.signal(signum))
-    feed = None
+    feed: AgentFeed | RankFeeds | None = None
     ooms: list[OutOfMemory] = []
 
     def received(message: Message) -> None:
@@ -268,7 +299,10 @@ def run_headless(spec: RunSpec) -> int:
             ooms.append(message)
 
     try:
-        if writer is not None:
+        if writer is not None and spec.launcher:
+            # Every rank's agent, each tagged with its source in the one recording.
+            feed = RankFeeds(job.pid, writer, on_message=received).start()
+        elif writer is not None:
             feed = AgentFeed(
                 pid=job.pid,
                 alive=job.running,

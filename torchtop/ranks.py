@@ -1,0 +1,113 @@
+"""Every rank of a multi-rank job in one recording. Standard library and psutil only.
+
+Under ``torchtop run torchrun ...`` each rank runs its own agent (:mod:`torchtop.agent.rank_start`).
+:class:`RankFeeds` finds them in the runtime directory as they start (the agents whose process
+descends from the launcher) and streams each into the one recording, every frame tagged with its
+source: a ``"src"`` field naming the rank's pid, which readers that do not know it ignore. Lines
+without it (the job's output as the runner copied it, the launcher's exit) belong to the run.
+:attr:`RecordingContents.sources` reads the tags back, so a report can fold each rank into its
+own model (:mod:`torchtop.report_ranks`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+
+from torchtop.feed import AgentFeed
+from torchtop.protocol import Message
+from torchtop.recording import RecordingWriter, tag_frame
+from torchtop.transport import list_agents, pid_alive
+
+#: How often the runtime directory is scanned for new ranks.
+SCAN_INTERVAL_S = 0.2
+
+
+class TaggedWriter:
+    """Writes one source's frames into a shared recording, each tagged with the source."""
+
+    def __init__(self, writer: RecordingWriter, source: str) -> None:
+        self._writer = writer
+        self.source = source
+
+    def write_frame(self, frame: bytes) -> None:
+        self._writer.write_frame(tag_frame(frame, self.source))
+
+
+class RankFeeds:
+    """Follows the agent of each rank below ``launcher_pid`` into ``writer`` until closed."""
+
+    def __init__(
+        self,
+        launcher_pid: int,
+        writer: RecordingWriter,
+        on_message: Callable[[Message], None] | None = None,
+    ) -> None:
+        from torchtop.export.service import descends_from
+
+        self._below = descends_from(launcher_pid)
+        self._writer = writer
+        self._on_message = on_message
+        self.feeds: dict[int, AgentFeed] = {}
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._scan_loop, name="torchtop-ranks", daemon=True)
+        #: The launcher's exit is the job's: no rank's exit stands for it.
+        self.saw_exit = None
+
+    def start(self) -> RankFeeds:
+        self._thread.start()
+        return self
+
+    def _scan_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self.scan()
+            except Exception:  # a failed scan is retried; the recording goes on
+                pass
+            self._closed.wait(SCAN_INTERVAL_S)
+
+    def scan(self) -> None:
+        """Start following each new rank's agent."""
+        for info in list_agents(clean_stale=False):
+            if info.pid in self.feeds or not self._below(info):
+                continue
+            pid = info.pid
+            feed = AgentFeed(
+                pid=pid,
+                alive=functools.partial(pid_alive, pid),
+                writer=TaggedWriter(self._writer, str(pid)),  # type: ignore[arg-type]
+                client="recorder",
+                on_message=self._on_message,
+            )
+            self.feeds[pid] = feed.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Stop looking for new ranks; wait until every followed rank's stream has ended."""
+        self._closed.set()
+        self._thread.join(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = True
+        for feed in list(self.feeds.values()):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done = feed.join(left) and done
+        return done
+
+    def close(self) -> None:
+        self._closed.set()
+        for feed in list(self.feeds.values()):
+            feed.close()
+
+    @property
+    def frames(self) -> int:
+        return sum(feed.frames for feed in self.feeds.values())
+
+    @property
+    def end_reason(self) -> str:
+        if not self.feeds:
+            return (
+                "no rank started an agent (torchtop starts one in each process torchelastic "
+                "starts with RANK, LOCAL_RANK and TORCHELASTIC_RUN_ID set)"
+            )
+        return "; ".join(sorted({feed.end_reason for feed in self.feeds.values()}))

@@ -1,0 +1,118 @@
+"""``torchtop report`` on a recording of a multi-rank job: the job and each of its ranks.
+
+A recording made by ``torchtop run torchrun ...`` holds every rank's frames, each tagged with
+its source (:func:`torchtop.recording.tag_frame`), and the run's own lines untagged: the job's
+output as the runner copied it and the launcher's exit. Each rank is folded into its own
+:class:`JobModel` (side by side in a :class:`RunModel`); the report is the single-process report
+of the lowest rank (its steps, memory, ops), with the job's exit and output lines taken from the
+launcher, plus ``ranks[]`` (one row per rank) and ``findings[]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torchtop.model import JobModel
+from torchtop.model.run import RunModel
+from torchtop.protocol import Message
+from torchtop.report import fold, report_json
+
+
+def is_multi_rank(sources: Sequence[str | None]) -> bool:
+    """True for a recording that holds tagged frames of several agents (or of one rank)."""
+    return any(source is not None for source in sources)
+
+
+def rank_models(
+    messages: Sequence[Message], sources: Sequence[str | None]
+) -> tuple[JobModel, list[JobModel]]:
+    """The run's own model (output lines and the launcher's exit) and each rank's, by rank."""
+    run: list[Message] = []
+    ranks = RunModel(new_job=lambda: JobModel(mode="replay"))
+    for message, source in zip(messages, sources, strict=True):
+        if source is None:
+            run.append(message)
+        else:
+            ranks.apply(source, message)
+
+    def order(job: JobModel) -> tuple[int, int]:
+        hello = job.hello
+        rank = hello.rank if hello is not None and hello.rank is not None else 1 << 30
+        return rank, hello.pid if hello is not None else 0
+
+    return fold(run), sorted(ranks, key=order)
+
+
+def rank_json(job: JobModel) -> dict[str, Any]:
+    """One row of ``ranks[]``."""
+    hello = job.hello
+    run = job.training.run
+    median = job.training.step_time(0.5)
+    peaks = [d.peak_allocated for d in job.memory.values() if d.peak_allocated is not None]
+    exit_ = job.exit
+    return {
+        "rank": hello.rank if hello else None,
+        "local_rank": hello.local_rank if hello else None,
+        "node_rank": hello.node_rank if hello else None,
+        "pid": hello.pid if hello else None,
+        "steps": job.training.total,
+        "step_time_s": round(median, 6) if median is not None else None,
+        "wait_fraction": round(run.wait_fraction, 4) if run.wait_fraction is not None else None,
+        "peak_allocated_bytes": max(peaks) if peaks else None,
+        "peak_rss_bytes": job.peak_rss,
+        "exit_code": exit_.exit_code if exit_ is not None else None,
+        "exit_reason": exit_.reason if exit_ is not None else "no exit recorded",
+    }
+
+
+def summarize_ranks(messages: Sequence[Message], sources: Sequence[str | None]) -> dict[str, Any]:
+    """The report's JSON object for a multi-rank recording (keys documented in the README)."""
+    launcher, ranks = rank_models(messages, sources)
+    report = report_json(ranks[0] if ranks else launcher)
+    first = ranks[0].hello if ranks else None
+    report["job"]["world_size"] = first.world_size if first else None
+    report["job"]["run_id"] = first.run_id if first else None
+    exit_ = launcher.exit
+    report["exit_code"] = exit_.exit_code if exit_ is not None else None
+    report["exit_reason"] = exit_.reason if exit_ is not None else "no exit recorded"
+    report["log_lines"] = launcher.log_total
+    report["ranks"] = [rank_json(job) for job in ranks]
+    report["findings"] = list(report.get("findings", []))
+    return report
+
+
+def ranks_parts(report: dict[str, Any]) -> list[Any]:
+    """The text report's table of ranks (imports rich; the JSON path never does)."""
+    if not report.get("ranks"):
+        return []
+    from rich.table import Table
+
+    from torchtop.sizes import format_bytes
+
+    table = Table(title=f"ranks ({len(report['ranks'])})", title_justify="left")
+    for col in (
+        "rank",
+        "pid",
+        "steps",
+        "step median",
+        "data wait",
+        "peak alloc",
+        "peak RSS",
+        "exit",
+    ):
+        table.add_column(col, justify="left" if col == "exit" else "right", no_wrap=True)
+    for r in report["ranks"]:
+        step = r["step_time_s"]
+        wait = r["wait_fraction"]
+        table.add_row(
+            str(r["rank"] if r["rank"] is not None else "?"),
+            str(r["pid"]),
+            str(r["steps"]),
+            f"{step * 1000:.1f} ms" if step is not None else "n/a",
+            f"{wait:.0%}" if wait is not None else "n/a",
+            format_bytes(r["peak_allocated_bytes"]),
+            format_bytes(r["peak_rss_bytes"]),
+            str(r["exit_code"]) if r["exit_code"] is not None else r["exit_reason"],
+        )
+    return [table]
