@@ -101,7 +101,7 @@ def ranks_parts(report: dict[str, Any]) -> list[Any]:
         "peak RSS",
         "exit",
     ):
-        table.add_column(col, justify="left" if col == "exit" else "right", no_wrap=True)
+        table.add_column(col, justify="left" if col == "exit" else "right")
     for r in report["ranks"]:
         step = r["step_time_s"]
         wait = r["wait_fraction"]
