@@ -476,7 +476,8 @@ class LoaderStats:
     across epochs (``name`` is ``"loader N"``); ``dataset`` is the dataset's class name.
     ``start_method`` is the workers' (``fork``, ``spawn``, ``forkserver``), once known.
     ``wait_s`` excludes each new iterator's first batch (worker start-up), which
-    ``first_batch_s`` sums; ``epochs`` counts passes over the loader.
+    ``first_batch_s`` sums; ``epochs`` counts passes over the loader. ``grad_batches`` counts
+    the batches fetched with grad mode on (an evaluation loop without ``no_grad`` shows there).
     """
 
     index: int
@@ -495,6 +496,8 @@ class LoaderStats:
     first_batch_s: float = 0.0
     last_first_batch_s: float | None = None
     workers: list[WorkerStats] = field(default_factory=list)
+    #: Batches fetched while autograd was on (``torch.is_grad_enabled()`` in ``__next__``).
+    grad_batches: int = 0
 
 
 @dataclass(frozen=True)

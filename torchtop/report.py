@@ -95,6 +95,7 @@ def report_json(model: JobModel) -> dict[str, Any]:
         "events": [_capture_json(entry, start) for entry in model.captures.entries],
         **_training_json(training),
         **_ops_json(model.op_timings, start),
+        "findings": [f.to_json(start) for f in model.advice.all_findings],
     }
 
 
@@ -302,6 +303,7 @@ def render_text(report: dict[str, Any]) -> Any:
     parts.extend(training_parts(report))
     parts.extend(ops_parts(report))
     parts.extend(capture_parts(report.get("events", [])))
+    parts.extend(finding_parts(report.get("findings", [])))
     for probe, detail in report["probes_unavailable"].items():
         if probe != "ops":  # given with its time span above
             parts.append(Text(f"{probe}: {detail}", style="dim"))
@@ -436,5 +438,34 @@ def capture_parts(events: list[dict[str, Any]]) -> list[Any]:
             text.append(f"\n  try: {suggestion['title']}  ({suggestion['demo']})", "green")
         where = event["snapshot_path"] or event["snapshot_error"] or "no snapshot"
         text.append(f"\n  snapshot: {where}", "dim")
+        parts.append(text)
+    return parts
+
+
+SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def finding_parts(findings: list[dict[str, Any]]) -> list[Any]:
+    """The text report's advice: each finding with its evidence, window, fix and demo."""
+    from rich.text import Text
+
+    if not findings:
+        return [Text("advice: no findings", style="dim")]
+    parts: list[Any] = [Text("advice", style="bold")]
+    for f in findings:
+        text = Text()
+        text.append(f"{f['severity']:<8}", SEVERITY_STYLE.get(f["severity"], ""))
+        text.append(f" {f['title']}")
+        if f["rank"] is not None:
+            text.append(f" (rank {f['rank']})")
+        until = "still true at the end" if f["active"] else f"until {f['last_s']:.1f} s"
+        text.append(f"\n  from {f['first_s']:.1f} s, {until}", "dim")
+        start, end = f["window_s"]
+        text.append(f"\n  evidence ({start:.1f}-{end:.1f} s): {f['summary']}")
+        text.append(f"\n  fix: {f['fix']}", "green")
+        if f["code"]:
+            for line in f["code"].splitlines():
+                text.append(f"\n      {line}", "green")
+        text.append(f"\n  see: {f['demo_command']}", "dim")
         parts.append(text)
     return parts

@@ -68,7 +68,9 @@ def batch_size_of(batch: Any) -> int | None:
 
 
 def wrap_next(original: Any) -> Any:
-    """``_BaseDataLoaderIter.__next__``, timed."""
+    """``_BaseDataLoaderIter.__next__``, timed, with the grad mode the batch was fetched in
+    (``torch.is_grad_enabled``: tens of ns)."""
+    from torch import is_grad_enabled
 
     def __next__(self: Any) -> Any:
         began = _clock()
@@ -77,7 +79,7 @@ def wrap_next(original: Any) -> Any:
         except StopIteration:
             _append((EXHAUSTED, began, _clock(), id(self)))
             raise
-        _append((BATCH, began, _clock(), id(self), batch_size_of(batch)))
+        _append((BATCH, began, _clock(), id(self), batch_size_of(batch), is_grad_enabled()))
         return batch
 
     __next__.__wrapped__ = original  # type: ignore[attr-defined]
@@ -144,6 +146,7 @@ class _Loader:
     epochs: int = 0
     first_batch_s: float = 0.0
     last_first_batch_s: float | None = None
+    grad_batches: int = 0
     changed: bool = True
     workers: list[WorkerStats] = field(default_factory=list)
 
@@ -172,6 +175,7 @@ class _Loader:
                 None if self.last_first_batch_s is None else round(self.last_first_batch_s, 6)
             ),
             workers=list(self.workers),
+            grad_batches=self.grad_batches,
         )
 
 
@@ -215,8 +219,11 @@ class LoaderTracker:
             if entry.settings["num_workers"]:
                 self.workers_started = True
 
-    def batch(self, iterator_id: int, wait: float, samples: int | None) -> tuple[bool, int | None]:
-        """Count a batch; return whether it was its iterator's first, and the loader index."""
+    def batch(
+        self, iterator_id: int, wait: float, samples: int | None, grad: bool = False
+    ) -> tuple[bool, int | None]:
+        """Count a batch (``grad``: fetched with grad mode on); return whether it was its
+        iterator's first, and the loader index."""
         known = self._iterators.get(iterator_id)
         if known is None:
             # An iterator created before the hooks were installed: its first batch seen is
@@ -234,6 +241,7 @@ class LoaderTracker:
             entry.epochs += 1
         entry.batches += 1
         entry.samples += samples or 0
+        entry.grad_batches += grad
         if first:
             entry.first_batch_s += wait
             entry.last_first_batch_s = wait

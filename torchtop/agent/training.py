@@ -377,9 +377,9 @@ class TrainingMonitor:
                 return
             kind = event[0]
             if kind == BATCH:
-                _, began, ended, iterator, size = event
+                _, began, ended, iterator, size, grad = event
                 wait = ended - began
-                first, index = loaders.batch(iterator, wait, size)
+                first, index = loaders.batch(iterator, wait, size, grad)
                 steps.batch(wait, first=first, loader=index, samples=size)
             elif kind == OPT_STEP:
                 steps.optimizer_step(event[1], event[2], event[3], event[4])

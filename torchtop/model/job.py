@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torchtop.model.advice import Advisor
 from torchtop.model.captures import MemoryCaptures
 from torchtop.model.events import (
     SourceConnected,
@@ -305,6 +306,8 @@ class JobModel:
     captures: MemoryCaptures = field(default_factory=MemoryCaptures)
     #: Op-timing windows (``ops``), their traces, and when op timings were unavailable.
     op_timings: OpTimings = field(default_factory=OpTimings)
+    #: The advice rules' findings, evaluated as message time passes (:mod:`.advice`).
+    advice: Advisor = field(default_factory=Advisor)
 
     _open_phases: dict[int, Phase] = field(default_factory=dict, init=False, repr=False)
 
@@ -319,7 +322,9 @@ class JobModel:
     def apply(self, message: Message) -> None:
         """Fold one message into the state. Kinds this viewer does not know are ignored."""
         changed = self._apply(message)
+        # At most once a second of message time: a replay finds what the live view found.
         if changed:
+            self.advice.observe(self)
             self.version += 1
 
     def apply_all(self, messages: Iterable[Message]) -> None:

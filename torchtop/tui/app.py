@@ -28,6 +28,7 @@ from torchtop.protocol import (
     Message,
     OpsWindow,
 )
+from torchtop.tui.advice_screen import AdviceScreen
 from torchtop.tui.oom_screen import OomScreen
 from torchtop.tui.source import Source, SourceDisconnected
 from torchtop.tui.widgets.device import DevicePanel
@@ -65,12 +66,14 @@ HELP_KEYS = (
     ("k 1 2 3", "ops: sort by self time, calls, average (k cycles)"),
     ("/", "ops: filter by name (enter keeps it, esc clears it)"),
     ("w", "ops: the last window, or all windows so far"),
+    ("a", "advice: what the rules found, with evidence, the fix and its demo"),
 )
 HELP_PANELS = (
     (
         "Header",
         "command, pid, uptime; ● live, ◌ no data for N s (the job is stuck or stopped), "
-        "■ ended · exit N or ✕ connection lost",
+        "■ ended · exit N or ✕ connection lost; the advice's findings (\"1 critical, 2 "
+        'warnings"; a shows them)',
     ),
     (
         "Memory",
@@ -194,6 +197,7 @@ class TorchtopApp(App[int]):
         Binding("m", "snapshot", "Snapshot"),
         Binding("t", "toggle_ops", "Ops"),
         Binding("p", "profile", "Profile"),
+        Binding("a", "advice", "Advice"),
     ]
 
     def __init__(self, source: Source, *, title: str | None = None) -> None:
@@ -286,6 +290,8 @@ class TorchtopApp(App[int]):
             self._announce_connection()
         self._show_captures(state)
         self._show_ops(state)
+        if isinstance(self.screen, AdviceScreen):
+            self.screen.refresh_from(state)
 
     def _show_training(self, state: JobModel) -> None:
         """The step and loader row appears once the job has taken a step or iterated a loader."""
@@ -368,6 +374,11 @@ class TorchtopApp(App[int]):
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
+
+    def action_advice(self) -> None:
+        """The advice rules' findings, with evidence, fix and demo."""
+        if not isinstance(self.screen, AdviceScreen):
+            self.push_screen(AdviceScreen(self.state))
 
     def action_toggle_log(self) -> None:
         self._set_ops_shown(False)

@@ -113,7 +113,13 @@ def header_rows(state: JobModel, playback: Playback | None = None) -> list[tuple
     elif hello is None and state.connection == "connecting":
         about.append("waiting for the agent…", "dim italic")
     drops = Text()
+    advice = state.advice.summary()
+    if advice:
+        worst = state.advice.findings[0].severity
+        drops.append(f"⚑ {advice} (a)", "bold red" if worst == "critical" else "bold yellow")
     if state.dropped > 0:
+        if drops:
+            drops.append("  ")
         drops.append(f"⚠ {state.dropped} dropped", "bold yellow")
     return [(command, right), (about, drops)]
 

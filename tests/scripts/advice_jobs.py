@@ -1,0 +1,109 @@
+"""Small CPU training jobs with a common problem, and the same jobs with it fixed.
+
+It knows nothing of torchtop. ``--case`` picks the job:
+
+- ``input-bound``: batches made in the training thread (``num_workers=0``) from a Dataset that
+  sleeps 10 ms an item; ``input-ok``: the same data from four workers that keep ahead.
+- ``creep``: each step also sums a held-out loss with ``total_loss += loss`` under autograd,
+  which keeps every step's graph and activations; ``creep-fixed``: ``loss.item()``.
+- ``eval-grad``: a validation pass between two epochs with autograd on; ``eval-nograd``: the
+  same pass under ``torch.no_grad()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class Items(Dataset):
+    """``n`` items that take ``delay`` seconds each to load."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n = n
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.delay:
+            time.sleep(self.delay)
+        return torch.full((64,), float(i % 7)), torch.tensor(i % 3)
+
+
+def input_job(workers: int) -> None:
+    options = {"num_workers": workers}
+    if workers:
+        options.update(persistent_workers=True, prefetch_factor=4)
+    loader = DataLoader(Items(4 * 80, 0.01), batch_size=4, **options)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep(0.05)  # the "GPU" at work
+        opt.step()
+
+
+def creep_job(fixed: bool) -> None:
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(256, 256)
+    y = torch.randint(0, 3, (256,))
+    held_out = torch.randn(256, 256)
+    total_loss: float | torch.Tensor = 0.0
+    for _ in range(80):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        loss = nn.functional.cross_entropy(model(held_out), y)
+        if fixed:
+            total_loss += loss.item()
+        else:
+            total_loss += loss  # keeps this step's graph alive
+        time.sleep(0.02)
+    print(f"mean loss {float(total_loss) / 80:.4f}")
+
+
+def eval_job(no_grad: bool) -> None:
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    train = DataLoader(Items(4 * 60, 0.0), batch_size=4)
+    held_out = DataLoader(Items(8 * 100, 0.0), batch_size=8)
+    for _epoch in range(2):
+        for x, y in train:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            time.sleep(0.01)
+        with torch.no_grad() if no_grad else torch.enable_grad():
+            for x, _y in held_out:
+                model(x)
+                time.sleep(0.02)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--case",
+        required=True,
+        choices=["input-bound", "input-ok", "creep", "creep-fixed", "eval-grad", "eval-nograd"],
+    )
+    case = parser.parse_args().case
+    torch.manual_seed(0)
+    if case.startswith("input"):
+        input_job(0 if case == "input-bound" else 4)
+    elif case.startswith("creep"):
+        creep_job(case == "creep-fixed")
+    else:
+        eval_job(case == "eval-nograd")
+    print("done")
+
+
+if __name__ == "__main__":
+    main()

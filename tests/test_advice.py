@@ -1,0 +1,230 @@
+"""The advice rules over a model fed with messages: when each finding appears, its evidence,
+and when it clears. CUDA memory comes from recorded ``torch.cuda.memory_stats()`` dicts read by
+the real probe; op windows are built in the agent's format."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from test_probes_cuda_memory import FakeCuda, fixture
+from test_tui_app import T0, hello
+
+from torchtop.agent.probes.cuda_memory import CudaMemoryProbe
+from torchtop.model import JobModel
+from torchtop.model.advice import Advisor
+from torchtop.protocol import (
+    HostStats,
+    LoaderInfo,
+    LoaderStats,
+    Message,
+    OpStat,
+    OpsWindow,
+    PhaseBegan,
+    Sample,
+    StepStats,
+)
+
+GIB = 1 << 30
+
+
+def steps(t: float, total: int, n: int, step_s: float, wait_s: float) -> StepStats:
+    """``n`` steps of ``step_s`` each ending by ``t``, waiting ``wait_s`` each for data."""
+    ends = [t - step_s * (n - 1 - i) for i in range(n)]
+    return StepStats(
+        t, total, 0, n, 0, n, n * step_s, n * wait_s, 0.0, 0.0, 0,
+        ends=ends, durations=[step_s] * n, waits=[wait_s] * n,
+    )  # fmt: skip
+
+
+def loader(batches: int, grad: int, *, workers: int = 0, name: str = "Items", index: int = 0):
+    return LoaderStats(
+        index, f"loader {index}", name, 8, workers, False, None, False, batches=batches,
+        wait_s=1.0, epochs=1, grad_batches=grad,
+    )  # fmt: skip
+
+
+def fed(messages: list[Message]) -> JobModel:
+    model = JobModel(mode="replay")
+    model.apply(hello(cuda=False))
+    model.apply_all(messages)
+    return model
+
+
+def names(model: JobModel) -> list[str]:
+    return [f.name for f in model.advice.findings]
+
+
+def input_job(wait_share: float, seconds: int, start: float = T0) -> list[Message]:
+    """Ten 0.1 s steps a second, each waiting ``wait_share`` of it for loader 0."""
+    out: list[Message] = []
+    for s in range(seconds):
+        t = start + s + 1
+        out.append(steps(t, 10 * (s + 1), 10, 0.1, 0.1 * wait_share))
+        out.append(LoaderInfo(t, [loader(10 * (s + 1), 10 * (s + 1))]))
+    return out
+
+
+def test_input_bound_appears_after_holding_with_severity_by_wait_share_and_clears() -> None:
+    model = fed(input_job(0.05, 10))
+    assert names(model) == []  # 5%: under the 10% threshold
+
+    model = fed(input_job(0.2, 2))
+    assert names(model) == []  # true, but not yet for the 3 s it must hold
+    model.apply_all(input_job(0.2, 10, T0 + 2))
+    (finding,) = model.advice.findings
+    assert (finding.name, finding.severity) == ("input-bound", "warning")
+    assert finding.evidence["wait_fraction"] == 0.2 and finding.evidence["num_workers"] == 0
+    assert "num_workers=0" in finding.fix and finding.demo == "dataloader"
+    assert finding.window_start < finding.window_end == model.now
+    assert model.advice.summary() == "1 warning"
+
+    model.apply_all(input_job(0.5, 12, T0 + 12))
+    assert [f.severity for f in model.advice.findings] == ["critical"]
+    assert model.advice.findings[0].first_t == finding.first_t  # the same finding, worse
+
+    model.apply_all(input_job(0.0, 15, T0 + 24))  # the fix applied: it clears
+    assert names(model) == []
+    (cleared,) = model.advice.cleared
+    assert cleared.name == "input-bound" and not cleared.active
+    # The recent window is 10 s: the last 50% waits leave it at about T0 + 33.
+    assert cleared.first_t == finding.first_t and T0 + 24 < cleared.last_t <= T0 + 34
+
+
+def test_findings_are_the_same_fed_at_once_or_message_by_message() -> None:
+    messages = [*input_job(0.4, 8), *input_job(0.0, 15, T0 + 8)]
+    whole = fed(messages)
+    split = JobModel(mode="live")
+    split.apply(hello(cuda=False))
+    for message in messages:
+        split.apply(message)
+    assert [f.to_json() for f in whole.advice.all_findings] == [
+        f.to_json() for f in split.advice.all_findings
+    ]
+    assert len(whole.advice.all_findings) == 1
+
+
+def creep_job(per_step: int, n: int = 80) -> list[Message]:
+    """``n`` steps of 0.1 s, four memory samples each; RSS climbs by ``per_step`` each step."""
+    out: list[Message] = []
+    for i in range(n):
+        for k in range(4):
+            t = T0 + i * 0.1 + k * 0.025
+            rss = 500 * (1 << 20) + i * per_step + (k % 2) * (8 << 20)
+            host = HostStats(rss, 50.0, 4, 0, 100 * GIB, 200 * GIB)
+            memory = [dataclasses.replace(_cpu, allocated_bytes=rss // 2, reserved_bytes=rss)]
+            out.append(Sample(t, host, memory))
+        out.append(steps(T0 + (i + 1) * 0.1, i + 1, 1, 0.1, 0.0))
+    return out
+
+
+_cpu: Any = None
+
+
+def setup_module() -> None:
+    global _cpu
+    from torchtop.protocol import MemoryStats
+
+    _cpu = MemoryStats("cpu", "cpu-heap", 0, 0)
+
+
+def test_memory_creep_over_fifty_steps_and_not_for_flat_or_short_runs() -> None:
+    model = fed(creep_job(2 << 20))
+    (finding,) = model.advice.findings
+    assert finding.name == "memory-creep" and finding.demo == "memory"
+    assert finding.evidence["steps"] >= 50 and finding.evidence["per_step_bytes"] >= 1 << 20
+    assert fed(creep_job(0)).advice.findings == []
+    assert fed(creep_job(2 << 20, n=40)).advice.findings == []  # fewer than 50 steps
+
+
+def test_eval_with_grad_from_a_loader_iterated_without_steps() -> None:
+    messages: list[Message] = []
+    for s in range(6):  # training: loader 0 with steps
+        t = T0 + s + 1
+        messages += [steps(t, 10 * (s + 1), 10, 0.1, 0.0), LoaderInfo(t, [loader(10 * s, 10 * s)])]
+    for s in range(6, 9):  # validation: loader 1, no steps
+        t = T0 + s + 1
+        messages.append(
+            LoaderInfo(t, [loader(60, 60), loader(20 * (s - 5), 20 * (s - 5), index=1)])
+        )
+    model = fed(messages)
+    (finding,) = model.advice.findings
+    assert finding.name == "eval-with-grad" and finding.evidence["loader"] == "loader 1"
+    assert finding.evidence["grad_batches"] == 20 and "inference_mode" in (finding.code or "")
+
+    no_grad = [
+        m
+        if not isinstance(m, LoaderInfo) or len(m.loaders) == 1
+        else LoaderInfo(m.t, [m.loaders[0], dataclasses.replace(m.loaders[1], grad_batches=0)])
+        for m in messages
+    ]
+    assert fed(no_grad).advice.findings == []
+
+
+def test_eval_with_grad_in_an_eval_phase_even_while_steps_go_on() -> None:
+    messages: list[Message] = [PhaseBegan(T0 + 0.5, "validate", 1)]
+    for s in range(4):
+        t = T0 + s + 1
+        messages += [steps(t, 10 * (s + 1), 10, 0.1, 0.0), LoaderInfo(t, [loader(8 * s, 8 * s)])]
+    assert names(fed(messages)) == ["eval-with-grad"]
+
+
+def cuda_samples(stats: dict[str, Any], seconds: int = 8) -> JobModel:
+    (memory,) = CudaMemoryProbe(FakeCuda([stats])).read()
+    model = JobModel(mode="replay")
+    model.apply(hello(cuda=True))
+    for i in range(seconds * 10):
+        model.apply(Sample(T0 + i / 10, None, [memory]))
+    return model
+
+
+def test_pressure_and_fragmentation_from_recorded_cuda_stats() -> None:
+    # After an OOM on an H200: 145 of 150.8 GB reserved at peak, 3 allocation retries.
+    after_oom = cuda_samples(fixture("after_oom"))
+    assert names(after_oom) == ["memory-pressure", "fragmentation"]
+    pressure, frag = after_oom.advice.findings
+    assert pressure.evidence["share"] >= 0.9 and pressure.demo == "checkpointing"
+    assert frag.evidence["alloc_retries"] == 3 and "expandable_segments" in (frag.code or "")
+
+    # The same device in use without waste: 80% of what is reserved is allocated, no retries.
+    healthy = fixture("idle_after_training")
+    healthy["allocated_bytes.all.current"] = int(0.8 * healthy["reserved_bytes.all.current"])
+    assert cuda_samples(healthy).advice.findings == []
+
+
+def ops_window(*, device: bool, syncs: int, ops: list[OpStat], steps: int = 10) -> OpsWindow:
+    return OpsWindow(
+        T0 + 5, 1, T0 + 4, 1.0, steps, 0.01, 30.0, device, syncs, 0, ops, steps, 1.0, syncs, 0,
+        ops,
+    )  # fmt: skip
+
+
+def test_host_syncs_on_a_cuda_job_only() -> None:
+    item = OpStat("aten::item", 10, 0.002, 0.0001, site="train.py:42")
+    ops = [item, OpStat("aten::addmm", 30, 0.03, 0.03, 0.02, 0.02)]
+    model = fed([ops_window(device=True, syncs=10, ops=ops)])
+    (finding,) = model.advice.findings
+    assert finding.name == "host-syncs" and finding.evidence["sync_points_per_step"] == 1.0
+    assert "aten::item at train.py:42" in finding.summary and finding.demo == "device"
+    # Read every 10 steps: 0.1 per step.
+    assert fed([ops_window(device=True, syncs=1, ops=ops)]).advice.findings == []
+    assert fed([ops_window(device=False, syncs=10, ops=ops)]).advice.findings == []
+
+
+def test_tiny_ops_when_most_op_time_is_in_ops_of_a_few_microseconds() -> None:
+    tiny = [OpStat(f"aten::op{i}", 1000, 0.01, 0.01) for i in range(3)]  # 10 µs each
+    model = fed(
+        [ops_window(device=False, syncs=0, ops=[*tiny, OpStat("aten::mm", 10, 0.01, 0.01)])]
+    )
+    (finding,) = model.advice.findings
+    assert finding.name == "tiny-ops" and finding.demo == "vectorization"
+    assert finding.evidence["ops_per_step"] >= 100 and finding.evidence["tiny_op_share"] >= 0.5
+    vectorized = [OpStat("aten::mm", 10, 0.05, 0.05), OpStat("aten::add", 20, 0.001, 0.001)]
+    assert fed([ops_window(device=False, syncs=0, ops=vectorized)]).advice.findings == []
+
+
+def test_summary_counts_by_severity() -> None:
+    advisor = Advisor()
+    assert advisor.summary() == ""
+    model = cuda_samples(fixture("after_oom"))
+    assert model.advice.summary() == "2 warnings"

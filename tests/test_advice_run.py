@@ -1,0 +1,85 @@
+"""The advisor on real CPU jobs: each problem found from the job's recording, the fixed job not.
+
+``scripts/advice_jobs.py`` knows nothing of torchtop; each case is a small job with one common
+problem, or the same job with the fix applied. The report of its recording (the model fed from
+it, as ``torchtop replay`` and the live viewer feed theirs) must hold the finding with its
+evidence, or no warning at all.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import SCRIPTS, torchtop
+
+SCRIPT = str(SCRIPTS / "advice_jobs.py")
+
+
+def _report(tmp_path: Path, *argv: str) -> dict[str, Any]:
+    rec = tmp_path / "r.ttr"
+    # A few seconds alone; minutes on a machine shared by many jobs.
+    out = torchtop(
+        "run", "--headless", "--interval", "0.02", "--record", str(rec), *argv, timeout=600
+    )
+    assert out.returncode == 0, out.stderr
+    report = torchtop("report", str(rec), "--json")
+    assert report.returncode == 0, report.stderr
+    result: dict[str, Any] = json.loads(report.stdout)
+    return result
+
+
+def _serious(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [f for f in report["findings"] if f["severity"] in ("warning", "critical")]
+
+
+@pytest.mark.parametrize(
+    ("bad", "good", "name"),
+    [
+        ("input-bound", "input-ok", "input-bound"),
+        ("creep", "creep-fixed", "memory-creep"),
+        ("eval-grad", "eval-nograd", "eval-with-grad"),
+    ],
+)
+def test_a_job_with_the_problem_has_the_finding_and_the_fixed_job_none(
+    tmp_path: Path, bad: str, good: str, name: str
+) -> None:
+    report = _report(tmp_path, SCRIPT, "--case", bad)
+    found = {f["name"]: f for f in report["findings"]}
+    assert name in found, report["findings"]
+    finding = found[name]
+    print(f"{bad}: {finding['severity']} {finding['summary']}")
+    assert finding["severity"] in ("warning", "critical")
+    assert finding["first_s"] <= finding["last_s"] <= report["duration_s"] + 1
+    start, end = finding["window_s"]
+    assert start <= end
+    assert finding["demo_command"] == f"torchtop demo {finding['demo']}"
+    evidence = finding["evidence"]
+    if name == "input-bound":
+        assert evidence["num_workers"] == 0 and evidence["wait_fraction"] >= 0.10
+        assert evidence["pin_memory"] is False and evidence["persistent_workers"] is False
+        assert "num_workers=0" in finding["fix"]
+    elif name == "memory-creep":
+        assert evidence["steps"] >= 50 and evidence["rise_bytes"] >= 16 << 20
+    else:
+        assert evidence["dataset"] == "Items" and evidence["grad_batches"] >= 2
+
+    fixed = _report(tmp_path, SCRIPT, "--case", good)
+    print(f"{good}: {[f['summary'] for f in fixed['findings']]}")
+    assert _serious(fixed) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train_mlp.py", "--steps", "60", "--sleep", "0.02"],
+        ["train_loader.py", "--workers", "2", "--persistent", "--val", "--start-method", "fork"],
+    ],
+)
+def test_healthy_jobs_have_no_warning(tmp_path: Path, argv: list[str]) -> None:
+    report = _report(tmp_path, str(SCRIPTS / argv[0]), *argv[1:])
+    assert report["steps"] > 0
+    assert _serious(report) == [], report["findings"]

@@ -1,0 +1,671 @@
+"""The advisor: live diagnoses of common training problems, each with its evidence and its fix.
+
+Pure Python over the :class:`~torchtop.model.JobModel` (no torch, Textual or I/O). The model
+calls :meth:`Advisor.observe` as it folds messages, at most once per :data:`EVAL_INTERVAL_S` of
+*message* time, so a job fed live and the same job fed from its recording give the same
+findings at the same times: nothing is written into recordings. The viewer's Advice panel and
+``torchtop report`` read :attr:`Advisor.findings`.
+
+Each rule looks at the model at time ``now`` and returns a :class:`Check` when its condition
+holds: a severity, the evidence in numbers with the window they came from, what to change and
+the demo that shows it. A finding appears once its check has held for the rule's ``hold_s``
+seconds of job time, and clears once the check has not held for the rule's ``clear_s`` (0: at
+the first evaluation where it no longer holds). The
+shape (``name``, ``severity``, ``rank``, ``evidence``, ...) is the one multi-rank findings use.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import TYPE_CHECKING, Any, Literal
+
+from torchtop.model.oom_advice import EVAL_PHASE, size, step_floors
+from torchtop.model.ops import op_avg_s
+from torchtop.model.training import MIN_RECENT_STEPS, RECENT_WINDOW_S, LoaderState
+
+if TYPE_CHECKING:
+    from torchtop.model.job import JobModel
+
+Severity = Literal["info", "warning", "critical"]
+SEVERITY_ORDER: dict[str, int] = {"critical": 0, "warning": 1, "info": 2}
+
+#: Seconds of job time between two evaluations of the rules.
+EVAL_INTERVAL_S = 1.0
+#: Findings that cleared, kept for the report.
+MAX_CLEARED = 100
+
+#: Input-bound: the recent data wait over step time.
+INPUT_WARN_FRACTION = 0.10
+INPUT_CRITICAL_FRACTION = 0.30
+#: Workers at or above this mean CPU are busy: more of them, or cheaper samples.
+BUSY_WORKER_CPU = 90.0
+#: Memory creep: step floors over at least this many steps, cut into this many chunks whose
+#: lowest floor must rise chunk after chunk, by at least this much in all.
+CREEP_MIN_STEPS = 50
+CREEP_MAX_STEPS = 400
+CREEP_CHUNKS = 5
+CREEP_MIN_BYTES = 16 << 20
+CREEP_MIN_SHARE = 0.05
+#: Evaluation with autograd on: batches fetched with grad mode on by a loader that is not a
+#: training loader, in one evaluation interval.
+EVAL_GRAD_MIN_BATCHES = 2
+#: A loader is a training loader when it gives at most this many batches per step taken.
+TRAINING_BATCHES_PER_STEP = 8
+#: Host syncs: waits for the device per step on a CUDA job.
+SYNC_PER_STEP = 1.0
+#: Tiny ops: ops shorter than this on average, taking this share of the op time, this many
+#: op calls per step.
+TINY_OP_S = 30e-6
+TINY_OP_SHARE = 0.5
+TINY_OP_CALLS_PER_STEP = 100
+#: Memory pressure: peak reserved over the device's memory.
+PRESSURE_SHARE = 0.90
+#: Fragmentation: reserved at least this many times allocated, and this share of the device.
+FRAG_RATIO = 2.0
+FRAG_DEVICE_SHARE = 0.30
+
+
+@dataclass(frozen=True)
+class Check:
+    """A rule's verdict at one evaluation: it holds, with this evidence and this fix."""
+
+    severity: Severity
+    title: str
+    #: The evidence as numbers (bytes as ints, fractions as floats, settings as they are).
+    evidence: dict[str, Any]
+    #: The evidence in one line, for the panel and the text report.
+    summary: str
+    #: Seconds of job time the evidence came from: ``(start, end)``.
+    window: tuple[float, float]
+    fix: str
+    code: str | None
+    demo: str
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosis: what, how bad, the evidence and its window, the fix and its demo, and
+    when it was first and last true (``active`` while it still holds)."""
+
+    name: str
+    severity: Severity
+    title: str
+    rank: int | None
+    evidence: dict[str, Any]
+    summary: str
+    window_start: float
+    window_end: float
+    fix: str
+    code: str | None
+    demo: str
+    first_t: float
+    last_t: float
+    active: bool
+
+    @property
+    def demo_command(self) -> str:
+        return f"torchtop demo {self.demo}"
+
+    def to_json(self, start: float | None = None) -> dict[str, Any]:
+        """Every field, for ``torchtop report --json`` (``findings[]``); times as given, and
+        in seconds from ``start`` (the job's start) as ``*_s``."""
+        base = start if start is not None else 0.0
+        return {
+            "name": self.name,
+            "severity": self.severity,
+            "title": self.title,
+            "rank": self.rank,
+            "evidence": dict(self.evidence),
+            "summary": self.summary,
+            "window": [self.window_start, self.window_end],
+            "fix": self.fix,
+            "code": self.code,
+            "demo": self.demo,
+            "demo_command": self.demo_command,
+            "first_t": self.first_t,
+            "last_t": self.last_t,
+            "window_s": [round(self.window_start - base, 3), round(self.window_end - base, 3)],
+            "first_s": round(self.first_t - base, 3),
+            "last_s": round(self.last_t - base, 3),
+            "active": self.active,
+        }
+
+
+@dataclass
+class _Rule:
+    name: str
+    #: Seconds of job time the check must hold before the finding appears.
+    hold_s: float
+    check: Callable[[JobModel, float, Advisor], Check | None]
+    #: Seconds of job time the check must fail before a shown finding clears.
+    clear_s: float = 0.0
+
+
+@dataclass
+class Advisor:
+    """Runs the rules over one job's model and keeps what they found."""
+
+    interval_s: float = EVAL_INTERVAL_S
+    #: Holding findings, worst first (updated at each evaluation).
+    findings: list[Finding] = field(default_factory=list)
+    #: Findings that held and then stopped, oldest first (bounded).
+    cleared: deque[Finding] = field(default_factory=lambda: deque(maxlen=MAX_CLEARED))
+    last_eval: float | None = None
+    #: Rule name -> the job time its check began to hold (shown or not yet).
+    _since: dict[str, float] = field(default_factory=dict)
+    _shown: dict[str, Finding] = field(default_factory=dict)
+    #: Per loader index: its (batches, grad batches) at the previous evaluation.
+    _loader_seen: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _steps_seen: int = 0
+    #: Loaders that advanced alone while steps were taken: training loaders.
+    _training_loaders: set[int] = field(default_factory=set)
+
+    @property
+    def all_findings(self) -> list[Finding]:
+        """Every finding of the run: those that cleared, then those holding."""
+        return [*self.cleared, *self.findings]
+
+    def summary(self) -> str:
+        """The header's line: "1 critical, 2 warnings", or "" with nothing to say."""
+        counts: dict[str, int] = {}
+        for finding in self.findings:
+            counts[finding.severity] = counts.get(finding.severity, 0) + 1
+        parts = []
+        for severity, plural in (("critical", "critical"), ("warning", "warnings")):
+            n = counts.get(severity, 0)
+            if n:
+                parts.append(f"{n} {severity if n == 1 else plural}")
+        n = counts.get("info", 0)
+        if n:
+            parts.append(f"{n} info")
+        return ", ".join(parts)
+
+    def observe(self, model: JobModel) -> bool:
+        """Evaluate the rules if :attr:`interval_s` of job time passed; True if the findings
+        changed."""
+        now = model.now
+        if now is None:
+            return False
+        if self.last_eval is not None and now - self.last_eval < self.interval_s:
+            return False
+        return self.evaluate(model, now)
+
+    def evaluate(self, model: JobModel, now: float) -> bool:
+        """Run every rule at ``now``; True if the findings changed."""
+        self.last_eval = now
+        rank = model.hello.rank if model.hello is not None else None
+        before = self.findings
+        shown: dict[str, Finding] = {}
+        for rule in RULES:
+            check = rule.check(model, now, self)
+            if check is None:
+                kept = self._shown.get(rule.name)
+                if kept is not None and now - kept.last_t < rule.clear_s:
+                    shown[rule.name] = kept  # not long enough untrue to clear
+                    continue
+                self._since.pop(rule.name, None)
+                gone = self._shown.pop(rule.name, None)
+                if gone is not None:
+                    self.cleared.append(_with(gone, active=False))
+                continue
+            since = self._since.setdefault(rule.name, now)
+            if now - since < rule.hold_s:
+                continue
+            previous = self._shown.get(rule.name)
+            shown[rule.name] = Finding(
+                name=rule.name,
+                severity=check.severity,
+                title=check.title,
+                rank=rank,
+                evidence=check.evidence,
+                summary=check.summary,
+                window_start=check.window[0],
+                window_end=check.window[1],
+                fix=check.fix,
+                code=check.code,
+                demo=check.demo,
+                first_t=previous.first_t if previous is not None else now,
+                last_t=now,
+                active=True,
+            )
+        self._shown = shown
+        self._remember_loaders(model)
+        self.findings = sorted(shown.values(), key=lambda f: SEVERITY_ORDER[f.severity])
+        return [(f.name, f.severity, f.summary) for f in before] != [
+            (f.name, f.severity, f.summary) for f in self.findings
+        ]
+
+    def _remember_loaders(self, model: JobModel) -> None:
+        training = model.training
+        stepped = training.total - self._steps_seen
+        advanced = {
+            state.stats.index: state.stats.batches
+            - self._loader_seen.get(state.stats.index, (0, 0))[0]
+            for state in training.loader_states.values()
+            if state.stats.batches > self._loader_seen.get(state.stats.index, (0, 0))[0]
+        }
+        # A loader that alone gave batches while steps were taken, at least one step per
+        # TRAINING_BATCHES_PER_STEP batches (gradient accumulation), feeds training. The
+        # interval where training ends and evaluation begins has few steps for many batches.
+        if stepped > 0 and len(advanced) == 1:
+            ((index, batches),) = advanced.items()
+            if stepped * TRAINING_BATCHES_PER_STEP >= batches:
+                self._training_loaders.add(index)
+        self._steps_seen = training.total
+        self._loader_seen = {
+            state.stats.index: (state.stats.batches, state.stats.grad_batches)
+            for state in training.loader_states.values()
+        }
+
+
+def _with(finding: Finding, *, active: bool) -> Finding:
+    from dataclasses import replace
+
+    return replace(finding, active=active)
+
+
+def _pct(fraction: float) -> str:
+    return f"{100 * fraction:.0f}%"
+
+
+def _ms(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{1000 * seconds:.1f} ms"
+
+
+# -- the rules ----------------------------------------------------------------------------------
+
+
+def _recent_start(model: JobModel, now: float) -> float:
+    """The earliest ``steps`` frame the recent figures cover (as :meth:`TrainingState.recent`)."""
+    start = now
+    steps = 0
+    for t, frame in reversed(model.training.frames):
+        if t > now:
+            continue
+        if t < now - RECENT_WINDOW_S and steps >= MIN_RECENT_STEPS:
+            break
+        steps += frame.steps
+        start = t
+    return start
+
+
+def _busiest_loader(model: JobModel) -> LoaderState | None:
+    """The loader the training thread waited on most (its first batches included)."""
+    loaders = model.training.loader_list
+    if not loaders:
+        return None
+    return max(loaders, key=lambda s: s.stats.wait_s + s.stats.first_batch_s)
+
+
+def input_bound(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+    """The training thread waits for data for at least 10% of the step time (30%: critical)."""
+    recent = model.training.recent(now)
+    fraction = recent.wait_fraction
+    if recent.steps < MIN_RECENT_STEPS or fraction is None or fraction < INPUT_WARN_FRACTION:
+        return None
+    severity: Severity = "critical" if fraction >= INPUT_CRITICAL_FRACTION else "warning"
+    evidence: dict[str, Any] = {
+        "wait_fraction": round(fraction, 3),
+        "mean_wait_s": recent.mean_wait_s,
+        "mean_step_s": recent.mean_step_s,
+        "steps": recent.steps,
+    }
+    state = _busiest_loader(model)
+    summary = f"data wait {_pct(fraction)} of step time over {recent.steps} steps"
+    fix = (
+        "Prepare batches ahead of the training thread: more DataLoader workers, and pinned "
+        "memory for the copy to the device."
+    )
+    code = "DataLoader(ds, num_workers=4, pin_memory=True, persistent_workers=True)"
+    if state is not None:
+        loader = state.stats
+        alive = [w for w in loader.workers if w.alive and w.cpu_percent is not None]
+        worker_cpu = sum(w.cpu_percent or 0.0 for w in alive) / len(alive) if alive else None
+        evidence.update(
+            loader=loader.name,
+            dataset=loader.dataset,
+            num_workers=loader.num_workers,
+            pin_memory=loader.pin_memory,
+            persistent_workers=loader.persistent_workers,
+            prefetch_factor=loader.prefetch_factor,
+            worker_cpu_percent=None if worker_cpu is None else round(worker_cpu, 1),
+            first_batch_s=loader.first_batch_s,
+            epochs=loader.epochs,
+        )
+        summary += (
+            f"; {loader.name} ({loader.dataset}) num_workers={loader.num_workers} "
+            f"pin_memory={loader.pin_memory} persistent_workers={loader.persistent_workers}"
+        )
+        if loader.num_workers == 0:
+            fix = (
+                "The batches are made in the training thread (num_workers=0): load them in "
+                "worker processes, so the next batch is ready when the step ends."
+            )
+        elif worker_cpu is not None and worker_cpu >= BUSY_WORKER_CPU:
+            summary += f", workers at {worker_cpu:.0f}% CPU"
+            fix = (
+                f"The {loader.num_workers} workers are busy at {worker_cpu:.0f}% CPU: add "
+                "workers if cores are free, or make each sample cheaper (decode, augment or "
+                "tokenize once, ahead of training)."
+            )
+            code = f"DataLoader(ds, num_workers={2 * loader.num_workers}, pin_memory=True)"
+        elif (
+            not loader.persistent_workers
+            and loader.epochs > 1
+            and loader.first_batch_s >= loader.wait_s
+        ):
+            summary += f", worker start-up {loader.first_batch_s:.2f} s over {loader.epochs} epochs"
+            fix = (
+                "Each epoch starts its workers anew, and the first batch waits for them: keep "
+                "them between epochs."
+            )
+            code = f"DataLoader(ds, num_workers={loader.num_workers}, persistent_workers=True)"
+        else:
+            fix = (
+                "The workers do not keep up: raise prefetch_factor or num_workers, and pin "
+                "memory for the copy to the device."
+            )
+            code = (
+                f"DataLoader(ds, num_workers={loader.num_workers + 2}, prefetch_factor=4, "
+                "pin_memory=True)"
+            )
+    return Check(
+        severity,
+        "Input-bound: the step waits for data",
+        evidence,
+        summary,
+        (_recent_start(model, now), now),
+        fix,
+        code,
+        "dataloader",
+    )
+
+
+def memory_creep(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+    """The memory at each step's low point rises over at least 50 steps: allocated on CUDA;
+    on the CPU the RSS (the heap misses the large tensors, which are mapped apart from it)."""
+    memory = model.primary_memory
+    if memory is None:
+        return None
+    ends = [p.t for p in model.training.points if p.t <= now][-CREEP_MAX_STEPS - 1 :]
+    if len(ends) < CREEP_MIN_STEPS + 1:
+        return None
+    # Samples within the steps considered; the first end bounds the first step.
+    first = ends[0]
+    cuda = memory.is_cuda
+    points = [
+        (p.t, p.allocated if cuda else p.reserved) for p in memory.series if first < p.t <= now
+    ]
+    floors = step_floors(points, ends[-1], ends[1:])
+    if len(floors) < CREEP_MIN_STEPS:
+        return None
+    chunk = len(floors) // CREEP_CHUNKS
+    lows = [min(floors[k * chunk : (k + 1) * chunk]) for k in range(CREEP_CHUNKS)]
+    if any(b <= a for a, b in pairwise(lows)):
+        return None
+    rise = floors[-1] - floors[0]
+    if rise < max(CREEP_MIN_BYTES, CREEP_MIN_SHARE * max(floors[0], 1)):
+        return None
+    per_step = rise / len(floors)
+    label = memory.allocated_label if cuda else memory.reserved_label
+    return Check(
+        "warning",
+        "Memory creep: something is kept across steps",
+        {
+            "device": memory.device,
+            "steps": len(floors),
+            "floor_first_bytes": floors[0],
+            "floor_last_bytes": floors[-1],
+            "rise_bytes": rise,
+            "per_step_bytes": int(per_step),
+        },
+        (
+            f"{label} at each step's low point rose {size(floors[0])} -> {size(floors[-1])} "
+            f"over {len(floors)} steps ({size(int(per_step))}/step) on {memory.device}"
+        ),
+        (first, ends[-1]),
+        (
+            "A tensor outlives its step, often a loss summed with its graph: keep a number, "
+            "not the tensor (or detach it), and clear lists that grow each step."
+        ),
+        "total_loss += loss.item()  # not: total_loss += loss",
+        "memory",
+    )
+
+
+def eval_with_grad(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+    """A loader that is not a training loader (or any loader during an eval-named phase)
+    fetched batches with autograd on: the forward passes keep their graphs for nothing."""
+    training = model.training
+    if training.total == 0:
+        return None
+    phase = model.phase_at(now)
+    in_eval_phase = phase is not None and EVAL_PHASE.search(phase) is not None
+    stepped = training.total > advisor._steps_seen
+    for state in training.loader_list:
+        loader = state.stats
+        batches, grad = advisor._loader_seen.get(loader.index, (0, 0))
+        new_grad = loader.grad_batches - grad
+        if new_grad < EVAL_GRAD_MIN_BATCHES:
+            continue
+        named = EVAL_PHASE.search(loader.dataset) is not None
+        stepless = not stepped and loader.index not in advisor._training_loaders
+        if not (in_eval_phase or named or stepless):
+            continue
+        why = (
+            f"phase {phase!r}"
+            if in_eval_phase
+            else f"dataset {loader.dataset}"
+            if named
+            else "no optimizer step meanwhile"
+        )
+        start = advisor.last_eval if advisor.last_eval is not None else now
+        return Check(
+            "warning",
+            "Evaluation with autograd on",
+            {
+                "loader": loader.name,
+                "dataset": loader.dataset,
+                "grad_batches": new_grad,
+                "batches": loader.batches - batches,
+                "phase": phase,
+                "reason": why,
+            },
+            (
+                f"{loader.name} ({loader.dataset}) gave {new_grad} batches with grad mode on "
+                f"and {why}"
+            ),
+            (start, now),
+            (
+                "The forward passes of evaluation keep their graphs and activations: run them "
+                "under torch.no_grad() or torch.inference_mode()."
+            ),
+            "with torch.inference_mode():\n    val_loss = model(x)",
+            "autograd",
+        )
+    return None
+
+
+def host_syncs(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+    """At least one wait for the device per step on a CUDA job."""
+    ops = model.op_timings
+    per_step = ops.sync_points_per_step
+    latest = ops.latest
+    if per_step is None or latest is None or per_step < SYNC_PER_STEP:
+        return None
+    syncing = [op for op in latest.cumulative if _syncs(op.name)]
+    top = max(syncing, key=lambda op: op.calls, default=None)
+    evidence: dict[str, Any] = {
+        "sync_points_per_step": per_step,
+        "profiled_steps": latest.total_steps,
+        "op": top.name if top is not None else None,
+        "site": top.site if top is not None else None,
+    }
+    where = ""
+    if top is not None:
+        where = f"; {top.name}" + (f" at {top.site}" if top.site else "")
+    return Check(
+        "warning",
+        "Host syncs: the CPU waits for the GPU every step",
+        evidence,
+        f"{per_step:g} device sync points per step over {latest.total_steps} profiled steps"
+        + where,
+        (latest.t - latest.total_duration_s, latest.t),
+        (
+            "Each .item(), print or bool of a device tensor stops the CPU until the GPU "
+            "catches up: keep the value on the device and read it every N steps."
+        ),
+        "if step % 100 == 0: print(loss.item())",
+        "device",
+    )
+
+
+def _syncs(name: str) -> bool:
+    return name in ("aten::item", "aten::_local_scalar_dense", "aten::nonzero") or (
+        "Synchronize" in name or name.startswith("cudaMemcpy")
+    )
+
+
+def tiny_ops(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+    """Most of the op time in ops of a few µs each, many per step: launch-bound."""
+    latest = model.op_timings.latest
+    if latest is None or not latest.total_steps:
+        return None
+    ops = latest.cumulative
+    total = sum(op.self_cpu_s for op in ops)
+    calls = sum(op.calls for op in ops)
+    if total <= 0:
+        return None
+    tiny = [op for op in ops if op.calls and op_avg_s(op) < TINY_OP_S]
+    share = sum(op.self_cpu_s for op in tiny) / total
+    per_step = calls / latest.total_steps
+    if share < TINY_OP_SHARE or per_step < TINY_OP_CALLS_PER_STEP:
+        return None
+    top = sorted(tiny, key=lambda op: op.calls, reverse=True)[:3]
+    return Check(
+        "warning",
+        "Tiny ops: the step is launch-bound",
+        {
+            "tiny_op_share": round(share, 3),
+            "ops_per_step": round(per_step, 1),
+            "tiny_op_s": TINY_OP_S,
+            "top_ops": [op.name for op in top],
+        },
+        (
+            f"{_pct(share)} of op time in ops under {TINY_OP_S * 1e6:.0f} µs, "
+            f"{per_step:.0f} ops per step ({', '.join(op.name for op in top)})"
+        ),
+        (latest.t - latest.total_duration_s, latest.t),
+        (
+            "Many small ops cost more to launch than to run: work on whole tensors instead "
+            "of Python loops, or fuse them."
+        ),
+        "model = torch.compile(model)",
+        "vectorization",
+    )
+
+
+def _device_total(model: JobModel, device: str) -> int | None:
+    memory = model.memory.get(device)
+    if memory is not None and memory.latest.total_bytes:
+        return memory.latest.total_bytes
+    for info in model.devices:
+        if info.id == device and info.total_bytes:
+            return info.total_bytes
+    return None
+
+
+def memory_pressure(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+    """The peak reserved memory is at least 90% of the device's."""
+    memory = model.primary_memory
+    if memory is None or not memory.is_cuda or memory.peak_reserved is None:
+        return None
+    total = _device_total(model, memory.device)
+    if not total:
+        return None
+    share = memory.peak_reserved / total
+    if share < PRESSURE_SHARE:
+        return None
+    return Check(
+        "warning",
+        "Memory pressure: the device is nearly full",
+        {
+            "device": memory.device,
+            "peak_reserved_bytes": memory.peak_reserved,
+            "total_bytes": total,
+            "share": round(share, 3),
+        },
+        f"peak reserved {size(memory.peak_reserved)} of {size(total)} ({_pct(share)}) on "
+        f"{memory.device}",
+        (model.start or now, now),
+        (
+            "One larger batch or sequence away from an out-of-memory failure: recompute "
+            "activations, train in bf16, or use a smaller batch."
+        ),
+        "with torch.autocast('cuda', dtype=torch.bfloat16): loss = model(x)",
+        "checkpointing",
+    )
+
+
+def fragmentation(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+    """Reserved at least twice allocated while a large share of the device, or the
+    allocator had to retry allocations."""
+    memory = model.primary_memory
+    if memory is None or not memory.is_cuda:
+        return None
+    allocated = memory.latest.allocated_bytes
+    reserved = memory.latest.reserved_bytes
+    total = _device_total(model, memory.device)
+    retries = memory.num_alloc_retries or 0
+    ratio_holds = (
+        allocated is not None
+        and reserved is not None
+        and total is not None
+        and reserved >= FRAG_RATIO * max(allocated, 1)
+        and reserved >= FRAG_DEVICE_SHARE * total
+    )
+    if not ratio_holds and retries <= 0:
+        return None
+    return Check(
+        "warning",
+        "Fragmentation: the allocator's cache is much larger than what is used",
+        {
+            "device": memory.device,
+            "allocated_bytes": allocated,
+            "reserved_bytes": reserved,
+            "total_bytes": total,
+            "alloc_retries": retries,
+            "inactive_split_bytes": memory.fragmented,
+        },
+        f"reserved {size(reserved)} for {size(allocated)} allocated on {memory.device}, "
+        f"{retries} allocation retries",
+        (now, now),
+        (
+            "Blocks of varying sizes split the cache: let the allocator grow segments "
+            "instead of cutting them."
+        ),
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        "memory",
+    )
+
+
+#: The rules, in priority order, with how long each must hold before it is shown and why.
+RULES: Sequence[_Rule] = (
+    # Over the recent window (>= 5 steps, ~10 s): 3 s more so one slow batch does not flash.
+    _Rule("input-bound", 3.0, input_bound),
+    # Already over >= 50 steps of evidence.
+    _Rule("memory-creep", 0.0, memory_creep),
+    # One interval (~1 s) of evaluation batches is evidence enough; loader counts come about
+    # once a second, so an interval may see none: it clears after 3 s without.
+    _Rule("eval-with-grad", 0.0, eval_with_grad, clear_s=3.0),
+    # Over the profiled steps of every op window so far.
+    _Rule("host-syncs", 0.0, host_syncs),
+    _Rule("tiny-ops", 0.0, tiny_ops),
+    # A peak: it happened.
+    _Rule("memory-pressure", 0.0, memory_pressure),
+    # A current reading: hold 5 s so a transient cache does not flash.
+    _Rule("fragmentation", 5.0, fragmentation),
+)
