@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rich.text import Text
+from textual.geometry import Size
 from textual.widget import Widget
 
 from torchtop.tui.format import format_bytes_short, format_span, nice_ceiling
@@ -254,6 +255,10 @@ class TimeSeriesChart(Widget):
         self.marks: list[ChartMark] = []
         self.t_start = 0.0
         self.t_end = 0.0
+        #: The text last drawn and the size it was drawn at: new data that draws the same
+        #: (a flat series a fraction of a column later) does not redraw the widget.
+        self._drawn: Text | None = None
+        self._drawn_size: Size | None = None
 
     def set_data(
         self,
@@ -264,12 +269,17 @@ class TimeSeriesChart(Widget):
         spans: Sequence[ChartSpan] = (),
         marks: Sequence[ChartMark] = (),
     ) -> None:
-        """Replace what the chart shows and redraw it."""
+        """Replace what the chart shows; redraw it if it then looks different."""
         self.series = list(series)
         self.spans = list(spans)
         self.marks = list(marks)
         self.t_start = t_start
         self.t_end = t_end
+        size = self.content_region.size
+        text = self.render_text()
+        if text == self._drawn and size == self._drawn_size:
+            return
+        self._drawn, self._drawn_size = text, size
         self.refresh()
 
     def render_text(self) -> Text:
@@ -286,4 +296,7 @@ class TimeSeriesChart(Widget):
         )
 
     def render(self) -> Text:
-        return self.render_text()
+        size = self.content_region.size
+        if self._drawn is None or size != self._drawn_size:
+            self._drawn, self._drawn_size = self.render_text(), size
+        return self._drawn

@@ -8,6 +8,7 @@ from textual.widgets import Static
 from torchtop.model.job import JobModel
 from torchtop.protocol import GpuStats
 from torchtop.tui.format import MISSING, format_percent, format_used_total
+from torchtop.tui.widgets.quiet import update_if_changed
 
 
 def gpu_line(gpu: GpuStats) -> Text:
@@ -70,6 +71,7 @@ def device_text(state: JobModel) -> Text:
 class DevicePanel(Static):
     """Utilisation, memory, temperature, power and clock of each GPU, one line each."""
 
+    BORDER_TITLE = " GPU · NVML "
     DEFAULT_CSS = """
     DevicePanel {
         height: auto;
@@ -78,5 +80,4 @@ class DevicePanel(Static):
 
     def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``."""
-        self.border_title = " GPU · NVML "
-        self.update(device_text(state))
+        update_if_changed(self, device_text(state))

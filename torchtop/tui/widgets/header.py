@@ -12,6 +12,7 @@ from textual.widgets import Static
 
 from torchtop.model.job import JobModel
 from torchtop.tui.format import format_clock
+from torchtop.tui.widgets.quiet import update_if_changed
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,12 @@ def header_rows(state: JobModel, playback: Playback | None = None) -> list[tuple
 def header_renderable(state: JobModel, playback: Playback | None = None) -> Group:
     """The header's rows, each a grid whose left part shrinks with an ellipsis and whose right
     part stays whole (one grid per row, so a wide right part in one row costs the other none)."""
+    return _grids(header_rows(state, playback))
+
+
+def _grids(rows: list[tuple[Text, Text]]) -> Group:
     grids = []
-    for left, right in header_rows(state, playback):
+    for left, right in rows:
         grid = Table.grid(expand=True, padding=(0, 0, 0, 1))
         grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
         grid.add_column(justify="right", no_wrap=True)
@@ -150,4 +155,5 @@ class JobHeader(Static):
 
     def show_state(self, state: JobModel, playback: Playback | None = None) -> None:
         """Redraw from ``state`` and, for a recording, its playback."""
-        self.update(header_renderable(state, playback))
+        rows = header_rows(state, playback)
+        update_if_changed(self, _grids(rows), key=rows)

@@ -7,6 +7,7 @@ from textual.widgets import Static
 
 from torchtop.model.job import JobModel
 from torchtop.tui.format import MISSING, format_bytes, format_percent, format_used_total
+from torchtop.tui.widgets.quiet import update_if_changed
 
 
 def host_text(state: JobModel) -> Text:
@@ -40,6 +41,7 @@ def host_text(state: JobModel) -> Text:
 class HostPanel(Static):
     """The job's process and the machine it runs on, as psutil reads them."""
 
+    BORDER_TITLE = "Host "
     DEFAULT_CSS = """
     HostPanel {
         height: auto;
@@ -48,5 +50,4 @@ class HostPanel(Static):
 
     def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``."""
-        self.border_title = "Host "
-        self.update(host_text(state))
+        update_if_changed(self, host_text(state))

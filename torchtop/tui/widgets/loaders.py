@@ -20,6 +20,7 @@ from textual.widgets import Static
 from torchtop.model.job import JobModel
 from torchtop.protocol import LoaderStats
 from torchtop.tui.format import format_bytes
+from torchtop.tui.widgets.quiet import set_titles, update_if_changed
 from torchtop.tui.widgets.steps import format_seconds
 
 
@@ -97,5 +98,5 @@ class LoaderPanel(VerticalScroll):
     def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``."""
         count = len(state.training.loaders)
-        self.border_title = "Loaders " if count < 2 else f"Loaders · {count} "
-        self.query_one("#loader-text", Static).update(loaders_text(state))
+        set_titles(self, "Loaders " if count < 2 else f"Loaders · {count} ")
+        update_if_changed(self.query_one("#loader-text", Static), loaders_text(state))

@@ -10,6 +10,7 @@ from textual.events import Resize
 from textual.widgets import RichLog
 
 from torchtop.model.job import DEFAULT_LOG_LINES, JobModel, LogEntry
+from torchtop.tui.widgets.quiet import set_titles
 
 STDERR_STYLE = "yellow"
 
@@ -77,4 +78,4 @@ class LogPanel(RichLog):
         for entry in islice(state.logs, max(0, kept - new), kept):
             self.write(log_line(entry), scroll_end=follow)
         self.shown_total = state.log_total
-        self.border_title = f" Log · {state.log_total} lines "
+        set_titles(self, f" Log · {state.log_total} lines ")

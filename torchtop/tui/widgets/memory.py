@@ -14,6 +14,7 @@ from textual.widgets import Static
 from torchtop.model.job import DeviceMemory, JobModel
 from torchtop.tui.format import MISSING, format_bytes, format_used_total
 from torchtop.tui.widgets.chart import ChartMark, ChartSeries, ChartSpan, TimeSeriesChart
+from torchtop.tui.widgets.quiet import set_titles, update_if_changed
 
 #: How much of the past the live chart shows; an ended job's chart shows all it kept.
 LIVE_WINDOW_S = 120.0
@@ -222,7 +223,7 @@ class MemoryPanel(Vertical):
     def _show_figures(self) -> None:
         if self._state is not None:
             figures = self.query_one("#memory-figures", Static)
-            figures.update(memory_figures(self._state, figures.content_region.width))
+            update_if_changed(figures, memory_figures(self._state, figures.content_region.width))
 
     @on(Resize)
     def _fit_figures(self) -> None:
@@ -232,8 +233,7 @@ class MemoryPanel(Vertical):
     def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``."""
         device = state.primary_device
-        self.border_title = f" Memory · {device} "
-        self.border_subtitle = other_devices(state)
+        set_titles(self, f" Memory · {device} ", other_devices(state))
         self._state = state
         self._show_figures()
         series, spans, marks, t_start, t_end = chart_data(state)

@@ -33,6 +33,7 @@ from torchtop.model.ops import op_avg_s
 from torchtop.model.ops import per_step as count_per_step
 from torchtop.protocol import OpStat, OpsWindow
 from torchtop.tui.format import MISSING, format_duration
+from torchtop.tui.widgets.quiet import set_titles, update_if_changed
 from torchtop.tui.widgets.steps import format_seconds
 
 SortKey = Literal["self", "calls", "avg"]
@@ -382,11 +383,12 @@ class OpsPanel(Vertical):
         """Redraw from ``state``: the summary each time, the table only when its data changed."""
         self.state = state
         width = self.content_region.width
-        self.query_one("#ops-summary", Static).update(
-            ops_summary(state, cumulative=self.cumulative, width=width)
+        update_if_changed(
+            self.query_one("#ops-summary", Static),
+            ops_summary(state, cumulative=self.cumulative, width=width),
         )
         self._show_table(state, width)
-        self.border_title = self._title()
+        set_titles(self, self._title())
 
     def _title(self) -> str:
         """Which table, its order, the filter and how many ops pass it; ``w``'s other table."""

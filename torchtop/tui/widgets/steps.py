@@ -28,6 +28,7 @@ from torchtop.tui.widgets.chart import (
     TimeSeriesChart,
     render_chart,
 )
+from torchtop.tui.widgets.quiet import set_titles, update_if_changed
 
 WAIT_STYLE = "yellow"
 STARTUP_STYLE = "magenta"
@@ -263,7 +264,11 @@ class StepBars(Widget):
         self.points: list[StepPoint] = []
 
     def set_points(self, points: Sequence[StepPoint]) -> None:
-        self.points = list(points)
+        """Show ``points``; redraw only if they are not the ones shown."""
+        points = list(points)
+        if points == self.points:
+            return
+        self.points = points
         self.refresh()
 
     def render_text(self) -> Text:
@@ -359,8 +364,8 @@ class StepPanel(Vertical):
 
     def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``."""
-        self.border_title = step_title(state)
-        self.query_one("#step-figures", Static).update(step_figures(state))
+        set_titles(self, step_title(state))
+        update_if_changed(self.query_one("#step-figures", Static), step_figures(state))
         bars = self.query_one(StepBars)
         bars.set_points(state.training.last_points(max(1, bars.size.width)))
         series, spans, t_start, t_end = history_data(state)
