@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -11,6 +12,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A shell without job control (CI started in the background, nohup …&) starts commands with
+# SIGINT ignored, and an ignored signal stays ignored across exec: the jobs the tests start would
+# then shrug off the Ctrl-C (SIGINT) that the tests send them as a user at a terminal would. A
+# handler here is reset to the default in every child at exec, as a terminal would give it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 

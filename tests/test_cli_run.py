@@ -338,7 +338,11 @@ def test_stalled_viewer_does_not_grow_the_agent() -> None:
             os.kill(viewer.pid, signal.SIGCONT)
             viewer.kill()
         job.send_signal(signal.SIGINT)
-        job.wait(timeout=30)
+        try:
+            job.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            job.kill()  # never leave a 100,000-step job behind a failed test
+            raise
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
