@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,8 @@ def _run_ddp(tmp_path: Path, launcher: list[str], world: int, *script_args: str)
         *script_args, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    results = [json.loads(line[7:]) for line in out.stdout.splitlines() if "RESULT " in line]
+    # Four ranks write to one pipe: another rank's output can land on the same line.
+    results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", out.stdout)]
     assert sorted(r["rank"] for r in results) == list(range(world)), out.stdout
     return record
 

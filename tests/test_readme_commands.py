@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, torchtop
 from torchtop import cli
 from torchtop.transport import list_agents
@@ -86,7 +88,12 @@ def test_the_readme_lists_commands() -> None:
     assert len(commands) >= 15
 
 
-def test_every_readme_command_parses_and_runs(tmp_path: Path) -> None:
+def test_every_readme_command_parses_and_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As a user runs them: in the environment torchtop is installed in (its scripts, such as
+    # torchrun, on PATH, as in an activated venv).
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     (tmp_path / "train.py").write_text(TRAIN)
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").write_text("")

@@ -29,6 +29,8 @@ SILENCE_INTERVALS = 20
 SILENCE_MIN_S = 3.0
 #: The end reason of a stream that broke off without the job's exit.
 LOST = "connection lost"
+#: How long a lost job may take to finish dying before it counts as possibly still running.
+LOST_PID_GRACE_S = 2.0
 
 
 class AgentFeed:
@@ -113,6 +115,10 @@ class AgentFeed:
         if not self.ended.is_set() or self.end_reason != LOST or self.saw_exit is not None:
             return None
         pid = self._job_pid
+        # A killed process closes its sockets before it is gone: give it a moment to finish dying.
+        deadline = time.monotonic() + LOST_PID_GRACE_S
+        while pid is not None and pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if pid is not None and not pid_alive(pid):
             reason = "connection lost: the job is gone without an exit status (killed?)"
         else:
