@@ -104,11 +104,12 @@ def test_findings_are_the_same_fed_at_once_or_message_by_message() -> None:
     assert len(whole.advice.all_findings) == 1
 
 
-def creep_job(per_step: int, n: int = 80) -> list[Message]:
-    """``n`` steps of 0.1 s, four memory samples each; RSS climbs by ``per_step`` each step."""
+def creep_job(per_step: int, n: int = 80, every: int = 1) -> list[Message]:
+    """``n`` steps of 0.1 s, four memory samples in each ``every``-th step (none in the others:
+    steps faster than the sampling); RSS climbs by ``per_step`` each step."""
     out: list[Message] = []
     for i in range(n):
-        for k in range(4):
+        for k in range(4 if i % every == 0 else 0):
             t = T0 + i * 0.1 + k * 0.025
             rss = 500 * (1 << 20) + i * per_step + (k % 2) * (8 << 20)
             host = HostStats(rss, 50.0, 4, 0, 100 * GIB, 200 * GIB)
@@ -135,6 +136,17 @@ def test_memory_creep_over_fifty_steps_and_not_for_flat_or_short_runs() -> None:
     assert finding.evidence["steps"] >= 50 and finding.evidence["per_step_bytes"] >= 1 << 20
     assert fed(creep_job(0)).advice.findings == []
     assert fed(creep_job(2 << 20, n=40)).advice.findings == []  # fewer than 50 steps
+
+
+def test_memory_creep_when_steps_outrun_the_sampling() -> None:
+    """One step in eight sampled (a fast job, or a loaded machine): the sampled steps' floors
+    stand for all the steps, and the rise per step is over every step."""
+    (finding,) = fed(creep_job(2 << 20, n=120, every=8)).advice.findings
+    assert finding.name == "memory-creep"
+    assert finding.evidence["steps"] >= 100 and 15 <= finding.evidence["sampled_steps"] <= 30
+    assert 1.5 * (1 << 20) <= finding.evidence["per_step_bytes"] <= 2 << 20
+    assert fed(creep_job(0, n=120, every=8)).advice.findings == []
+    assert fed(creep_job(2 << 20, n=120, every=30)).advice.findings == []  # 4 sampled: too few
 
 
 def test_eval_with_grad_from_a_loader_iterated_without_steps() -> None:

@@ -47,6 +47,8 @@ BUSY_WORKER_CPU = 90.0
 CREEP_MIN_STEPS = 50
 CREEP_MAX_STEPS = 400
 CREEP_CHUNKS = 5
+#: ... each chunk holding at least this many sampled steps.
+CREEP_FLOORS_PER_CHUNK = 2
 CREEP_MIN_BYTES = 16 << 20
 CREEP_MIN_SHARE = 0.05
 #: Evaluation with autograd on: batches fetched with grad mode on by a loader that is not a
@@ -399,9 +401,12 @@ def memory_creep(model: JobModel, now: float, advisor: Advisor) -> Check | None:
     points = [
         (p.t, p.allocated if cuda else p.reserved) for p in memory.series if first < p.t <= now
     ]
+    # Steps faster than the sampling leave most steps without a sample: the floors of the
+    # sampled steps stand for all of them, as long as each chunk has a few.
     floors = step_floors(points, ends[-1], ends[1:])
-    if len(floors) < CREEP_MIN_STEPS:
+    if len(floors) < CREEP_CHUNKS * CREEP_FLOORS_PER_CHUNK:
         return None
+    steps = len(ends) - 1
     chunk = len(floors) // CREEP_CHUNKS
     lows = [min(floors[k * chunk : (k + 1) * chunk]) for k in range(CREEP_CHUNKS)]
     if any(b <= a for a, b in pairwise(lows)):
@@ -409,14 +414,15 @@ def memory_creep(model: JobModel, now: float, advisor: Advisor) -> Check | None:
     rise = floors[-1] - floors[0]
     if rise < max(CREEP_MIN_BYTES, CREEP_MIN_SHARE * max(floors[0], 1)):
         return None
-    per_step = rise / len(floors)
+    per_step = rise / steps
     label = memory.allocated_label if cuda else memory.reserved_label
     return Check(
         "warning",
         "Memory creep: something is kept across steps",
         {
             "device": memory.device,
-            "steps": len(floors),
+            "steps": steps,
+            "sampled_steps": len(floors),
             "floor_first_bytes": floors[0],
             "floor_last_bytes": floors[-1],
             "rise_bytes": rise,
@@ -424,7 +430,7 @@ def memory_creep(model: JobModel, now: float, advisor: Advisor) -> Check | None:
         },
         (
             f"{label} at each step's low point rose {size(floors[0])} -> {size(floors[-1])} "
-            f"over {len(floors)} steps ({size(int(per_step))}/step) on {memory.device}"
+            f"over {steps} steps ({size(int(per_step))}/step) on {memory.device}"
         ),
         (first, ends[-1]),
         (
