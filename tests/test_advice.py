@@ -7,22 +7,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from test_probes_cuda_memory import FakeCuda, fixture
+from fakes.nvml import FakeGpu, FakeNvmlBackend, uuid_of
+from test_probes_cuda_memory import FakeCuda, FakeCudaWithProperties, fixture
 from test_tui_app import T0, hello
 
 from torchtop.agent.probes.cuda_memory import CudaMemoryProbe
+from torchtop.agent.probes.nvml import NvmlProbe
 from torchtop.model import JobModel
 from torchtop.model.advice import Advisor
 from torchtop.protocol import (
+    DeviceInfo,
+    GpuSample,
+    Hello,
     HostStats,
     LoaderInfo,
     LoaderStats,
+    MatmulDtype,
     Message,
     OpStat,
     OpsWindow,
     PhaseBegan,
     Sample,
     StepStats,
+    WorkerStats,
 )
 
 GIB = 1 << 30
@@ -240,3 +247,118 @@ def test_summary_counts_by_severity() -> None:
     assert advisor.summary() == ""
     model = cuda_samples(fixture("after_oom"))
     assert model.advice.summary() == "2 warnings"
+
+
+def cuda_hello() -> Hello:
+    """The hello of a job on an H200, its device read by the real probe from CUDA's
+    properties (compute capability 9.0: tensor cores)."""
+    devices = CudaMemoryProbe(FakeCudaWithProperties([fixture("after_oom")])).devices()
+    return dataclasses.replace(hello(cuda=False), devices=[DeviceInfo("cpu", "cpu"), *devices])
+
+
+def matmul_window(dtypes: dict[str, int], *, device: bool = True) -> OpsWindow:
+    """An op window whose matmuls took these input dtypes (as the profiler names them)."""
+    counts = [MatmulDtype(d, n) for d, n in dtypes.items()]
+    window = ops_window(device=device, syncs=0, ops=[OpStat("aten::addmm", 30, 0.03, 0.03)])
+    return dataclasses.replace(window, matmuls=counts, total_matmuls=counts)
+
+
+def cuda_fed(messages: list[Message], first: Hello | None = None) -> JobModel:
+    model = JobModel(mode="replay")
+    model.apply(first or cuda_hello())
+    model.apply_all(messages)
+    return model
+
+
+def test_float32_matmuls_on_a_tensor_core_gpu_without_autocast() -> None:
+    model = cuda_fed([matmul_window({"float": 120})])
+    (finding,) = model.advice.findings
+    assert (finding.name, finding.demo) == ("float32-matmuls", "mixed-precision")
+    assert finding.evidence["float32_share"] == 1.0 and finding.evidence["capability"] == "9.0"
+    assert "bfloat16" in (finding.code or "") and "NVIDIA H200" in finding.summary
+
+    # Under bf16 autocast the matmuls take bf16 inputs; a few float32 ones (a loss) remain.
+    assert cuda_fed([matmul_window({"c10::BFloat16": 120, "float": 6})]).advice.findings == []
+    # A CPU job, a GPU without tensor cores, and too few sampled calls: nothing to say.
+    assert cuda_fed([matmul_window({"float": 120}, device=False)]).advice.findings == []
+    pascal = dataclasses.replace(
+        cuda_hello(), devices=[DeviceInfo("cuda:0", "Tesla P100", 16 * GIB, capability="6.0")]
+    )
+    assert cuda_fed([matmul_window({"float": 120})], pascal).advice.findings == []
+    assert cuda_fed([matmul_window({"float": 4})]).advice.findings == []
+
+
+def threads_job(torch_threads: int, workers_cpu: list[float], cpus: int = 8) -> list[Message]:
+    """Ten seconds of steps, a host sample a second with ``cpus`` CPUs, a loader whose
+    workers run at ``workers_cpu`` percent, and an op window saying ``torch_threads``."""
+    out: list[Message] = []
+    workers = [WorkerStats(100 + i, True, cpu) for i, cpu in enumerate(workers_cpu)]
+    for s in range(10):
+        t = T0 + s + 1
+        host = HostStats(GIB, 100.0, 12, len(workers), 100 * GIB, 200 * GIB, cpus=cpus)
+        out += [Sample(t, host, []), steps(t, 10 * (s + 1), 10, 0.1, 0.0)]
+        out.append(
+            LoaderInfo(t, [dataclasses.replace(loader(10 * s, 0, workers=len(workers)),
+                                               workers=workers)])
+        )  # fmt: skip
+        if s == 1:
+            window = ops_window(device=False, syncs=0, ops=[OpStat("aten::mm", 10, 0.05, 0.05)])
+            out.append(dataclasses.replace(window, t=t, torch_threads=torch_threads))
+    return out
+
+
+def test_cpu_oversubscription_by_threads_alone_or_with_busy_workers() -> None:
+    (finding,) = fed(threads_job(32, [])).advice.findings
+    assert (finding.name, finding.severity) == ("cpu-oversubscription", "warning")
+    assert finding.evidence == {"torch_threads": 32, "processes": 1, "busy_workers": 0, "cpus": 8}
+    assert "set_num_threads(8)" in (finding.code or "")
+
+    # Six busy workers (an idle one does not count) and 4 threads on 8 CPUs: they compete.
+    (finding,) = fed(threads_job(4, [95.0] * 6 + [3.0])).advice.findings
+    assert (finding.name, finding.severity) == ("cpu-oversubscription", "info")
+    assert finding.evidence["busy_workers"] == 6 and "set_num_threads(2)" in (finding.code or "")
+
+    # The threads fit beside the workers; one thread per process with four ranks on 8 CPUs.
+    assert fed(threads_job(2, [95.0] * 6)).advice.findings == []
+    ranks = [
+        dataclasses.replace(m, host=dataclasses.replace(m.host, local_processes=4))
+        if isinstance(m, Sample) and m.host is not None
+        else m
+        for m in threads_job(4, [])
+    ]
+    assert names(fed(ranks)) == ["cpu-oversubscription"]
+    assert fed(threads_job(2, [])).advice.findings == []
+
+
+def util_job(util: float, *, wait_share: float = 0.0, seconds: int = 20) -> list[Message]:
+    """Steps for ``seconds`` and a GPU sample a second from the real NVML probe over a fake
+    H200 the job uses, busy ``util`` percent."""
+    gpu = FakeGpu(util_gpu=util, uuid=uuid_of(0))
+    probe = NvmlProbe(FakeNvmlBackend([gpu, FakeGpu(util_gpu=99.0, uuid=uuid_of(1))]),
+                      job_uuids=lambda: [uuid_of(0)])  # fmt: skip
+    out: list[Message] = []
+    for message in input_job(wait_share, seconds):
+        out.append(message)
+        if isinstance(message, StepStats):
+            out.append(GpuSample(message.t, probe.read()))
+    return out
+
+
+def test_low_gpu_utilization_while_steps_run_names_the_cause_that_holds() -> None:
+    model = cuda_fed(util_job(30.0))
+    (finding,) = model.advice.findings
+    assert (finding.name, finding.evidence["util_percent"]) == ("low-gpu-utilization", 30.0)
+    assert finding.evidence["gpus"] == [0] and finding.evidence["causes"] == []
+    assert finding.demo == "profiling"
+
+    # The same GPU idle because the steps wait for data: the input-bound finding is the cause.
+    model = cuda_fed(util_job(30.0, wait_share=0.4))
+    assert names(model) == ["input-bound", "low-gpu-utilization"]
+    low = model.advice.findings[1]
+    assert low.evidence["causes"] == ["input-bound"] and low.demo == "dataloader"
+    assert "input-bound" in low.summary
+
+    # Busy (another job's GPU at 99% does not count for this one), or idle with no steps.
+    assert cuda_fed(util_job(85.0)).advice.findings == []
+    no_steps = [m for m in util_job(30.0) if not isinstance(m, StepStats)]
+    assert cuda_fed(no_steps).advice.findings == []

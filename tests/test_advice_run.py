@@ -9,6 +9,7 @@ evidence, or no warning at all.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ def _serious(report: dict[str, Any]) -> list[dict[str, Any]]:
         ("input-bound", "input-ok", "input-bound"),
         ("creep", "creep-fixed", "memory-creep"),
         ("eval-grad", "eval-nograd", "eval-with-grad"),
+        ("threads", "threads-fixed", "cpu-oversubscription"),
     ],
 )
 def test_a_job_with_the_problem_has_the_finding_and_the_fixed_job_none(
@@ -64,12 +66,16 @@ def test_a_job_with_the_problem_has_the_finding_and_the_fixed_job_none(
         assert "num_workers=0" in finding["fix"]
     elif name == "memory-creep":
         assert evidence["steps"] >= 50 and evidence["rise_bytes"] >= 16 << 20
+    elif name == "cpu-oversubscription":
+        cpus = len(os.sched_getaffinity(0))
+        assert evidence["torch_threads"] == 4 * cpus and evidence["cpus"] == cpus
     else:
         assert evidence["dataset"] == "Items" and evidence["grad_batches"] >= 2
 
     fixed = _report(tmp_path, SCRIPT, "--case", good)
     print(f"{good}: {[f['summary'] for f in fixed['findings']]}")
     assert _serious(fixed) == []
+    assert name not in {f["name"] for f in fixed["findings"]}
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from torchtop.agent.ops import (
     aggregate,
     merge,
     ranked,
+    records_inputs,
     site_reader,
 )
 from torchtop.agent.training import TrainingMonitor
@@ -431,7 +432,7 @@ def test_a_profiler_already_running_blocks_the_window(sampler: OpsSampler) -> No
 def test_three_failures_stop_sampling_and_say_why(
     sampler: OpsSampler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(self: Any) -> bool:
+    def broken(self: Any, **_: Any) -> bool:
         raise RuntimeError("no profiler here")
 
     monkeypatch.setattr(ops_module._Profiler, "start", broken)
@@ -747,7 +748,7 @@ def test_steps_that_always_end_inside_backward_give_way_to_time_based_windows(
 def test_a_window_that_cannot_open_leaves_nothing_armed(
     sampler: OpsSampler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(self: Any) -> bool:
+    def broken(self: Any, **_: Any) -> bool:
         raise RuntimeError("no profiler here")
 
     monkeypatch.setattr(ops_module._Profiler, "start", broken)
@@ -781,3 +782,42 @@ def test_requested_windows_are_rate_limited_and_their_traces_bounded(
     sampler.request_window()  # straight after a window: waits its second
     sampler.tick(time.time(), steps)
     assert sampler._state == IDLE and sampler._request.is_set()
+
+
+def test_windows_that_record_inputs_count_matmuls_by_dtype_and_read_the_threads(
+    tmp_path: Path,
+) -> None:
+    """The dtypes are what the profiler names (the advice's fixtures use the same names), and
+    the thread count is the training thread's own setting."""
+    sampler = OpsSampler(
+        trace_dir=tmp_path, trace_prefix="job.", min_spacing_s=0.0, record_shapes=True
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        (plain,) = _window(sampler, FakeSteps())
+        sampler._next_due = 0.0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            (autocast,) = _window(sampler, FakeSteps())
+    finally:
+        torch.set_num_threads(threads)
+        sampler.close_now()
+        step_hooks.BOUNDARY[0] = None
+    assert plain.torch_threads == 3 and autocast.torch_threads == 3
+    assert {m.dtype for m in plain.matmuls} == {"float"} and plain.matmuls[0].calls >= 6
+    assert "c10::BFloat16" in {m.dtype for m in autocast.matmuls}
+    assert sum(m.calls for m in autocast.total_matmuls) == sum(
+        m.calls for m in plain.matmuls + autocast.matmuls
+    )
+    assert decode(encode(autocast)) == autocast
+
+
+def test_a_cpu_job_records_no_inputs_unless_asked_and_a_cuda_job_one_window_in_four(
+    sampler: OpsSampler,
+) -> None:
+    (frame,) = _window(sampler, FakeSteps())
+    assert frame.matmuls == [] and frame.torch_threads == torch.get_num_threads()
+    cuda = [records_inputs(n, shapes=False, cuda=True) for n in range(8)]
+    assert cuda == [True, False, False, False, True, False, False, False]
+    assert not any(records_inputs(n, shapes=False, cuda=False) for n in range(8))
+    assert all(records_inputs(n, shapes=True, cuda=False) for n in range(8))

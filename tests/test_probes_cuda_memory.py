@@ -100,7 +100,11 @@ class FakeCudaWithProperties(FakeCuda):
     def get_device_properties(self, device: int) -> SimpleNamespace:
         self._count("get_device_properties", device)
         return SimpleNamespace(
-            name=self.names[device], total_memory=H200_TOTAL, uuid=TorchUuid(TORCH_UUID)
+            name=self.names[device],
+            total_memory=H200_TOTAL,
+            uuid=TorchUuid(TORCH_UUID),
+            major=9,  # an H200 is sm_90
+            minor=0,
         )
 
 
@@ -280,6 +284,7 @@ def test_devices_once_initialized_have_names_and_sizes() -> None:
     cuda = FakeCudaWithProperties([fixture("after_oom")], names=["NVIDIA H200"])
     (device,) = CudaMemoryProbe(cuda).devices()
     assert (device.id, device.name, device.total_bytes) == ("cuda:0", "NVIDIA H200", H200_TOTAL)
+    assert device.capability == "9.0"  # tensor cores: the float32-matmuls rule reads it
 
 
 def test_devices_carry_the_uuid_as_dcgm_spells_it() -> None:

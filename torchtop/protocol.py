@@ -54,6 +54,8 @@ class DeviceInfo:
     name: str
     total_bytes: int | None = None
     uuid: str | None = None
+    #: A CUDA device's compute capability (``"8.0"``); 7.0 and up have tensor cores.
+    capability: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,12 @@ class Hello(Message):
 
 @dataclass(frozen=True)
 class HostStats:
-    """The training process and its machine, read with psutil."""
+    """The training process and its machine, read with psutil.
+
+    ``cpus`` is how many CPUs the process may run on (its affinity, else the machine's), and
+    ``local_processes`` how many processes of the job share this node (torchrun's
+    ``LOCAL_WORLD_SIZE``; ``None`` for a single process).
+    """
 
     rss_bytes: int | None
     cpu_percent: float | None
@@ -104,6 +111,8 @@ class HostStats:
     children: int | None
     system_used_bytes: int | None
     system_total_bytes: int | None
+    cpus: int | None = None
+    local_processes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -542,6 +551,16 @@ class OpStat:
 
 
 @dataclass(frozen=True)
+class MatmulDtype:
+    """Matrix-multiply and convolution calls (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``,
+    ``_convolution``...) by the dtype of their first input, as the profiler names it
+    (``float``, ``c10::BFloat16``, ``c10::Half``)."""
+
+    dtype: str
+    calls: int
+
+
+@dataclass(frozen=True)
 class OpsWindow(Message):
     """One torch.profiler window the agent took, and the running totals over all windows.
 
@@ -588,6 +607,14 @@ class OpsWindow(Message):
     #: Reads of CPU tensors' values (this window, and every window over steps so far).
     host_reads: int = 0
     total_host_reads: int = 0
+    #: Matmuls by input dtype, in windows that recorded inputs (``--profile-shapes``, or
+    #: every few windows of a CUDA job): this window's (empty when it did not), and over
+    #: every such window so far.
+    matmuls: list[MatmulDtype] = field(default_factory=list)
+    total_matmuls: list[MatmulDtype] = field(default_factory=list)
+    #: ``torch.get_num_threads()`` in the thread that opened the window (the training
+    #: thread's intra-op threads; the setting is per thread, so only that thread can tell).
+    torch_threads: int | None = None
 
 
 MESSAGE_TYPES.update({OpsWindow.KIND: OpsWindow})

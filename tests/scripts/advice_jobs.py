@@ -8,11 +8,14 @@ It knows nothing of torchtop. ``--case`` picks the job:
   which keeps every step's graph and activations; ``creep-fixed``: ``loss.item()``.
 - ``eval-grad``: a validation pass between two epochs with autograd on; ``eval-nograd``: the
   same pass under ``torch.no_grad()``.
+- ``threads``: ``torch.set_num_threads`` at four times the CPUs, beside two DataLoader workers
+  that compute their items; ``threads-fixed``: one worker and the CPUs it leaves as threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -87,12 +90,54 @@ def eval_job(no_grad: bool) -> None:
                 time.sleep(0.02)
 
 
+class Computed(Dataset):
+    """Items that take about ``cpu_s`` of CPU each to make."""
+
+    def __init__(self, cpu_s: float) -> None:
+        self.cpu_s = cpu_s
+
+    def __len__(self) -> int:
+        return 100_000
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = time.process_time() + self.cpu_s
+        while time.process_time() < end:
+            pass
+        return torch.full((256,), float(i % 7)), torch.tensor(i % 3)
+
+
+def threads_job(fixed: bool, seconds: float = 9.0) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    workers = 1 if fixed else 2
+    torch.set_num_threads(max(1, cpus - workers) if fixed else 4 * cpus)
+    loader = DataLoader(Computed(0.0005), batch_size=4, num_workers=workers, prefetch_factor=8)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    end = time.monotonic() + seconds
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x.repeat(16, 1)), y.repeat(16)).backward()
+        opt.step()
+        time.sleep(0.05)  # the "GPU" at work
+        if time.monotonic() > end:
+            break
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--case",
         required=True,
-        choices=["input-bound", "input-ok", "creep", "creep-fixed", "eval-grad", "eval-nograd"],
+        choices=[
+            "input-bound",
+            "input-ok",
+            "creep",
+            "creep-fixed",
+            "eval-grad",
+            "eval-nograd",
+            "threads",
+            "threads-fixed",
+        ],
     )
     case = parser.parse_args().case
     torch.manual_seed(0)
@@ -100,6 +145,8 @@ def main() -> None:
         input_job(0 if case == "input-bound" else 4)
     elif case.startswith("creep"):
         creep_job(case == "creep-fixed")
+    elif case.startswith("threads"):
+        threads_job(case == "threads-fixed")
     else:
         eval_job(case == "eval-nograd")
     print("done")

@@ -38,7 +38,7 @@ from typing import Any
 
 from torchtop.agent import steps as step_hooks
 from torchtop.private_files import written_privately
-from torchtop.protocol import MAX_OPS, Message, OpStat, OpsWindow, ProbeStatus
+from torchtop.protocol import MAX_OPS, MatmulDtype, Message, OpStat, OpsWindow, ProbeStatus
 
 PROBE = "ops"
 #: The device runtime's calls that wait for the device: a sync point is one of these.
@@ -78,6 +78,22 @@ IGNORED = frozenset(
 OWN_PROFILER = "the job is running its own torch.profiler"
 #: Distinct ops kept in the cumulative table; past that, new ones go to "other".
 MAX_CUMULATIVE_KEYS = 5000
+#: The ops whose input dtype tells whether matmuls run in float32 or a 16-bit type: the
+#: matrix multiplies and convolutions that end on the GPU's tensor cores (or not).
+MATMUL_OPS = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::addbmm",
+        "aten::_convolution",
+    }
+)
+#: On a CUDA job, one window in this many records its ops' inputs (their dtypes) even
+#: without ``--profile-shapes``: recording inputs makes each profiled op dearer, and the
+#: matmuls' dtype seldom changes.
+DTYPE_WINDOW_EVERY = 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,6 +116,8 @@ class Event:
     linked: int = 0
     python: bool = False
     shapes: str | None = None
+    #: The first input's dtype, for :data:`MATMUL_OPS` in windows that record inputs.
+    dtype: str | None = None
 
 
 @dataclass(slots=True)
@@ -137,6 +155,8 @@ class WindowTotals:
     host_reads: int = 0
     copies: int = 0
     device: bool = False
+    #: Matmul calls by their input dtype (windows that recorded inputs).
+    matmuls: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def aggregate(
@@ -205,6 +225,8 @@ def aggregate(
             keys[i] = (event.name, event.shapes, sites[i])
             if event.linked == 0 and event.correlation:
                 by_correlation[event.correlation] = i
+            if event.dtype is not None:
+                result.matmuls[event.dtype] = result.matmuls.get(event.dtype, 0) + 1
         stack.append(i)
 
     for i, event in enumerate(cpu):
@@ -296,13 +318,19 @@ def _shapes(value: Any) -> str | None:
 
 
 def read_events(
-    result: Any, *, record_shapes: bool, links: bool = True, python: bool = False
+    result: Any,
+    *,
+    record_shapes: bool,
+    links: bool = True,
+    python: bool = False,
+    dtypes: bool = False,
 ) -> list[Event]:
     """Copy a ``_ProfilerResult``'s events into :class:`Event` s.
 
     Each method call on torch's event costs a fraction of a microsecond and a window may hold
     thousands of events, so only what is needed is read: correlations (``links``) only when
-    device activity was recorded, Python frames (``python``) only with ``--profile-stack``.
+    device activity was recorded, Python frames (``python``) only with ``--profile-stack``,
+    the input dtype (``dtypes``, a window that recorded inputs) only of :data:`MATMUL_OPS`.
     """
     from torch.autograd import DeviceType
 
@@ -333,9 +361,14 @@ def read_events(
             start = int(raw.start_us() * 1000)
             end = start + int(raw.duration_us() * 1000)
         is_python = python and raw.is_python_function()
+        name = raw.name()
+        dtype = None
+        if dtypes and name in MATMUL_OPS:
+            inputs = raw.dtypes()
+            dtype = str(inputs[0]) if inputs and inputs[0] else None
         append(
             Event(
-                name=raw.name(),
+                name=name,
                 start=start,
                 end=end,
                 thread=raw.start_thread_id(),
@@ -344,6 +377,7 @@ def read_events(
                 linked=raw.linked_correlation_id() if links else 0,
                 python=is_python,
                 shapes=_shapes(raw.shapes()) if record_shapes and not is_python else None,
+                dtype=dtype,
             )
         )
     return out
@@ -478,11 +512,17 @@ class _Profiler:
         )
         from torch.autograd import profiler
 
-        args = (ProfilerState.KINETO, record_shapes, False, with_stack, False, False)
-        try:
-            self.config = ProfilerConfig(*args, _ExperimentalConfig(), "")
-        except TypeError:  # before torch 2.4: no trace id
-            self.config = ProfilerConfig(*args, _ExperimentalConfig())
+        def config(shapes: bool) -> Any:
+            args = (ProfilerState.KINETO, shapes, False, with_stack, False, False)
+            try:
+                return ProfilerConfig(*args, _ExperimentalConfig(), "")
+            except TypeError:  # before torch 2.4: no trace id
+                return ProfilerConfig(*args, _ExperimentalConfig())
+
+        self.config = config(record_shapes)
+        #: The same, recording the ops' inputs (for their dtypes).
+        self.inputs_config = self.config if record_shapes else config(True)
+        self.get_num_threads = torch.get_num_threads
         self.cpu = {ProfilerActivity.CPU}
         self.cuda = {ProfilerActivity.CPU, ProfilerActivity.CUDA}
         self._cuda = torch.cuda
@@ -491,21 +531,26 @@ class _Profiler:
         self._disable = profiler._disable_profiler
         self.device_failed = False
 
-    def start(self) -> bool:
-        """Start; True when device activity is recorded too."""
+    def cuda_initialized(self) -> bool:
+        return bool(self._cuda.is_initialized())
+
+    def start(self, *, inputs: bool = False) -> bool:
+        """Start (recording the ops' inputs too if ``inputs``); True when device activity is
+        recorded too."""
         _KINETO_STARTED[0] = True
+        config = self.inputs_config if inputs else self.config
         device = not self.device_failed and self._cuda.is_initialized()
         if device:
             try:
-                self._prepare(self.config, self.cuda)
-                self._enable(self.config, self.cuda)
+                self._prepare(config, self.cuda)
+                self._enable(config, self.cuda)
                 return True
             except Exception:
                 self.device_failed = True  # no CUPTI: CPU-side ops only from now on
                 with contextlib.suppress(Exception):
                     self._disable()
-        self._prepare(self.config, self.cpu)
-        self._enable(self.config, self.cpu)
+        self._prepare(config, self.cpu)
+        self._enable(config, self.cpu)
         return False
 
     def stop(self) -> Any:
@@ -633,6 +678,10 @@ class _Closed:
     steps: int | None
     device: bool
     requested: bool
+    #: The window recorded the ops' inputs (their dtypes).
+    inputs: bool = False
+    #: ``torch.get_num_threads()`` in the thread that opened it.
+    torch_threads: int | None = None
 
 
 @dataclass(slots=True)
@@ -648,6 +697,17 @@ class _Measuring:
     stop_cost_s: float
     estimate: float
     deadline: float
+
+
+def records_inputs(opened: int, *, shapes: bool, cuda: bool) -> bool:
+    """Does the window after ``opened`` windows record its ops' inputs? Always with
+    ``--profile-shapes``; on a CUDA job, the first and every DTYPE_WINDOW_EVERY-th after it
+    (for the matmuls' dtypes); on a CPU job, never (float32 is the CPU's usual type)."""
+    return shapes or (cuda and opened % DTYPE_WINDOW_EVERY == 0)
+
+
+def _dtype_list(counts: dict[str, int]) -> list[MatmulDtype]:
+    return [MatmulDtype(d, n) for d, n in sorted(counts.items(), key=lambda item: -item[1])]
 
 
 def _usual_step(ends: deque[tuple[float, float]] | None, before: float) -> float | None:
@@ -712,6 +772,10 @@ class OpsSampler:
         self._began = 0.0
         self._start_cost = 0.0
         self._device = False
+        self._inputs = False
+        self._torch_threads: int | None = None
+        #: Windows opened so far (training thread).
+        self._opened = 0
         self._requested_window = False
         self._time_based = False
         #: Opened by :meth:`window` around a section: only its end closes it.
@@ -758,6 +822,7 @@ class OpsSampler:
         self._total_sync = 0
         self._total_host_reads = 0
         self._total_copies = 0
+        self._total_matmuls: dict[str, int] = {}
         #: Some window recorded device activity: the tables keep their device columns.
         self._device_seen = False
         #: Traces of windows a viewer asked for, oldest first (at most KEPT_TRACES kept).
@@ -834,11 +899,17 @@ class OpsSampler:
         began = time.time()
         t0 = time.perf_counter()
         try:
-            if self._profiler is None:
-                self._profiler = _Profiler(
+            profiler = self._profiler
+            if profiler is None:
+                profiler = self._profiler = _Profiler(
                     record_shapes=self.record_shapes, with_stack=self.with_stack
                 )
-            self._device = self._profiler.start()
+            self._inputs = records_inputs(
+                self._opened, shapes=self.record_shapes, cuda=profiler.cuda_initialized()
+            )
+            self._opened += 1
+            self._torch_threads = profiler.get_num_threads()
+            self._device = profiler.start(inputs=self._inputs)
         except Exception as exc:
             step_hooks.BOUNDARY[0] = None
             self._fail(exc)
@@ -898,6 +969,8 @@ class OpsSampler:
                     else self._steps_in,
                     device=self._device,
                     requested=self._requested_window,
+                    inputs=self._inputs,
+                    torch_threads=self._torch_threads,
                 )
             )
         self._requested_window = False
@@ -1113,6 +1186,7 @@ class OpsSampler:
             record_shapes=self.record_shapes,
             links=closed.device,
             python=self.with_stack,
+            dtypes=closed.inputs,
         )
         if self.with_stack and self._site_of is None:
             self._site_of = site_reader(_library_dirs())
@@ -1127,6 +1201,8 @@ class OpsSampler:
             self._total_sync += window.sync_points
             self._total_host_reads += window.host_reads
             self._total_copies += window.copies
+        for dtype, calls in window.matmuls.items():
+            self._total_matmuls[dtype] = self._total_matmuls.get(dtype, 0) + calls
         device = closed.device and window.device
         self._device_seen = self._device_seen or device
         ops, other = ranked(window.ops, device=device)
@@ -1167,6 +1243,9 @@ class OpsSampler:
             with_stack=self.with_stack,
             host_reads=window.host_reads,
             total_host_reads=self._total_host_reads,
+            matmuls=_dtype_list(window.matmuls),
+            total_matmuls=_dtype_list(self._total_matmuls),
+            torch_threads=closed.torch_threads,
         )
         closed.result = None  # kineto's events are freed here, inside what is measured
         usual = _usual_step(ends, closed.opened_at) if steps else None

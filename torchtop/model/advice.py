@@ -68,6 +68,19 @@ PRESSURE_SHARE = 0.90
 #: Fragmentation: reserved at least this many times allocated, and this share of the device.
 FRAG_RATIO = 2.0
 FRAG_DEVICE_SHARE = 0.30
+#: float32 matmuls: at least this share of the sampled matmul calls take float32 inputs, over
+#: at least this many calls, on a device of at least this compute capability (tensor cores).
+FP32_MATMUL_SHARE = 0.5
+FP32_MATMUL_MIN_CALLS = 10
+TENSOR_CORE_CAPABILITY = (7, 0)
+#: CPU oversubscription: a DataLoader worker at or above this CPU competes for a core.
+BUSY_WORKER_PERCENT = 50.0
+#: Low GPU utilization: NVML's mean utilization of the job's GPUs under this, over at least
+#: this many readings of the recent window, while steps run.
+LOW_GPU_UTIL_PERCENT = 50.0
+LOW_GPU_UTIL_MIN_READINGS = 5
+#: A GPU reading older than this (seconds) is no reading of now.
+GPU_READING_MAX_AGE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -164,6 +177,10 @@ class Advisor:
     _steps_seen: int = 0
     #: Loaders that advanced alone while steps were taken: training loaders.
     _training_loaders: set[int] = field(default_factory=set)
+    #: The rules' checks that hold at the evaluation in progress (a symptom names its causes).
+    _holding: dict[str, Check] = field(default_factory=dict)
+    #: (job time, mean NVML utilization of the job's GPUs) at each evaluation with a reading.
+    _gpu_util: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
 
     @property
     def all_findings(self) -> list[Finding]:
@@ -201,8 +218,12 @@ class Advisor:
         rank = model.hello.rank if model.hello is not None else None
         before = self.findings
         shown: dict[str, Finding] = {}
+        self._holding = {}
+        self._remember_gpu_util(model, now)
         for rule in RULES:
             check = rule.check(model, now, self)
+            if check is not None:
+                self._holding[rule.name] = check
             if check is None:
                 kept = self._shown.get(rule.name)
                 if kept is not None and now - kept.last_t < rule.clear_s:
@@ -239,6 +260,17 @@ class Advisor:
         return [(f.name, f.severity, f.summary) for f in before] != [
             (f.name, f.severity, f.summary) for f in self.findings
         ]
+
+    def _remember_gpu_util(self, model: JobModel, now: float) -> None:
+        if model.gpu_t is None or now - model.gpu_t > GPU_READING_MAX_AGE_S:
+            return
+        utils = [
+            gpu.util_gpu_percent
+            for gpu in model.gpus.values()
+            if gpu.in_job and gpu.util_gpu_percent is not None and not gpu.lost
+        ]
+        if utils:
+            self._gpu_util.append((now, sum(utils) / len(utils)))
 
     def _remember_loaders(self, model: JobModel) -> None:
         training = model.training
@@ -658,6 +690,179 @@ def fragmentation(model: JobModel, now: float, advisor: Advisor) -> Check | None
     )
 
 
+def _capability(text: str | None) -> tuple[int, int] | None:
+    try:
+        major, minor = (text or "").split(".")
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+def float32_matmuls(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+    """Most sampled matmul calls take float32 inputs on a CUDA device with tensor cores: no
+    autocast, so the tensor cores idle (or run TF32 at half bf16's rate)."""
+    ops = model.op_timings
+    latest = ops.latest
+    if latest is None or not ops.device or not latest.total_matmuls:
+        return None
+    calls = sum(m.calls for m in latest.total_matmuls)
+    fp32 = sum(m.calls for m in latest.total_matmuls if m.dtype == "float")
+    if calls < FP32_MATMUL_MIN_CALLS or fp32 < FP32_MATMUL_SHARE * calls:
+        return None
+    devices = [
+        (info, cap)
+        for info in model.devices
+        if info.id.startswith("cuda")
+        and (cap := _capability(info.capability)) is not None
+        and cap >= TENSOR_CORE_CAPABILITY
+    ]
+    if not devices:
+        return None
+    info, cap = devices[0]
+    share = fp32 / calls
+    return Check(
+        "warning",
+        "float32 matmuls: the tensor cores are left idle",
+        {
+            "float32_share": round(share, 3),
+            "matmul_calls": calls,
+            "dtypes": {m.dtype: m.calls for m in latest.total_matmuls},
+            "device": info.id,
+            "device_name": info.name,
+            "capability": info.capability,
+        },
+        (
+            f"{_pct(share)} of {calls} sampled matmul calls in float32 on {info.name} "
+            f"(compute capability {cap[0]}.{cap[1]}, tensor cores), no autocast"
+        ),
+        (latest.t - latest.total_duration_s, latest.t),
+        (
+            "Run the forward pass under bf16 autocast: the matmuls use the tensor cores at "
+            "several times float32's rate and half the activation memory. At the least, let "
+            "float32 matmuls use TF32: torch.set_float32_matmul_precision('high')."
+        ),
+        "with torch.autocast('cuda', dtype=torch.bfloat16): loss = model(x)",
+        "mixed-precision",
+    )
+
+
+def cpu_oversubscription(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+    """More threads want the CPU than it has: torch's intra-op threads in each of the job's
+    processes on the node (warning), or those and the busy DataLoader workers (info: the
+    workers are measured busy, but whether the threads suffer is not)."""
+    host = model.host
+    latest = model.op_timings.latest
+    if host is None or not host.cpus or latest is None or latest.torch_threads is None:
+        return None
+    cpus = host.cpus
+    threads = latest.torch_threads
+    processes = host.local_processes or 1
+    pool = threads * processes
+    busy = [
+        w
+        for state in model.training.loader_list
+        for w in state.stats.workers
+        if w.alive and (w.cpu_percent or 0.0) >= BUSY_WORKER_PERCENT
+    ]
+    evidence: dict[str, Any] = {
+        "torch_threads": threads,
+        "processes": processes,
+        "busy_workers": len(busy),
+        "cpus": cpus,
+    }
+    fit = max(1, (cpus - len(busy)) // processes)
+    code = f"torch.set_num_threads({fit})  # or OMP_NUM_THREADS={fit}"
+    where = f" in each of {processes} processes" if processes > 1 else ""
+    if pool > cpus:
+        return Check(
+            "warning",
+            "CPU oversubscription: more torch threads than cores",
+            evidence,
+            f"{threads} torch threads{where} for {cpus} CPUs",
+            (latest.began, latest.t),
+            (
+                "The intra-op threads outnumber the cores, so they take turns and wait for "
+                "each other at every parallel op: set the threads to the cores each process "
+                "has, less the DataLoader workers' share."
+            ),
+            code,
+            "dataloader",
+        )
+    if threads > 1 and pool + len(busy) > cpus:
+        return Check(
+            "info",
+            "CPU oversubscription: DataLoader workers compete with the torch threads",
+            evidence,
+            f"{threads} torch threads{where} and {len(busy)} busy DataLoader workers for "
+            f"{cpus} CPUs",
+            (latest.began, latest.t),
+            (
+                "The busy workers and the intra-op threads share too few cores: give torch "
+                "the cores the workers leave."
+            ),
+            code,
+            "dataloader",
+        )
+    return None
+
+
+#: Rules whose finding explains a GPU left idle, in the order their fix is worth trying.
+GPU_IDLE_CAUSES = (
+    "input-bound",
+    "host-syncs",
+    "tiny-ops",
+    "cpu-oversubscription",
+    "float32-matmuls",
+)
+
+
+def low_gpu_utilization(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+    """NVML says the job's GPUs are busy less than half the time while steps run: a symptom,
+    named with whichever cause holds."""
+    recent = model.training.recent(now)
+    if recent.steps < MIN_RECENT_STEPS:
+        return None
+    readings = [(t, u) for t, u in advisor._gpu_util if t >= now - RECENT_WINDOW_S]
+    if len(readings) < LOW_GPU_UTIL_MIN_READINGS:
+        return None
+    mean = sum(u for _, u in readings) / len(readings)
+    if mean >= LOW_GPU_UTIL_PERCENT:
+        return None
+    causes = [name for name in GPU_IDLE_CAUSES if name in advisor._holding]
+    gpus = sorted(g.index for g in model.gpus.values() if g.in_job)
+    summary = (
+        f"GPU utilization {mean:.0f}% over {len(readings)} readings while {recent.steps} steps ran"
+    )
+    if causes:
+        summary += f"; cause: {', '.join(causes)}"
+        first = advisor._holding[causes[0]]
+        fix = f"The GPU waits on the CPU side: see the {', '.join(causes)} finding(s). " + first.fix
+        code, demo = first.code, first.demo
+    else:
+        fix = (
+            "The GPU waits between kernels: look at the op table and a trace for what the "
+            "CPU does meanwhile; give each step more work (a larger batch) or fewer launches "
+            "(torch.compile)."
+        )
+        code, demo = "model = torch.compile(model)", "profiling"
+    return Check(
+        "warning",
+        "Low GPU utilization while steps run",
+        {
+            "util_percent": round(mean, 1),
+            "readings": len(readings),
+            "gpus": gpus,
+            "steps": recent.steps,
+            "causes": causes,
+        },
+        summary,
+        (readings[0][0], now),
+        fix,
+        code,
+        demo,
+    )
+
+
 #: The rules, in priority order, with how long each must hold before it is shown and why.
 RULES: Sequence[_Rule] = (
     # Over the recent window (>= 5 steps, ~10 s): 3 s more so one slow batch does not flash.
@@ -674,4 +879,10 @@ RULES: Sequence[_Rule] = (
     _Rule("memory-pressure", 0.0, memory_pressure),
     # A current reading: hold 5 s so a transient cache does not flash.
     _Rule("fragmentation", 5.0, fragmentation),
+    # Over every window that recorded inputs (the first on a CUDA job, then one in four).
+    _Rule("float32-matmuls", 0.0, float32_matmuls),
+    # A setting, read at each op window: 5 s so workers starting an epoch do not flash.
+    _Rule("cpu-oversubscription", 5.0, cpu_oversubscription),
+    # Last: it names the causes above that hold. Over >= 5 readings of ~10 s, held 5 s more.
+    _Rule("low-gpu-utilization", 5.0, low_gpu_utilization),
 )

@@ -178,10 +178,18 @@ class CudaMemoryProbe:
                     name=str(props.name),
                     total_bytes=int(props.total_memory),
                     uuid=gpu_uuid(getattr(props, "uuid", None)),
+                    capability=_capability(props),
                 )
             return DeviceInfo(id=f"cuda:{index}", name=str(cuda.get_device_name(index)))
         except Exception:
             return fallback
+
+
+def _capability(props: Any) -> str | None:
+    major, minor = getattr(props, "major", None), getattr(props, "minor", None)
+    if isinstance(major, int) and isinstance(minor, int):
+        return f"{major}.{minor}"
+    return None
 
 
 def gpu_uuid(value: Any) -> str | None:

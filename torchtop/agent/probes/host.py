@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -35,6 +36,9 @@ class HostProbe:
         # psutil's cpu_percent(interval=None) measures since its previous call; the first call
         # only starts the measurement, so its 0.0 means nothing and is reported as None.
         self._cpu_primed = False
+        # Fixed for the process's life (the job may change its affinity; few do): read once.
+        self._cpus = usable_cpus()
+        self._local_processes = local_processes()
 
     def read(self) -> HostStats:
         """The current numbers. Raises :class:`ProbeUnavailable` once the process is gone."""
@@ -68,7 +72,26 @@ class HostProbe:
             children=self._children,
             system_used_bytes=used,
             system_total_bytes=total,
+            cpus=self._cpus,
+            local_processes=self._local_processes,
         )
+
+
+def usable_cpus() -> int | None:
+    """The CPUs this process may run on: its affinity where the platform has one."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
+def local_processes() -> int | None:
+    """The job's processes on this node, as torchrun says (``LOCAL_WORLD_SIZE``)."""
+    try:
+        value = int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return value if value > 0 else None
 
 
 def _field(get: Callable[[], _T]) -> _T | None:
