@@ -418,3 +418,20 @@ def test_export_of_one_pid_serves_that_job_and_ends_with_it(tmp_path: Any) -> No
     finally:
         job.kill()
         job.wait()
+
+
+def test_each_finding_that_holds_is_a_series_until_it_clears() -> None:
+    from test_advice import input_job
+
+    model = model_of([hello(3), *input_job(0.5, 10, T0)])
+    snap = snapshot_of(model)
+    assert snap is not None and snap.findings == (("input-bound", "critical"),)
+    got = values(exposition([snap]))
+    finding = labels(finding="input-bound", severity="critical")
+    assert got[("torchtop_advice_finding", finding)] == 1
+    assert [n for n, _ in got].count("torchtop_advice_finding") == 1
+
+    model.apply_all(input_job(0.0, 15, T0 + 10))  # the waits stop: the finding clears
+    cleared = snapshot_of(model)
+    assert cleared is not None and cleared.findings == ()
+    assert "torchtop_advice_finding" not in {n for n, _ in values(exposition([cleared]))}

@@ -6,7 +6,9 @@ Prometheus's conventions: a ``torchtop_`` prefix, base units (``_bytes``, ``_sec
 Labels say which job, rank and device a series is: ``run``, ``rank``, ``local_rank``,
 ``hostname``, ``device``, and the GPU's ``UUID`` spelled as NVIDIA's DCGM exporter spells it, so
 ``on (UUID)`` joins torchtop's series with DCGM's. Nothing per step, op or phase becomes a label,
-and nothing DCGM already exports (utilization, temperature, power) is exported again.
+and nothing DCGM already exports (utilization, temperature, power) is exported again. The
+advisor's findings are one series each while they hold, labelled by rule and severity (a fixed
+set of a dozen names), as Prometheus's own ``ALERTS`` series are.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ Kind = Literal["counter", "gauge", "summary"]
 JOB_LABELS = ("run", "rank", "local_rank", "hostname")
 #: The labels of every device-level series.
 DEVICE_LABELS = (*JOB_LABELS, "device", "UUID")
+#: The labels of an advisor finding's series.
+FINDING_LABELS = (*JOB_LABELS, "finding", "severity")
 #: ``MemoryStats.source`` of the CUDA caching allocator.
 SOURCE_CUDA = "cuda"
 
@@ -144,8 +148,18 @@ def families(snapshots: Iterable[JobSnapshot]) -> list[Family]:
         DEVICE_LABELS,
         "{oom}",
     )
+    findings = Family(
+        "torchtop_advice_finding",
+        "gauge",
+        "1 for each finding of torchtop's advisor that holds now, by rule and severity "
+        "(info, warning, critical); its evidence and fix are in the viewer and the report.",
+        FINDING_LABELS,
+        "{finding}",
+    )
     for snap in snapshots:
         labels = job_labels(snap)
+        for name, severity in snap.findings:
+            findings.points.append(Point((*labels, name, severity), 1))
         steps.points.append(Point(labels, snap.steps_total))
         step_time.points.append(Point(labels, snap.timed_steps, snap.step_time_s))
         wait.points.append(Point(labels, snap.dataloader_wait_s))
@@ -175,6 +189,7 @@ def families(snapshots: Iterable[JobSnapshot]) -> list[Family]:
         ooms,
         rss,
         sample_t,
+        findings,
     ]
 
 

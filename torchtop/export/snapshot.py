@@ -69,6 +69,8 @@ class JobSnapshot:
     host_rss_bytes: int | None = None
     devices: tuple[DeviceFigures, ...] = ()
     exited: bool = False
+    #: The advisor's findings that hold now: (rule name, severity), worst first.
+    findings: tuple[tuple[str, str], ...] = ()
 
 
 def snapshot_of(model: JobModel) -> JobSnapshot | None:
@@ -114,6 +116,7 @@ def snapshot_of(model: JobModel) -> JobSnapshot | None:
         host_rss_bytes=model.host.rss_bytes if model.host is not None else None,
         devices=tuple(devices),
         exited=model.job_ended,
+        findings=tuple((f.name, f.severity) for f in model.advice.findings),
     )
 
 
