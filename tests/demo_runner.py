@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from torchtop.model import JobModel
 from torchtop.protocol import PhaseBegan
 from torchtop.recording import read_recording
 
@@ -43,7 +44,60 @@ def run_demo(name: str, tmp_path: Path | None = None) -> str:
         )
         assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
         check_phase_descriptions(record)
+        assert false_findings(name, record) == []
     return proc.stdout
+
+
+#: Each demo's good variants (phase names, or their beginnings) and the findings its bad
+#: variants may show. Nothing else may be found, and no finding may rest on evidence taken
+#: inside a good variant alone: the false-positive check of the advisor.
+GOOD_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "tensors": (("view (no copy)", "slice "), frozenset()),
+    "vectorization": (("vectorized ", "torch.matmul"), frozenset({"tiny-ops"})),
+    "inplace": (("avg.mul_(", "avg.zero_()", "sigmoid() * 2"), frozenset()),
+    "autograd": (("no_grad()", "inference_mode()"), frozenset({"eval-with-grad"})),
+    "memory": (("del as you go", "total_loss += loss.item()"), frozenset({"memory-creep"})),
+    "checkpointing": (("checkpoint ",), frozenset({"memory-pressure", "fragmentation"})),
+    "mixed-precision": (
+        ("bfloat16 autocast", "float16 autocast"),
+        frozenset({"memory-pressure", "float32-matmuls", "low-gpu-utilization"}),
+    ),
+    "broadcasting": (("broadcasting", "shapes checked"), frozenset()),
+    "dataloader": (("2 workers", "2, persistent", "2, pinned"), frozenset({"input-bound"})),
+    "device": (("to() once", ".item() at the end"), frozenset({"host-syncs"})),
+    # Its phases show tools, none a mistake: every one is a good variant.
+    "profiling": (("no profiler", "torch.profiler", "cProfile"), frozenset()),
+    "oom": (
+        ("4 micro-batches", "checkpoint ", "no_grad() eval"),
+        frozenset({"memory-pressure", "fragmentation"}),
+    ),
+}
+
+
+def false_findings(name: str, record: Path) -> list[str]:
+    """The warnings and critical findings of the demo's recording, fed message by message as
+    the viewer is fed, that its good variants should not have: a finding none of its bad
+    variants may show, or one whose evidence window lies inside a good variant."""
+    prefixes, expected = GOOD_VARIANTS[name]
+    model = JobModel(mode="replay")
+    seen: dict[tuple[str, float, float], str] = {}
+    for message in read_recording(record).messages:
+        model.apply(message)
+        for f in model.advice.findings:
+            if f.severity in ("warning", "critical"):
+                seen[(f.name, f.window_start, f.window_end)] = f.summary
+    good = [
+        (p.start, p.end if p.end is not None else model.now or p.start)
+        for p in model.phases
+        if p.start is not None and p.name.startswith(prefixes)
+    ]
+    start = model.start or 0.0
+    false = []
+    for (finding, begin, end), summary in seen.items():
+        inside = any(s <= begin and end <= e for s, e in good)
+        if finding not in expected or inside:
+            false.append(f"{finding} [{begin - start:.1f}, {end - start:.1f}] s: {summary}")
+    return false
 
 
 def check_phase_descriptions(record: Path) -> None:

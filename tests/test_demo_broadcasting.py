@@ -4,28 +4,18 @@ way round: broadcasting's peak memory below the materializing variants'."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
+from demo_runner import run_demo
 
 RESULT_PREFIX = "TORCHTOP_DEMO_RESULT "
 
 
 @pytest.fixture(scope="module")
 def demo_output() -> str:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TORCHTOP_DEMO_RESULT": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchtop", "demo", "broadcasting", "--headless", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
+    # As a user runs it, recorded: its phases described, its good variants found healthy.
+    return run_demo("broadcasting")
 
 
 def _results(output: str) -> dict[str, dict[str, Any]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from demo_runner import results_of
+from demo_runner import false_findings, results_of
 
 from torchtop import cli
 from torchtop.protocol import PhaseBegan
@@ -57,6 +57,7 @@ def run_oom_demo(tmp_path: Path) -> tuple[str, dict[str, Any], Path]:
 @pytest.mark.slow
 def test_the_batch_runs_out_of_memory_and_three_ways_fit_it(tmp_path: Path) -> None:
     output, report, record = run_oom_demo(tmp_path)
+    assert false_findings("oom", record) == []  # the ways that fit find nothing wrong
     lines = output.splitlines()
     conclusions = [line for line in lines if line.startswith("batch ") and " ran out of " in line]
     assert len(conclusions) == 1, output

@@ -51,6 +51,10 @@ CREEP_CHUNKS = 5
 CREEP_FLOORS_PER_CHUNK = 2
 CREEP_MIN_BYTES = 16 << 20
 CREEP_MIN_SHARE = 0.05
+#: The same on a CPU job, whose RSS also grows as the C heap's arenas warm up and batches from
+#: DataLoader workers are mapped in: tens of MiB over hundreds of steps with nothing kept.
+CREEP_MIN_BYTES_RSS = 64 << 20
+CREEP_MIN_SHARE_RSS = 0.10
 #: Evaluation with autograd on: batches fetched with grad mode on by a loader that is not a
 #: training loader, in one evaluation interval.
 EVAL_GRAD_MIN_BATCHES = 2
@@ -62,7 +66,11 @@ SYNC_PER_STEP = 1.0
 #: op calls per step.
 TINY_OP_S = 30e-6
 TINY_OP_SHARE = 0.5
-TINY_OP_CALLS_PER_STEP = 100
+#: (A small model's whole step, forward, backward and optimizer, runs 100-300 ops: 156 in the
+#: profiling demo's MLP. A Python loop over a tensor's rows runs thousands.)
+TINY_OP_CALLS_PER_STEP = 500
+#: ... over at least this many profiled steps (three windows of two steps), not one glimpse.
+TINY_OP_MIN_STEPS = 6
 #: Memory pressure: peak reserved over the device's memory.
 PRESSURE_SHARE = 0.90
 #: Fragmentation: reserved at least this many times allocated, and this share of the device.
@@ -444,7 +452,11 @@ def memory_creep(model: JobModel, now: float, advisor: Advisor) -> Check | None:
     if any(b <= a for a, b in pairwise(lows)):
         return None
     rise = floors[-1] - floors[0]
-    if rise < max(CREEP_MIN_BYTES, CREEP_MIN_SHARE * max(floors[0], 1)):
+    if cuda:
+        least, share = CREEP_MIN_BYTES, CREEP_MIN_SHARE
+    else:
+        least, share = CREEP_MIN_BYTES_RSS, CREEP_MIN_SHARE_RSS
+    if rise < max(least, share * max(floors[0], 1)):
         return None
     per_step = rise / steps
     label = memory.allocated_label if cuda else memory.reserved_label
@@ -570,7 +582,7 @@ def _syncs(name: str) -> bool:
 def tiny_ops(model: JobModel, now: float, advisor: Advisor) -> Check | None:
     """Most of the op time in ops of a few µs each, many per step: launch-bound."""
     latest = model.op_timings.latest
-    if latest is None or not latest.total_steps:
+    if latest is None or latest.total_steps < TINY_OP_MIN_STEPS:
         return None
     ops = latest.cumulative
     total = sum(op.self_cpu_s for op in ops)
