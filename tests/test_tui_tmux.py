@@ -133,3 +133,24 @@ def test_a_job_stopped_from_the_viewer_exits_130(terminal: Terminal) -> None:
     finally:
         for agent in list_agents():
             os.kill(agent.pid, signal.SIGKILL)
+
+
+def test_an_input_bound_job_shows_its_finding_with_evidence_at_80_by_24(
+    terminal: Terminal,
+) -> None:
+    """The header counts the finding; ``a`` opens the Advice panel with its evidence, its fix
+    and its demo, readable in an 80x24 terminal."""
+    script = SCRIPTS / "advice_jobs.py"
+    command = f"{sys.executable} -m torchtop run {script} --case input-bound; echo EXIT=$?"
+    terminal.keys(command, "Enter")
+    # The header's summary: the data wait is about 40% of each step (critical) or just under.
+    terminal.wait_for(lambda s: re.search(r"1 (critical|warning)", s), timeout=120)
+    terminal.keys("a")
+    panel = terminal.wait_for(lambda s: "Input-bound" in s and "see: torchtop demo" in s)
+    assert re.search(r"evidence \(\d+ s-\d+ s\): data wait \d+% of step time", panel), panel
+    assert "num_workers=0" in panel and "torchtop demo dataloader" in panel
+    assert max(len(line) for line in panel.splitlines()) <= 80
+    terminal.keys("Escape")
+    terminal.wait_for(lambda s: "ended · exit 0" in s, timeout=120)
+    terminal.keys("q")
+    assert "EXIT=0\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
