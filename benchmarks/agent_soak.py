@@ -4,10 +4,12 @@ One process trains a small MLP on one CPU thread with the agent at its defaults 
 on) and a viewer process attached all along. Every 15 s it records its RSS and the bytes the
 agent's history and client queues hold. Three times (after the first minute, half-way, and at
 the end) a separate process sends 1,000 hellos (connect, hello, close, from 8 threads at once),
-three times, and the job's steps per second while it runs are compared with the steps per second
-just before, and with those during the same storm sent to a listener of the storm process's own
-(the control: on a machine with few cores the storm's own threads take CPU from the job, agent
-or not). Reported: RSS growth beyond the first minute (in all, and per hour by a least-squares
+three times, and the job's steps per second from the storm's start (over at least 3 s: the
+agent's work may outlast the storm) are compared with the steps per second just before, and
+with those during the same storm sent to a listener of the storm process's own (the control: on
+a machine with few cores the storm's own threads take CPU from the job, agent or not), and the
+CPU seconds the agent's I/O thread spent on it (robust where steps/s are not, on a busy
+machine). Reported: RSS growth beyond the first minute (in all, and per hour by a least-squares
 fit), the history's and queues' bytes, and the steps/s ratios during the storms.
 
     python -m benchmarks.agent_soak --minutes 30     # the README's figures
@@ -38,6 +40,8 @@ HELLOS = 1000
 THREADS = 8
 #: Storms at the agent (each after one at the control listener) per measurement; medians.
 ROUNDS = 3
+#: Seconds of steps/s measured from the start of each storm, at least.
+WINDOW_S = 3.0
 #: Seconds of steps/s measured before each storm.
 BEFORE_S = 10.0
 #: Seconds between two memory readings, and the time after which growth is counted.
@@ -45,7 +49,7 @@ MEMORY_EVERY_S = 15.0
 WARM_S = float(os.environ.get("SOAK_WARM_S", "60"))
 
 STORM = """
-import socket, sys, threading
+import socket, sys, threading, time
 from torchtop.protocol import PROTOCOL_VERSION, ClientHello, encode
 path, hellos, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if path == "-":  # the control: a listener of our own that reads each hello and closes
@@ -74,9 +78,10 @@ def run(n):
 workers = [threading.Thread(target=run, args=(hellos // threads,)) for _ in range(threads)]
 print("ready", flush=True)
 sys.stdin.readline()
+began = time.monotonic()
 for w in workers: w.start()
 for w in workers: w.join()
-print(len(failed), flush=True)
+print(len(failed), time.monotonic() - began, flush=True)
 """
 
 
@@ -103,8 +108,9 @@ def train_for(step, seconds: float) -> tuple[int, float]:  # type: ignore[no-unt
 
 
 def one_storm(step, path: str, *control: str) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
-    """Steps/s while one storm runs (from the signal to go, given once the storm process has
-    started and built its threads, to its exit), its length, and the hellos that failed."""
+    """Steps/s from the signal to go (given once the storm process has started and built its
+    threads) to the storm's exit or ``WINDOW_S`` later, whichever is last (the agent's work
+    on the storm may outlast it); the storm's length, and the hellos that failed."""
     proc = subprocess.Popen(
         [sys.executable, "-c", STORM, path, str(HELLOS), str(THREADS), *control],
         stdin=subprocess.PIPE,
@@ -115,9 +121,20 @@ def one_storm(step, path: str, *control: str) -> tuple[float, float, int]:  # ty
     assert proc.stdout.readline().strip() == "ready"
     proc.stdin.write("go\n")
     proc.stdin.flush()
-    steps, seconds = train_while(step, lambda: proc.poll() is None)
-    failed = int(proc.stdout.read().strip() or 0)
-    return steps / seconds if seconds > 0 else 0.0, seconds, failed
+    until = time.monotonic() + WINDOW_S
+    steps, seconds = train_while(step, lambda: proc.poll() is None or time.monotonic() < until)
+    failed, length = proc.stdout.read().split()
+    return steps / seconds if seconds > 0 else 0.0, float(length), int(failed)
+
+
+def server_cpu_s() -> float:
+    """CPU seconds the agent's I/O thread has used (its work holds the job's GIL)."""
+    for thread in threading.enumerate():
+        if thread.name == "torchtop-server" and thread.native_id is not None:
+            with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
 
 
 def storm(step, path: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -127,12 +144,14 @@ def storm(step, path: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
     steps, seconds = train_for(step, BEFORE_S)
     before = steps / seconds
     control_path = f"{path}.control"
-    controls, durings, lengths, failed = [], [], [], 0
+    controls, durings, lengths, cpus, failed = [], [], [], [], 0
     for _ in range(ROUNDS):
         with contextlib.suppress(OSError):
             os.unlink(control_path)
         controls.append(one_storm(step, "-", control_path)[0])
+        cpu = server_cpu_s()
         rate, length, lost = one_storm(step, path)
+        cpus.append(server_cpu_s() - cpu)
         durings.append(rate)
         lengths.append(length)
         failed += lost
@@ -142,6 +161,8 @@ def storm(step, path: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
     return {
         "storm_s": round(statistics.median(lengths), 2),
         "hellos_failed": failed,
+        # Robust where steps/s are not (a shared machine): the agent's own work on the storm.
+        "agent_io_cpu_s": round(statistics.median(cpus), 3),
         "steps_per_s_before": round(before, 1),
         "steps_per_s_control": round(control, 1),
         "steps_per_s_during": round(during, 1),

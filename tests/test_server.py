@@ -365,3 +365,49 @@ def test_queues_are_bounded_in_bytes_for_all_clients(monkeypatch: pytest.MonkeyP
         assert srv.total_dropped() > 0
     finally:
         srv.stop(drain_s=0)
+
+
+def test_a_storm_of_hellos_costs_no_more_replays_than_the_greeting_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hundreds of peers that say hello and close at once: only the budget's worth get a hello
+    (and a history replay); the others are dropped unanswered, and a viewer after them is
+    answered with the whole history."""
+    monkeypatch.setattr(server_module, "GREET_BURST", 4)
+    monkeypatch.setattr(server_module, "GREET_PER_S", 5.0)
+    srv = _server()
+    for i in range(100):
+        srv.publish(_mark(i), EVENTS)
+    start = time.monotonic()
+    srv.start()
+    try:
+        for _ in range(300):
+            _connect(srv).close()
+        viewer = _connect(srv)
+        messages = _read(viewer, 101, timeout=10)
+        elapsed = time.monotonic() - start
+        assert isinstance(messages[0], Hello)
+        assert [m.name for m in messages[1:] if isinstance(m, Marked)] == [
+            f"m{i}" for i in range(100)
+        ]
+        assert srv.clients_seen <= 4 + 5.0 * elapsed + 1, (srv.clients_seen, elapsed)
+        assert srv.clients_seen < 300
+    finally:
+        srv.stop(drain_s=0)
+
+
+def test_a_hello_waiting_for_its_turn_is_not_expired_as_silent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server_module, "GREET_BURST", 1)
+    monkeypatch.setattr(server_module, "GREET_PER_S", 2.0)
+    monkeypatch.setattr(server_module, "HELLO_TIMEOUT_S", 0.2)
+    srv = _server()
+    srv.start()
+    try:
+        viewers = [_connect(srv) for _ in range(4)]  # the last waits about 1.5 s for its turn
+        for sock in viewers:
+            assert isinstance(_read(sock, 1)[0], Hello)
+        assert srv.client_count == 4
+    finally:
+        srv.stop(drain_s=0)

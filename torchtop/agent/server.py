@@ -66,6 +66,11 @@ REQUEST_BURST = 3
 REQUEST_EVERY_S = 2.0
 #: Distinct request actions tracked; further unknown ones share one budget.
 MAX_REQUEST_ACTIONS = 16
+#: Hellos answered (each starts a history replay, the costly part of a new viewer): a burst of
+#: ``GREET_BURST``, then ``GREET_PER_S`` a second. Later hellos wait their turn, reading on: a
+#: storm's peers that close meanwhile are dropped without ever costing a replay.
+GREET_BURST = 16
+GREET_PER_S = 50.0
 #: Failures of the I/O thread after which the server closes its socket for good.
 MAX_FAILURES = 5
 
@@ -109,8 +114,12 @@ class _Ring:
 class _Client:
     sock: socket.socket
     connected_at: float
+    #: The socket's descriptor when accepted: its key in the server's clients.
+    fd: int = -1
     splitter: FrameSplitter = field(default_factory=lambda: FrameSplitter(limit=64 * 1024))
     greeted: bool = False
+    #: Said hello; waits for its turn to be answered (see ``GREET_PER_S``).
+    waiting: bool = False
     #: The history at the hello, not yet sent (references into the rings, never copies).
     replay: Iterator[tuple[int, bytes]] | None = None
     queue: deque[bytes] = field(default_factory=deque)
@@ -151,6 +160,11 @@ class AgentServer:
         self._stopping = threading.Event()
         self._thread = self._new_thread()
         self._request_budget: dict[str, tuple[float, float]] = {}
+        self._waiting: deque[_Client] = deque()
+        #: Connections not greeted yet, oldest first (by ``id``; the I/O thread's own).
+        self._pending: dict[int, _Client] = {}
+        self._greet_tokens = float(GREET_BURST)
+        self._greet_refilled = time.monotonic()
         self.clients_seen = 0
         #: Connections closed because MAX_CLIENTS viewers or MAX_PENDING handshakes were open.
         self.refused = 0
@@ -255,6 +269,8 @@ class AgentServer:
             clients = list(self._clients.values())
             self._clients.clear()
             self._queued_bytes = 0
+        self._pending.clear()
+        self._waiting.clear()
         for client in clients:
             _close(client.sock)
         _close(self._listener)
@@ -307,7 +323,8 @@ class AgentServer:
 
     def _serve(self) -> None:
         while not self._stopping.is_set():
-            for key, mask in self._selector.select(timeout=0.5):
+            timeout = 1.0 / GREET_PER_S if self._waiting else 0.5
+            for key, mask in self._selector.select(timeout=timeout):
                 if key.data == "listen":
                     self._accept()
                 elif key.data == "wake":
@@ -324,6 +341,7 @@ class AgentServer:
                     except Exception:  # whatever a peer provokes closes only that peer
                         self.bad_peers += 1
                         self._drop_client(client)
+            self._greet_waiting()
             self._pump()
             self._expire_handshakes()
 
@@ -343,13 +361,14 @@ class AgentServer:
             if uid is not None and uid != os.getuid():
                 _close(sock)
                 continue
-            with self._lock:
-                pending = [c for c in self._clients.values() if not c.greeted]
-            if len(pending) >= MAX_PENDING:
+            if len(self._pending) >= MAX_PENDING:
                 self.refused += 1
-                self._drop_client(min(pending, key=lambda c: c.connected_at))
+                # The oldest silent one first: one that said hello is more likely a viewer.
+                pending = self._pending.values()
+                self._drop_client(next((c for c in pending if not c.waiting), next(iter(pending))))
             sock.setblocking(False)
-            client = _Client(sock=sock, connected_at=time.monotonic())
+            client = _Client(sock=sock, connected_at=time.monotonic(), fd=sock.fileno())
+            self._pending[id(client)] = client
             with self._lock:
                 self._clients[sock.fileno()] = client
             self._selector.register(sock, selectors.EVENT_READ, client)
@@ -368,6 +387,8 @@ class AgentServer:
         try:
             for frame in client.splitter.feed(data):
                 message = decode(frame)
+                if client.waiting:
+                    raise ProtocolError("a second frame before the hello was answered")
                 if not client.greeted:
                     if not isinstance(message, ClientHello):
                         raise ProtocolError("the first frame must be a client hello")
@@ -377,7 +398,8 @@ class AgentServer:
                         self.refused += 1
                         self._drop_client(client)
                         return
-                    self._greet(client)
+                    client.waiting = True
+                    self._waiting.append(client)
                 elif isinstance(message, Request) and self._allow_request(message.action):
                     # Handed over, never served here: this thread must keep moving frames.
                     with contextlib.suppress(Exception):
@@ -401,6 +423,25 @@ class AgentServer:
         self._request_budget[action] = (tokens - 1.0, now)
         return True
 
+    def _greet_waiting(self) -> None:
+        """Answer the waiting hellos the budget allows, oldest first; skip the peers gone."""
+        now = time.monotonic()
+        self._greet_tokens = min(
+            float(GREET_BURST), self._greet_tokens + (now - self._greet_refilled) * GREET_PER_S
+        )
+        self._greet_refilled = now
+        while self._waiting and self._greet_tokens >= 1.0:
+            client = self._waiting.popleft()
+            if not client.waiting:  # dropped meanwhile
+                continue
+            if self.client_count >= MAX_CLIENTS:
+                self.refused += 1
+                self._drop_client(client)
+                continue
+            client.waiting = False
+            self._greet_tokens -= 1.0
+            self._greet(client)
+
     def _greet(self, client: _Client) -> None:
         hello = self._hello_frame()
         with self._lock:
@@ -409,6 +450,7 @@ class AgentServer:
             snapshot = [list(ring.items) for ring in self._rings.values() if ring.items]
             client.greeted = True
             self.clients_seen += 1
+        self._pending.pop(id(client), None)
         client.outbuf += hello
         client.replay = heapq.merge(*snapshot)
 
@@ -466,24 +508,24 @@ class AgentServer:
 
     def _expire_handshakes(self) -> None:
         now = time.monotonic()
-        with self._lock:
-            late = [
-                c
-                for c in self._clients.values()
-                if not c.greeted and now - c.connected_at > HELLO_TIMEOUT_S
-            ]
+        late = [
+            c
+            for c in self._pending.values()
+            if not c.waiting and now - c.connected_at > HELLO_TIMEOUT_S
+        ]
         for client in late:
             self._drop_client(client)
 
     def _drop_client(self, client: _Client) -> None:
         with self._lock:
-            for key, value in list(self._clients.items()):
-                if value is client:
-                    del self._clients[key]
-                    self._queued_bytes -= client.queued_bytes
+            if self._clients.get(client.fd) is client:
+                del self._clients[client.fd]
+                self._queued_bytes -= client.queued_bytes
             client.queue.clear()
             client.queued_bytes = 0
         client.replay = None
+        client.waiting = False
+        self._pending.pop(id(client), None)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(client.sock)
         _close(client.sock)
