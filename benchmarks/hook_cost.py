@@ -2,11 +2,13 @@
 
 Two views, each the median of many alternating rounds:
 
-- the hooks alone: the optimizer pre/post hooks as torch calls them, and the ``__next__``
-  wrapper around a ``__next__`` that returns a ready batch (the wrapper's cost over the bare
-  call): what the training thread pays, and nothing else;
-- end to end: ``optimizer.step()`` of a one-parameter SGD, and ``next()`` on an in-memory
-  DataLoader, with the hooks installed against without them (the difference per call).
+- the hooks alone: the optimizer pre/post hooks as torch calls them, the ``__next__``
+  wrapper around a ``__next__`` that returns a ready batch, and the ``torch.autograd.backward``
+  wrapper around a function that returns at once (each wrapper's cost over the bare call):
+  what the training thread pays, and nothing else;
+- end to end: ``optimizer.step()`` of a one-parameter SGD, ``next()`` on an in-memory
+  DataLoader, and ``loss.backward()`` of a one-parameter loss, with the hooks installed
+  against without them (the difference per call).
 
 The events the hooks leave are drained between rounds, outside the timing, as the agent's
 sampler thread does.
@@ -99,6 +101,12 @@ def main() -> None:
     wrapped = wrap_next(bare)
     results["__next__ wrapper"] = paired(lambda: wrapped(it), lambda: bare(it), calls, rounds)
 
+    def returns() -> None:
+        return None
+
+    backward = step_hooks.wrap_backward(returns)
+    results["backward wrapper"] = paired(backward, returns, calls, rounds)
+
     # End to end, with the real classes patched and unpatched.
     monitor = TrainingMonitor()
     monitor.start()
@@ -108,20 +116,30 @@ def main() -> None:
         "step_off": [],
         "next_on": [],
         "next_off": [],
+        "backward_on": [],
+        "backward_off": [],
     }
+    weight = torch.nn.Parameter(torch.ones(1))
+
+    def loss_backward() -> None:
+        (weight * 2.0).sum().backward()
+
     for _ in range(rounds):
         monitor.uninstall()
         end_to_end["step_off"].append(per_call_us(opt.step, calls // 4))
         end_to_end["next_off"].append(per_call_us(lambda: next(loader_it), calls // 4))
+        end_to_end["backward_off"].append(per_call_us(loss_backward, calls // 4))
         monitor.reinstall()
         end_to_end["step_on"].append(per_call_us(opt.step, calls // 4))
         end_to_end["next_on"].append(per_call_us(lambda: next(loader_it), calls // 4))
+        end_to_end["backward_on"].append(per_call_us(loss_backward, calls // 4))
         monitor.drain()
         monitor.steps.take_records()
     monitor.stop(0.0)
     for name, key in (
         ("optimizer.step() end to end", "step"),
         ("next(DataLoader) end to end", "next"),
+        ("loss.backward() end to end", "backward"),
     ):
         on, off = end_to_end[f"{key}_on"], end_to_end[f"{key}_off"]
         results[name] = {

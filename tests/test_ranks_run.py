@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,3 +140,101 @@ def test_launchers_are_told_from_scripts(tmp_path: Path) -> None:
     assert RunSpec(["sh", "-c", "true"]).launcher  # any program on PATH
     assert not RunSpec([str(script)]).launcher
     assert not RunSpec(["-m", "json.tool"]).launcher
+
+
+# -- stragglers ----------------------------------------------------------------------------------
+
+
+def _ddp_report(tmp_path: Path, world: int, *script_args: str) -> dict[str, Any]:
+    record = _run_ddp(tmp_path, [sys.executable, "-m", "torch.distributed.run"], world,
+                      *script_args)  # fmt: skip
+    return dict(report_json(record))
+
+
+def _named(report: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    return [f for f in report["findings"] if f["name"] == name]
+
+
+@pytest.mark.parametrize(
+    ("world", "where", "cause"), [(4, "data", "data"), (3, "forward", "compute")]
+)
+def test_a_rank_slower_by_30_ms_per_step_is_named_straggler_with_its_cause(
+    tmp_path: Path, world: int, where: str, cause: str
+) -> None:
+    report = _ddp_report(
+        tmp_path, world, "--steps", "120", "--slow-rank", "2", "--slow-ms", "30",
+        "--slow-in", where,
+    )  # fmt: skip
+    (finding,) = _named(report, "straggler")
+    assert finding["rank"] == 2 and finding["severity"] in ("warning", "critical")
+    evidence = finding["evidence"]
+    assert evidence["score"] >= 0.10 and evidence["cause"] == cause
+    # The others waited for it in backward; it waited least.
+    times = {r["rank"]: r for r in evidence["ranks"]}
+    assert min(times, key=lambda r: times[r]["backward_s"]) == 2
+    # The gap is about the 30 ms it slept: the evidence is the measure, not a guess.
+    assert 0.015 < evidence["gap_s"] < 0.060
+    assert "rank 2" in finding["summary"]
+    assert {r["rank"] for r in report["ranks"]} == set(range(world))
+
+
+def test_a_balanced_run_names_no_straggler(tmp_path: Path) -> None:
+    # Every rank sleeps the same 20 ms per step: a step long beside this machine's CPU noise.
+    report = _ddp_report(tmp_path, 3, "--steps", "120", "--sleep-ms", "20")
+    assert _named(report, "straggler") == []
+    assert all(r["recent_backward_s"] for r in report["ranks"])  # measured, not absent
+
+
+# -- hangs and dead ranks ------------------------------------------------------------------------
+
+
+def test_a_rank_blocked_before_a_collective_is_named_with_its_line_and_a_killed_rank_dead(
+    tmp_path: Path,
+) -> None:
+    from torchtop.report_ranks import summarize_ranks
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    record = tmp_path / "r.ttr"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torchtop", "run", "--headless", "--record", str(record),
+         "--no-ops", "--hang-after", "3", sys.executable, "-m", "torch.distributed.run",
+         "--standalone", "--nproc_per_node=4", str(SCRIPTS / "ddp.py"), "--pids", str(pids),
+         "--steps", "50", "--block-rank", "1", "--block-at", "5"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        # Rank 1 blocks forever; the others wait for it in the all-reduce. Watch the recording
+        # as it grows until the run's model names the hang with rank 1's stack.
+        deadline = time.monotonic() + 180
+        hang: list[dict[str, Any]] = []
+        while not hang and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(1.0)
+            if record.exists() and record.stat().st_size:
+                contents = read_recording(record)
+                report = summarize_ranks(contents.messages, contents.sources)
+                hang = [f for f in report["findings"] if f["name"] == "hang" and f["rank"] == 1]
+        assert hang, "no hang named before the deadline"
+        # Then rank 3 dies as the OOM killer would kill it.
+        (rank3,) = [int(f.name.split("-")[1]) for f in pids.iterdir() if f.read_text() == "3"]
+        os.kill(rank3, signal.SIGKILL)
+        job.wait(180)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    report = dict(report_json(record))
+    (hang_finding,) = _named(report, "hang")
+    assert hang_finding["rank"] == 1 and hang_finding["severity"] == "critical"
+    evidence = hang_finding["evidence"]
+    assert evidence["threshold_s"] == 3.0 and evidence["outside_collective"] == [1]
+    assert sorted(evidence["in_collective"]) == [0, 2, 3]
+    (row,) = [r for r in evidence["ranks"] if r["rank"] == 1]
+    source = (SCRIPTS / "ddp.py").read_text().splitlines()
+    assert row["file"] == str(SCRIPTS / "ddp.py") and "BLOCKS HERE" in source[row["line"] - 1]
+    # Rank 3 is dead with the launcher's exit code; the others were stopped after it.
+    died = {f["rank"]: f for f in _named(report, "rank_died")}
+    assert died[3]["severity"] == "critical" and died[3]["evidence"]["exit_code"] == -9
+    ranks = {r["rank"]: r for r in report["ranks"]}
+    assert ranks[3]["state"] == "dead" and ranks[3]["exit_code"] == -9
+    assert all(ranks[r]["exit_code"] not in (None, 0) for r in (0, 1, 2))

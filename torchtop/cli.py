@@ -86,6 +86,14 @@ def _add_agent_options(p: argparse.ArgumentParser) -> None:
         help="seconds between NVML reads (default 0.5)",
     )
     p.add_argument("--no-nvml", action="store_true", help="do not read GPUs through NVML")
+    p.add_argument(
+        "--hang-after",
+        metavar="S",
+        type=_positive_float,
+        default=os.environ.get("TORCHTOP_HANG_AFTER", "30"),
+        help="a job with no step for S seconds (or 10 median steps, if longer) is stuck: its "
+        "training thread's stack is sent (default 30, or $TORCHTOP_HANG_AFTER)",
+    )
 
 
 def _metrics_address(text: str) -> tuple[str, int]:
@@ -425,6 +433,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "interval_s": args.interval,
             "nvml_interval_s": args.nvml_interval,
             "nvml": not args.no_nvml,
+            "hang_after_s": args.hang_after,
             **_oom_agent_options(args),
             **_ops_agent_options(args),
         },

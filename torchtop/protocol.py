@@ -94,6 +94,9 @@ class Hello(Message):
     node_rank: int | None = None
     run_id: str | None = None
     restart_count: int | None = None
+    #: The agent's floor for calling its job stuck (``--hang-after``): no step for this many
+    #: seconds, or for ``HANG_STEPS`` median steps if longer. ``None`` from an older agent.
+    hang_after_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -425,6 +428,20 @@ MESSAGE_TYPES.update(
 #: The most steps a ``steps`` frame lists one by one; more are sampled evenly (counts and sums
 #: stay exact), which keeps the frame a few KiB at any step rate.
 MAX_STEP_DETAIL = 64
+#: The most frames a ``stack`` message carries (the innermost ones).
+MAX_HANG_FRAMES = 40
+#: A job is stuck once no step has ended for this many median steps, and at least for its
+#: agent's ``hang_after_s`` (default :data:`HANG_AFTER_S`, ``torchtop run --hang-after``).
+HANG_STEPS = 10.0
+HANG_AFTER_S = 30.0
+
+
+def hang_threshold(median_step_s: float | None, hang_after_s: float = HANG_AFTER_S) -> float:
+    """Seconds without a step after which a job counts as stuck (the agent, which sends its
+    stack then, and the model, which names the hang, use the same)."""
+    if median_step_s is None:
+        return hang_after_s
+    return max(hang_after_s, HANG_STEPS * median_step_s)
 
 
 @dataclass(frozen=True)
@@ -465,6 +482,24 @@ class StepStats(Message):
     startups: list[float] = field(default_factory=list)
     optimizer: list[float] = field(default_factory=list)
     batch_samples: list[int] = field(default_factory=list)
+    backward_s: float = 0.0
+    backwards: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StackSampled(Message):
+    """The training (main) thread's Python stack, read by the agent's own thread because the
+    job has not finished a step for ``stale_s`` seconds (at least ``threshold_s``). ``frames``
+    run outermost first, the line it is on last, cut to :data:`MAX_HANG_FRAMES` innermost.
+    Repeated every few seconds while the job stays stuck."""
+
+    KIND: ClassVar[str] = "stack"
+    t: float
+    stale_s: float
+    threshold_s: float
+    steps: int
+    thread: str
+    frames: list[StackFrame]
 
 
 @dataclass(frozen=True)
@@ -617,7 +652,7 @@ class OpsWindow(Message):
     torch_threads: int | None = None
 
 
-MESSAGE_TYPES.update({OpsWindow.KIND: OpsWindow})
+MESSAGE_TYPES.update({OpsWindow.KIND: OpsWindow, StackSampled.KIND: StackSampled})
 
 
 def step_detail_weights(count: int, listed: int) -> list[int]:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from torchtop.feed import AgentFeed
-from torchtop.protocol import Message
+from torchtop.protocol import Message, encode
 from torchtop.recording import RecordingWriter, tag_frame
 from torchtop.transport import list_agents, pid_alive
 
@@ -74,14 +74,27 @@ class RankFeeds:
             if info.pid in self.feeds or not self._below(info):
                 continue
             pid = info.pid
+            writer = TaggedWriter(self._writer, str(pid))
             feed = AgentFeed(
                 pid=pid,
                 alive=functools.partial(pid_alive, pid),
-                writer=TaggedWriter(self._writer, str(pid)),  # type: ignore[arg-type]
+                writer=writer,  # type: ignore[arg-type]
                 client="recorder",
                 on_message=self._on_message,
+                on_end=functools.partial(self._ended, pid, writer),
             )
-            self.feeds[pid] = feed.start()
+            self.feeds[pid] = feed
+            feed.start()
+
+    def _ended(self, pid: int, writer: TaggedWriter, reason: str) -> None:
+        """A rank whose stream broke off without its exit (killed): its exit, saying so, goes
+        into the recording as the rank's own, so the report shows it dead."""
+        lost = self.feeds[pid].lost_exit()
+        if lost is None:
+            return
+        writer.write_frame(encode(lost).rstrip(b"\n"))
+        if self._on_message is not None:
+            self._on_message(lost)
 
     def join(self, timeout: float | None = None) -> bool:
         """Stop looking for new ranks; wait until every followed rank's stream has ended."""

@@ -466,6 +466,7 @@ def finding_parts(findings: list[dict[str, Any]]) -> list[Any]:
         if f["code"]:
             for line in f["code"].splitlines():
                 text.append(f"\n      {line}", "green")
-        text.append(f"\n  see: {f['demo_command']}", "dim")
+        if f.get("demo_command"):
+            text.append(f"\n  see: {f['demo_command']}", "dim")
         parts.append(text)
     return parts

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchtop.model import JobModel
+from torchtop.model.ranks import died, exit_status, launcher_exits
 from torchtop.model.run import RunModel
 from torchtop.protocol import Message
 from torchtop.report import fold, report_json
@@ -26,8 +27,9 @@ def is_multi_rank(sources: Sequence[str | None]) -> bool:
 
 def rank_models(
     messages: Sequence[Message], sources: Sequence[str | None]
-) -> tuple[JobModel, list[JobModel]]:
-    """The run's own model (output lines and the launcher's exit) and each rank's, by rank."""
+) -> tuple[JobModel, list[JobModel], RunModel]:
+    """The run's own model (output lines and the launcher's exit), each rank's by rank, and
+    the ranks side by side (with the run-wide findings, the launcher's exit codes taken in)."""
     run: list[Message] = []
     ranks = RunModel(new_job=lambda: JobModel(mode="replay"))
     for message, source in zip(messages, sources, strict=True):
@@ -41,16 +43,28 @@ def rank_models(
         rank = hello.rank if hello is not None and hello.rank is not None else 1 << 30
         return rank, hello.pid if hello is not None else 0
 
-    return fold(run), sorted(ranks, key=order)
+    launcher = fold(run)
+    ranks.ranks.launcher_exits = launcher_exits(entry.text for entry in launcher.logs)
+    # Once more at the end: the exits came last, and the launcher's codes only now.
+    now = max((job.now for job in ranks if job.now is not None), default=None)
+    if now is not None:
+        ranks.ranks.evaluate(list(ranks), now)
+    return launcher, sorted(ranks, key=order), ranks
 
 
-def rank_json(job: JobModel) -> dict[str, Any]:
-    """One row of ``ranks[]``."""
+def rank_json(job: JobModel, exits: dict[int, int], job_exit: int | None) -> dict[str, Any]:
+    """One row of ``ranks[]``. Its exit code is the launcher's for a rank that failed (its
+    failure summary), the agent's where it knew it, and 0 for every rank of a job that
+    exited 0 (torchrun exits 0 only when every rank did)."""
     hello = job.hello
     run = job.training.run
     median = job.training.step_time(0.5)
     peaks = [d.peak_allocated for d in job.memory.values() if d.peak_allocated is not None]
     exit_ = job.exit
+    code = exit_status(job, exits)
+    if code is None and job_exit == 0 and exit_ is not None and not died(job, exits):
+        code = 0
+    recent = job.training.recent(job.now)
     return {
         "rank": hello.rank if hello else None,
         "local_rank": hello.local_rank if hello else None,
@@ -59,16 +73,21 @@ def rank_json(job: JobModel) -> dict[str, Any]:
         "steps": job.training.total,
         "step_time_s": round(median, 6) if median is not None else None,
         "wait_fraction": round(run.wait_fraction, 4) if run.wait_fraction is not None else None,
+        "backward_fraction": (round(run.backward_s / run.time_s, 4) if run.time_s > 0 else None),
+        "recent_backward_s": (
+            round(recent.mean_backward_s, 6) if recent.mean_backward_s is not None else None
+        ),
         "peak_allocated_bytes": max(peaks) if peaks else None,
         "peak_rss_bytes": job.peak_rss,
-        "exit_code": exit_.exit_code if exit_ is not None else None,
+        "exit_code": code,
         "exit_reason": exit_.reason if exit_ is not None else "no exit recorded",
+        "state": "dead" if died(job, exits) else "exited" if job.job_ended else "running",
     }
 
 
 def summarize_ranks(messages: Sequence[Message], sources: Sequence[str | None]) -> dict[str, Any]:
     """The report's JSON object for a multi-rank recording (keys documented in the README)."""
-    launcher, ranks = rank_models(messages, sources)
+    launcher, ranks, run = rank_models(messages, sources)
     report = report_json(ranks[0] if ranks else launcher)
     first = ranks[0].hello if ranks else None
     report["job"]["world_size"] = first.world_size if first else None
@@ -77,8 +96,15 @@ def summarize_ranks(messages: Sequence[Message], sources: Sequence[str | None]) 
     report["exit_code"] = exit_.exit_code if exit_ is not None else None
     report["exit_reason"] = exit_.reason if exit_ is not None else "no exit recorded"
     report["log_lines"] = launcher.log_total
-    report["ranks"] = [rank_json(job) for job in ranks]
-    report["findings"] = list(report.get("findings", []))
+    exits = run.ranks.launcher_exits
+    report["ranks"] = [rank_json(job, exits, report["exit_code"]) for job in ranks]
+    start = ranks[0].first_t if ranks else None
+    ranked = []
+    for finding in run.ranks.all_findings:
+        item = finding.to_json(start)
+        item["demo"] = item["demo_command"] = None  # no demo shows a multi-rank finding
+        ranked.append(item)
+    report["findings"] = [*report.get("findings", []), *ranked]
     return report
 
 

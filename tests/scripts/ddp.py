@@ -4,12 +4,20 @@ Each rank trains ``--steps`` steps of a small linear model on batches from a Dat
 ``--pids DIR`` each rank and each DataLoader worker writes a file there named by its role and
 pid (``rank-PID``, ``worker-PID``), holding the rank, so tests can tell which processes ran.
 At the end each rank prints ``RESULT {"rank": R, "steps": N}``.
+
+To make one rank misbehave: ``--slow-rank R --slow-ms MS --slow-in data|forward`` (rank R
+sleeps MS more per step in its batch collation or its forward); ``--sleep-ms MS`` (every rank
+sleeps MS in its forward: a step long enough that CPU noise is small beside it);
+``--block-rank R --block-at N`` (rank R blocks forever before its Nth backward, whose
+all-reduce the others then wait in).
 """
 
 import argparse
 import functools
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -24,16 +32,42 @@ def note(folder: str | None, role: str, rank: int, *_args: object) -> None:
         Path(folder, f"{role}-{os.getpid()}").write_text(str(rank))
 
 
+class Slept(nn.Module):
+    """A linear layer whose forward first sleeps ``ms`` milliseconds."""
+
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+        self.ms = ms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ms:
+            time.sleep(self.ms / 1000)
+        return self.linear(x)
+
+
+def slow_collate(ms: float, batch: list) -> object:
+    time.sleep(ms / 1000)
+    return torch.utils.data.default_collate(batch)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--start-method", default=None)
     parser.add_argument("--pids", default=None)
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--slow-ms", type=float, default=30.0)
+    parser.add_argument("--slow-in", choices=("data", "forward"), default="data")
+    parser.add_argument("--sleep-ms", type=float, default=0.0)
+    parser.add_argument("--block-rank", type=int, default=-1)
+    parser.add_argument("--block-at", type=int, default=5)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    slow = rank == args.slow_rank
     note(args.pids, "rank", rank)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(args.steps * 4, 8), torch.randn(args.steps * 4, 1))
@@ -43,13 +77,20 @@ def main() -> None:
         num_workers=args.workers,
         multiprocessing_context=args.start_method if args.workers else None,
         worker_init_fn=functools.partial(note, args.pids, "worker", rank) if args.workers else None,
+        collate_fn=functools.partial(slow_collate, args.slow_ms)
+        if slow and args.slow_in == "data"
+        else None,
     )
-    model = DistributedDataParallel(nn.Linear(8, 1))
+    extra = args.slow_ms if slow and args.slow_in == "forward" else 0.0
+    model = DistributedDataParallel(Slept(args.sleep_ms + extra))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     steps = 0
     for x, y in loader:
         optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        loss = nn.functional.mse_loss(model(x), y)
+        if rank == args.block_rank and steps == args.block_at:
+            threading.Event().wait()  # BLOCKS HERE: the others wait in the all-reduce below
+        loss.backward()
         optimizer.step()
         steps += 1
     dist.barrier()

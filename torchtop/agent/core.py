@@ -27,6 +27,7 @@ from torchtop.agent.ops import OpsSampler, quiet_kineto
 from torchtop.agent.output import OutputCapture
 from torchtop.agent.sampler import Sampler, SamplerStats, torch_imported
 from torchtop.agent.server import ANSWERS, EVENTS, LOGS, OPS, SAMPLES, AgentServer, RingLimit
+from torchtop.agent.stall import StallWatch
 from torchtop.agent.training import TrainingMonitor
 from torchtop.protocol import (
     PROTOCOL_VERSION,
@@ -118,6 +119,11 @@ class AgentConfig:
     #: Failures captured in full per run; later ones are reported without a snapshot.
     max_captures: int = 5
 
+    # -- stuck jobs (torchtop.agent.stall) ---------------------------------------------------
+    #: The job counts as stuck after this many seconds without a step (or HANG_STEPS median
+    #: steps, if longer); its training thread's stack is then sent (``--hang-after``).
+    hang_after_s: float = 30.0
+
     # -- op timings (torchtop.agent.ops) ----------------------------------------------------
     #: Sample torch.profiler windows (``--no-ops`` turns this off).
     ops: bool = True
@@ -147,6 +153,8 @@ class AgentConfig:
             raise ValueError("an op window must span at least one step")
         if not 0 < config.ops_budget <= 0.5:
             raise ValueError("the op-sampling budget must be above 0 and at most 0.5 (50%)")
+        if config.hang_after_s <= 0:
+            raise ValueError("--hang-after must be positive")
         if config.ops_min_spacing_s < 0:
             raise ValueError("the spacing between op windows cannot be negative")
         return config
@@ -200,7 +208,7 @@ class Agent:
                 record_shapes=config.profile_shapes,
                 with_stack=config.profile_stack,
             )
-        self.training = TrainingMonitor(ops=self.ops)
+        self.training = TrainingMonitor(ops=self.ops, stall=StallWatch(config.hang_after_s))
         self._hello_cache: tuple[tuple[bool, bool], bytes] | None = None
         self._snapshots_requested = 0
         self.server = AgentServer(
@@ -307,6 +315,7 @@ class Agent:
                 interval_s=self.config.interval_s,
                 hostname=socket.gethostname(),
                 **rank_identity(),
+                hang_after_s=self.config.hang_after_s,
             )
         )
 

@@ -35,6 +35,8 @@ OPT_STEP, SCALER_BEGIN, SCALER_END, EXPLICIT_STEP = range(4)
 ITERATOR, BATCH, EXHAUSTED = range(4, 7)
 #: The hooks were off for a while: the next step's start is unknown.
 GAP = 7
+#: A call of ``torch.autograd.backward`` (``loss.backward()``): its start and end.
+BACKWARD = 8
 
 #: Events from the training thread, drained by the sampler thread. Bounded, so that hooks left
 #: installed with no sampler draining (a forked child, a paused agent) cannot grow memory.
@@ -50,6 +52,9 @@ BOUNDARY: list[Callable[[int | str], None] | None] = [None]
 _began: dict[int, float] = {}
 #: Seconds each optimizer's current step has spent in its closure (forward and backward).
 _in_closure: dict[int, float] = {}
+#: Set while a backward pass runs: one inside another (reentrant checkpointing) is not counted
+#: twice.
+_in_backward = [False]
 
 
 def step() -> None:
@@ -123,6 +128,28 @@ def wrap_scaler_step(original: Any) -> Any:
     return step
 
 
+def wrap_backward(original: Any) -> Any:
+    """``torch.autograd.backward`` (which ``Tensor.backward`` calls) leaving its start and end.
+
+    In a DDP job the gradient all-reduce runs, and is waited for, inside it: a rank that waits
+    for a slower one spends that wait here. Costs two clock reads and one append per call;
+    whatever the original returns or raises passes through untouched.
+    """
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        if _in_backward[0]:
+            return original(*args, **kwargs)
+        _in_backward[0] = True
+        began = _clock()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _in_backward[0] = False
+            _append((BACKWARD, began, _clock()))
+
+    return backward
+
+
 # -- the sampler thread's side ---------------------------------------------------------------
 
 
@@ -137,6 +164,7 @@ class StepRecord:
     optimizer: float
     samples: int
     skipped: bool = False
+    backward: float = 0.0
 
 
 @dataclass(slots=True)
@@ -146,6 +174,7 @@ class _Interval:
     wait: float = 0.0
     startup: float = 0.0
     optimizer: float = 0.0
+    backward: float = 0.0
     samples: dict[int, int] = field(default_factory=dict)
     last_loader: int | None = None
 
@@ -154,6 +183,7 @@ class _Interval:
         self.wait += later.wait
         self.startup += later.startup
         self.optimizer += later.optimizer
+        self.backward += later.backward
         for loader, count in later.samples.items():
             self.samples[loader] = self.samples.get(loader, 0) + count
         if later.last_loader is not None:
@@ -192,6 +222,11 @@ class StepCollector:
         self._others: list[tuple[float, int, _Interval]] = []
         #: When the clock optimizer last stepped.
         self._clock_last: float | None = None
+
+    @property
+    def last_end(self) -> float | None:
+        """When the latest step ended (``perf_counter``); ``None`` before the first."""
+        return self._last_end
 
     # -- events ----------------------------------------------------------------------------
 
@@ -287,6 +322,10 @@ class StepCollector:
                 interval.samples[loader] = interval.samples.get(loader, 0) + samples
             interval.last_loader = loader
 
+    def backward(self, began: float, ended: float) -> None:
+        """A backward pass that ran from ``began`` to ``ended``."""
+        self._interval.backward += max(0.0, ended - began)
+
     def exhausted(self, wait: float) -> None:
         """A ``__next__`` that raised StopIteration (an epoch's end; may join the workers)."""
         self._interval.wait += wait
@@ -319,6 +358,7 @@ class StepCollector:
                 optimizer=interval.optimizer,
                 samples=samples,
                 skipped=skipped,
+                backward=interval.backward,
             )
         )
         self.total += 1
@@ -366,6 +406,8 @@ class StepCollector:
             startups=[_round(r.startup) for r in detail],
             optimizer=[_round(r.optimizer) for r in detail],
             batch_samples=[r.samples for r in detail],
+            backward_s=_round(sum(r.backward for r in timed)),
+            backwards=[_round(r.backward) for r in detail],
         )
 
 

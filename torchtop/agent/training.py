@@ -31,7 +31,9 @@ from torchtop.agent import steps as step_hooks
 from torchtop.agent.loaders import LoaderTracker, read_safely
 from torchtop.agent.ops import PROBE as OPS_PROBE
 from torchtop.agent.ops import OpsSampler
+from torchtop.agent.stall import StallWatch
 from torchtop.agent.steps import (
+    BACKWARD,
     BATCH,
     EXHAUSTED,
     EXPLICIT_STEP,
@@ -48,6 +50,7 @@ from torchtop.protocol import Message, ProbeStatus
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 PROFILER_MODULE = "torch.autograd.profiler"
 DATALOADER_MODULE = "torch.utils.data.dataloader"
+AUTOGRAD_MODULE = "torch.autograd"
 #: ``torch.amp.GradScaler`` from torch 2.3; before, ``torch.cuda.amp.GradScaler``.
 SCALER_MODULES = ("torch.amp.grad_scaler", "torch.cuda.amp.grad_scaler")
 #: Seconds between reads of the DataLoader workers (psutil, a few per worker).
@@ -123,9 +126,15 @@ class TrainingMonitor:
     """The hooks' life cycle in the agent, and their events turned into frames."""
 
     def __init__(
-        self, *, workers_interval_s: float = WORKERS_INTERVAL_S, ops: OpsSampler | None = None
+        self,
+        *,
+        workers_interval_s: float = WORKERS_INTERVAL_S,
+        ops: OpsSampler | None = None,
+        stall: StallWatch | None = None,
     ) -> None:
         self.steps = StepCollector()
+        #: Sends the training thread's stack once the steps have stopped (``None``: off).
+        self.stall = stall
         #: Op-timing windows (``None`` with ``--no-ops``), scheduled from :meth:`tick`.
         self.ops = ops
         self.loaders = LoaderTracker()
@@ -171,6 +180,8 @@ class TrainingMonitor:
                 self._install_part("optimizer", self._install_optimizer)
             if "dataloader" not in self._undo and loaded(DATALOADER_MODULE) is not None:
                 self._install_part("dataloader", self._install_dataloader)
+            if "backward" not in self._undo and loaded(AUTOGRAD_MODULE) is not None:
+                self._install_part("backward", self._install_backward)
             if "scaler" not in self._undo:
                 self._install_part("scaler", self._install_scaler)
             if self.ops is not None and "profiler" not in self._undo:
@@ -204,6 +215,13 @@ class TrainingMonitor:
         undo_init = _patch(cls, "__init__", loader_hooks.wrap_init)
         undo_next = _patch(cls, "__next__", loader_hooks.wrap_next)
         return [undo_init, undo_next]
+
+    @staticmethod
+    def _install_backward() -> list[Callable[[], None]]:
+        def wrap(original: Any) -> Any:
+            return _wrapper(step_hooks.wrap_backward(original), original)
+
+        return [_patch(loaded(AUTOGRAD_MODULE), "backward", wrap)]
 
     @staticmethod
     def _install_scaler() -> list[Callable[[], None]] | None:
@@ -294,7 +312,9 @@ class TrainingMonitor:
             raise
 
     def _tick(self, now: float) -> list[Message]:
-        if self._running and ("scaler" not in self._undo or not self.installed):
+        if self._running and (
+            "scaler" not in self._undo or "backward" not in self._undo or not self.installed
+        ):
             self.try_install()
         watcher = self._watcher
         if watcher is not None and not watcher.active:  # its work is done: leave meta_path
@@ -323,6 +343,14 @@ class TrainingMonitor:
                 messages.append(info)
         if self.ops is not None and "profiler" in self._undo:
             messages.extend(self._ops_call(self.ops.tick, now, self.steps))
+        if self.stall is not None:
+            try:
+                stack = self.stall.check(self.steps, now)
+            except Exception:  # never the steps' fault: the stacks stop, nothing else
+                self.stall = None
+            else:
+                if stack is not None:
+                    messages.append(stack)
         return messages
 
     def _ops_call(self, fn: Callable[..., list[Message]], *args: Any) -> list[Message]:
@@ -383,6 +411,8 @@ class TrainingMonitor:
                 steps.batch(wait, first=first, loader=index, samples=size)
             elif kind == OPT_STEP:
                 steps.optimizer_step(event[1], event[2], event[3], event[4])
+            elif kind == BACKWARD:
+                steps.backward(event[1], event[2])
             elif kind == ITERATOR:
                 loaders.iterator_created(*event[2:])
             elif kind == EXHAUSTED:

@@ -46,6 +46,7 @@ from torchtop.protocol import (
     PhaseEnded,
     ProbeStatus,
     Sample,
+    StackSampled,
     StepStats,
 )
 
@@ -308,6 +309,8 @@ class JobModel:
     op_timings: OpTimings = field(default_factory=OpTimings)
     #: The advice rules' findings, evaluated as message time passes (:mod:`.advice`).
     advice: Advisor = field(default_factory=Advisor)
+    #: The training thread's stack, as the agent last sent it because the steps had stopped.
+    stack: StackSampled | None = None
 
     _open_phases: dict[int, Phase] = field(default_factory=dict, init=False, repr=False)
 
@@ -398,6 +401,9 @@ class JobModel:
             return self.captures.apply(message) or changed
         if isinstance(message, OpsWindow):
             return self.op_timings.apply(message) or changed
+        if isinstance(message, StackSampled):
+            self.stack = message
+            return True
         if isinstance(message, SourceConnected):
             before = (self.connection, self.address)
             if not self.job_ended:

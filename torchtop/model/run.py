@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from torchtop.model.job import JobIdentity, JobModel
-from torchtop.protocol import Message
+from torchtop.model.ranks import RankAdvisor
+from torchtop.protocol import JobExited, Message, StackSampled
 
 
 @dataclass
@@ -22,13 +23,20 @@ class RunModel:
     #: Makes the model of a new stream (tests and replays pass their own settings).
     new_job: Callable[[], JobModel] = JobModel
     jobs: dict[str, JobModel] = field(default_factory=dict)
+    #: Findings about the ranks of each run together: a straggler, a hang, a dead rank.
+    ranks: RankAdvisor = field(default_factory=RankAdvisor)
 
     def apply(self, stream: str, message: Message) -> JobModel:
         """Fold ``message`` from ``stream`` into its job's model (made on first use)."""
         job = self.jobs.get(stream)
         if job is None:
             job = self.jobs[stream] = self.new_job()
+        before = job.version
         job.apply(message)
+        if job.version != before:
+            # A stack or an exit changes what the run-wide rules say at once (both are rare).
+            urgent = isinstance(message, (StackSampled, JobExited))
+            self.ranks.observe(list(self.jobs.values()), force=urgent)
         return job
 
     def __iter__(self) -> Iterator[JobModel]:

@@ -53,6 +53,8 @@ class StepPoint:
     optimizer: float
     samples: int
     weight: int = 1
+    #: Time inside ``loss.backward()`` (a DDP rank's all-reduce wait included); inside compute.
+    backward: float = 0.0
 
     @property
     def compute(self) -> float | None:
@@ -72,6 +74,7 @@ class StepTotals:
     startup_s: float = 0.0
     optimizer_s: float = 0.0
     samples: int = 0
+    backward_s: float = 0.0
 
     def add(self, other: StepTotals) -> None:
         self.steps += other.steps
@@ -80,6 +83,7 @@ class StepTotals:
         self.startup_s += other.startup_s
         self.optimizer_s += other.optimizer_s
         self.samples += other.samples
+        self.backward_s += other.backward_s
 
     @property
     def mean_step_s(self) -> float | None:
@@ -94,6 +98,10 @@ class StepTotals:
         if not self.steps:
             return None
         return max(0.0, self.time_s - self.wait_s - self.startup_s) / self.steps
+
+    @property
+    def mean_backward_s(self) -> float | None:
+        return self.backward_s / self.steps if self.steps else None
 
     @property
     def mean_optimizer_s(self) -> float | None:
@@ -311,7 +319,9 @@ class TrainingState:
     def _apply_steps(self, m: StepStats) -> None:
         self.total = max(self.total, m.total)
         self.skipped_total = max(self.skipped_total, m.skipped_total)
-        totals = StepTotals(m.timed, m.time_s, m.wait_s, m.startup_s, m.optimizer_s, m.samples)
+        totals = StepTotals(
+            m.timed, m.time_s, m.wait_s, m.startup_s, m.optimizer_s, m.samples, m.backward_s
+        )
         self.run.add(totals)
         self.frames.append((m.t, totals))
         n = len(m.ends)
@@ -321,9 +331,20 @@ class TrainingState:
         startups = _padded(m.startups, n, 0.0)
         optimizer = _padded(m.optimizer, n, 0.0)
         samples = _padded(m.batch_samples, n, 0)
+        backwards = _padded(m.backwards, n, 0.0)
         # The protocol checked the lists' types; missing entries were filled above.
         self.points.extend(
-            map(StepPoint, m.ends, durations, waits, startups, optimizer, samples, weights)
+            map(
+                StepPoint,
+                m.ends,
+                durations,
+                waits,
+                startups,
+                optimizer,
+                samples,
+                weights,
+                backwards,
+            )
         )
         self.history.extend(m.ends, durations, weights)
 
