@@ -45,6 +45,16 @@ def test_ps_and_the_picker_show_rank_world_size_and_run(tmp_path: Path) -> None:
         assert run_id and all(a["restart_count"] == 0 and a["node_rank"] == 0 for a in listed)
         table = torchtop("ps").stdout.splitlines()
         assert table[0].split()[:4] == ["PID", "STARTED", "RANK", "RUN"]
+        # The run's ranks together, by rank, under a line naming the run.
+        assert table[1] == f"run {run_id}: 2 ranks of 2 on node 0"
+        by_rank = sorted(agents, key=lambda a: a.identity["rank"])
+        assert [line.split()[0] for line in table[2:4]] == [str(a.pid) for a in by_rank]
+        # With no PID, attach says the run's ranks are there and how to attach one of them.
+        out = torchtop("attach", "--headless", "--record", str(tmp_path / "r.ttr"))
+        assert out.returncode == 1
+        (line,) = out.stderr.splitlines()
+        assert f"the 2 agents running are the ranks of run {run_id}" in line
+        assert f"`torchtop attach {by_rank[0].pid}` for rank 0" in line
         for agent in agents:
             (row,) = [line for line in table if line.split()[0] == str(agent.pid)]
             assert f"{agent.identity['rank']}/2  {run_id}" in row

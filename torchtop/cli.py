@@ -548,11 +548,38 @@ def cmd_ps(args: argparse.Namespace) -> int:
     run_w = max([len("RUN"), *(len(a.run_label) for a in agents)])
     rank_head = f"{'RANK':>{rank_w}}  {'RUN':{run_w}}  " if ranked else ""
     print(f"{'PID':>8}  {'STARTED':19}  {rank_head}{'ADDRESS':40}  COMMAND")
-    for a in agents:
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.started_at))
-        rank = f"{a.rank_label:>{rank_w}}  {a.run_label:{run_w}}  " if ranked else ""
-        print(f"{a.pid:>8}  {started:19}  {rank}{a.address:40}  {a.command}")
+    for run, members in _by_run(agents):
+        if run:
+            # The ranks of one run together, under a line that says what they are.
+            print(f"run {run}: {_ranks_line(members)}")
+        for a in members:
+            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.started_at))
+            rank = f"{a.rank_label:>{rank_w}}  {a.run_label:{run_w}}  " if ranked else ""
+            print(f"{a.pid:>8}  {started:19}  {rank}{a.address:40}  {a.command}")
     return 0
+
+
+def _by_run(agents: list[Any]) -> list[tuple[str, list[Any]]]:
+    """Agents grouped by run (single processes under ``""``, first), each run's by rank."""
+    groups: dict[str, list[Any]] = {}
+    for a in agents:
+        groups.setdefault(a.run_label if a.rank_label else "", []).append(a)
+    for members in groups.values():
+        members.sort(key=lambda a: (a.identity.get("rank") is None, a.identity.get("rank") or 0))
+    return sorted(groups.items(), key=lambda item: (item[0] != "", item[0]))
+
+
+def _ranks_line(members: list[Any]) -> str:
+    """``4 ranks of 4 on nodes 0, 1`` for the agents of one run."""
+    ranks = sorted(a.identity.get("rank") for a in members if a.identity.get("rank") is not None)
+    world = {a.identity.get("world_size") for a in members} - {None}
+    nodes = sorted({a.identity.get("node_rank") for a in members} - {None})
+    line = f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''}"
+    if len(world) == 1:
+        line += f" of {world.pop()}"
+    if nodes:
+        line += f" on node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))}"
+    return line
 
 
 def _pick_agent(pid: int | None, interactive: bool) -> Any:
@@ -571,6 +598,18 @@ def _pick_agent(pid: int | None, interactive: bool) -> Any:
         )
     if len(agents) == 1:
         return agents[0]
+    runs = _by_run(agents)
+    if len(runs) == 1 and runs[0][0]:
+        # Every agent is a rank of one run: the view of a whole run is not there yet.
+        run, members = runs[0]
+        pids = ", ".join(f"rank {a.identity.get('rank')}: {a.pid}" for a in members)
+        raise CliError(
+            f"the {len(members)} agents running are the ranks of run {run} ({pids}); a view of "
+            f"the whole run is not built yet: attach one rank with `torchtop attach PID` "
+            f"(`torchtop attach {members[0].pid}` for rank {members[0].identity.get('rank')}), "
+            "or record them all with `torchtop run --headless --record FILE torchrun ...`",
+            code=1,
+        )
     if not interactive:
         pids = ", ".join(str(a.pid) for a in agents)
         raise CliError(f"{len(agents)} agents are running ({pids}): give a PID", code=1)
