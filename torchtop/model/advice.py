@@ -128,6 +128,26 @@ class Finding:
     last_t: float
     active: bool
 
+    @classmethod
+    def of(cls, name: str, rank: int | None, check: Check, first_t: float, now: float) -> Finding:
+        """The finding a rule's ``check`` makes at ``now``, true since ``first_t``."""
+        return cls(
+            name=name,
+            severity=check.severity,
+            title=check.title,
+            rank=rank,
+            evidence=check.evidence,
+            summary=check.summary,
+            window_start=check.window[0],
+            window_end=check.window[1],
+            fix=check.fix,
+            code=check.code,
+            demo=check.demo,
+            first_t=first_t,
+            last_t=now,
+            active=True,
+        )
+
     @property
     def demo_command(self) -> str:
         return f"torchtop demo {self.demo}"
@@ -246,22 +266,8 @@ class Advisor:
             if now - since < rule.hold_s:
                 continue
             previous = self._shown.get(rule.name)
-            shown[rule.name] = Finding(
-                name=rule.name,
-                severity=check.severity,
-                title=check.title,
-                rank=rank,
-                evidence=check.evidence,
-                summary=check.summary,
-                window_start=check.window[0],
-                window_end=check.window[1],
-                fix=check.fix,
-                code=check.code,
-                demo=check.demo,
-                first_t=previous.first_t if previous is not None else now,
-                last_t=now,
-                active=True,
-            )
+            first_t = previous.first_t if previous is not None else now
+            shown[rule.name] = Finding.of(rule.name, rank, check, first_t, now)
         self._shown = shown
         self._remember_loaders(model)
         self.findings = sorted(shown.values(), key=lambda f: SEVERITY_ORDER[f.severity])

@@ -463,23 +463,11 @@ class RankAdvisor:
             if now - since < holds.get(verdict.name, 0.0):
                 continue
             previous = self._shown.get(verdict.key)
-            check = verdict.check
-            shown[verdict.key] = Finding(
-                name=verdict.name,
-                severity=check.severity,
-                title=check.title,
-                rank=verdict.rank,
-                evidence={**check.evidence, "run_id": verdict.run_id},
-                summary=check.summary,
-                window_start=check.window[0],
-                window_end=check.window[1],
-                fix=check.fix,
-                code=check.code,
-                demo=check.demo,
-                first_t=previous.first_t if previous is not None else now,
-                last_t=now,
-                active=True,
+            check = replace(
+                verdict.check, evidence={**verdict.check.evidence, "run_id": verdict.run_id}
             )
+            first_t = previous.first_t if previous is not None else now
+            shown[verdict.key] = Finding.of(verdict.name, verdict.rank, check, first_t, now)
         held = {v.key for v in verdicts}
         for key in list(self._since):
             if key not in held:
