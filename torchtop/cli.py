@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -96,13 +98,22 @@ def _add_agent_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _metrics_address(text: str) -> tuple[str, int]:
-    from torchtop.export.prometheus import parse_address
+def _parsed_by(module: str, name: str, label: str) -> Callable[[str], Any]:
+    """An argparse type that calls ``module.name`` (imported on use: the CLI starts fast) and
+    turns its ValueError into argparse's one-line usage error."""
 
-    try:
-        return parse_address(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    def parse(text: str) -> Any:
+        try:
+            return getattr(importlib.import_module(module), name)(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = label  # argparse names the type in "invalid <label> value"
+    return parse
+
+
+_metrics_address = _parsed_by("torchtop.export.prometheus", "parse_address", "address")
+_size = _parsed_by("torchtop.sizes", "parse_size", "size")
 
 
 def _add_export_options(p: argparse.ArgumentParser) -> None:
@@ -127,15 +138,6 @@ def _add_export_options(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds between OTLP pushes (default 10)",
     )
-
-
-def _size(text: str) -> int:
-    from torchtop.sizes import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_oom_options(p: argparse.ArgumentParser) -> None:
