@@ -104,3 +104,15 @@ def test_bad_sizes_are_one_clear_line(tmp_path: Path) -> None:
         assert "Traceback" not in out.stderr
     out = torchtop("run", "--pause-timeout", "0", "x.py", cwd=tmp_path)
     assert out.returncode == 2 and "must be positive" in out.stderr
+
+
+def test_bad_sizes_and_addresses_are_one_line_errors() -> None:
+    for args, words in (
+        (("--memory-limit", "12XB"), "unknown unit 'XB'"),
+        (("--memory-limit", "lots"), "--memory-limit"),
+        (("--metrics", "foo:bar"), "expected [ADDR:]PORT"),
+    ):
+        out = torchtop("run", "--headless", *args, str(SCRIPTS / "train_mlp.py"))
+        assert out.returncode == 2, out.stderr
+        assert words in out.stderr and "Traceback" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
