@@ -22,10 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +51,18 @@ def job(kind: str) -> None:
 
     import torchtop
 
+    # The viewer is this job's parent: once it is gone (killed, crashed) the job ends too, so
+    # no run of the benchmark leaves a job behind.
+    parent = os.getppid()
     if kind == "idle":
-        while True:
-            time.sleep(1.0)
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        return
 
     x = torch.randn(64, 64)
     step_s, line_s = (0.05, 1.0) if kind == "normal" else (0.005, 0.01)
     next_line = time.time()
-    while True:
+    while os.getppid() == parent:
         x = (x @ x).tanh()
         torchtop.step()
         now = time.time()
@@ -63,6 +70,70 @@ def job(kind: str) -> None:
             print(f"step loss {float(x.mean()):.4f} {STAMP}{now:.6f}", flush=True)
             next_line = now + line_s
         time.sleep(step_s)
+
+
+# -- where a frame's time goes ---------------------------------------------------------------------
+
+
+class Profile:
+    """CPU time (of the calling thread, so a busy machine does not inflate it) and calls per
+    widget: the app's drain (applying messages and building what to show), Rich and Textual
+    rendering of each widget's lines, and the screen's layout and compositing."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._patch()
+
+    def clear(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def add(self, key: str, seconds: float) -> None:
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+    def timed(self, owner: type, name: str, key: Callable[[Any], str]) -> None:
+        original = getattr(owner, name)
+        profile = self
+
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                profile.add(key(self), time.thread_time() - start)
+
+        setattr(owner, name, wrapper)
+
+    def _patch(self) -> None:
+        from textual.screen import Screen
+        from textual.widget import Widget
+        from textual.widgets import Static
+
+        from torchtop.tui.app import TorchtopApp
+
+        def widget(w: Any) -> str:
+            return type(w).__name__ + (f"#{w.id}" if w.id else "")
+
+        self.timed(Widget, "render_lines", lambda w: f"render {widget(w)}")
+        self.timed(Static, "update", lambda w: f"update {widget(w)}")
+        self.timed(Widget, "refresh", lambda w: f"refresh asked {widget(w)}")
+        self.timed(Screen, "_refresh_layout", lambda _s: "screen layout")
+        self.timed(Screen, "_compositor_refresh", lambda _s: "screen composite (all renders)")
+        self.timed(TorchtopApp, "_show", lambda _a: "app _show (all panels)")
+        from torchtop.tui import app
+
+        for name in dir(app):  # each panel's show_state: what it costs to build what it shows
+            panel = getattr(app, name)
+            if isinstance(panel, type) and "show_state" in panel.__dict__:
+                self.timed(panel, "show_state", lambda w: f"show_state {widget(w)}")
+        self.timed(TorchtopApp, "drain", lambda _a: "app drain (apply + _show)")
+
+    def report(self) -> list[tuple[str, int, float]]:
+        """(what, calls, milliseconds), the costliest first."""
+        rows = [(k, self.calls[k], self.seconds[k] * 1e3) for k in self.seconds]
+        return sorted(rows, key=lambda row: -row[2])
 
 
 # -- the viewer, measured from inside --------------------------------------------------------------
@@ -75,7 +146,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def viewer(kind: str, seconds: float, out: Path) -> None:
+def viewer(kind: str, seconds: float, out: Path, profiled: bool = False) -> None:
     """Run the viewer on a ``kind`` job (or a bare Textual app), write its numbers to ``out``."""
     from textual.app import App, ComposeResult
     from textual.widgets import Static
@@ -83,14 +154,26 @@ def viewer(kind: str, seconds: float, out: Path) -> None:
     process = psutil.Process()
     result: dict[str, Any] = {}
 
+    threads0: dict[int, float] = {}
+
+    def thread_times() -> dict[int, float]:
+        return {t.id: t.user_time + t.system_time for t in process.threads()}
+
     def start_measuring() -> None:
+        threads0.update(thread_times())
         result["cpu0"] = sum(process.cpu_times()[:2])
         result["wall0"] = time.monotonic()
 
     def stop_measuring() -> None:
-        result["cpu_share"] = (sum(process.cpu_times()[:2]) - result["cpu0"]) / (
-            time.monotonic() - result["wall0"]
-        )
+        wall = time.monotonic() - result["wall0"]
+        result["cpu_share"] = (sum(process.cpu_times()[:2]) - result["cpu0"]) / wall
+        # Each thread's share by name: the app's loop, the feed, the job's output.
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        shares: dict[str, float] = {}
+        for tid, seconds in thread_times().items():
+            name = names.get(tid, "other")
+            shares[name] = shares.get(name, 0.0) + (seconds - threads0.get(tid, 0.0)) / wall
+        result["threads"] = shares
 
     if kind == "bare":
 
@@ -118,26 +201,45 @@ def viewer(kind: str, seconds: float, out: Path) -> None:
 
     samples: list[float] = []
     lines: list[float] = []
+    all_samples: list[float] = []
+    waking: set[int] = set()
+    profile = Profile() if profiled else None
 
     class Measured(TorchtopApp):
         CSS_PATH = str(Path(torchtop.tui.app.__file__).with_name("app.tcss"))
         measuring = False
 
         def on_mount(self) -> None:
-            super().on_mount()
+            # Textual calls every class's on_mount in turn: TorchtopApp's starts the source
+            # after this one (calling it here too would start a second job).
             self.set_timer(WARMUP_S, self.begin)
             self.set_timer(WARMUP_S + seconds, self.done)
 
         def begin(self) -> None:
             self.measuring = True
+            wake_filter = getattr(self, "wake_filter", None)
+            if wake_filter is not None:  # an older viewer woke for every sample
+                wakes = wake_filter.wakes
+
+                def noting(message: Any) -> bool:
+                    woke = wakes(message)
+                    if woke and isinstance(message, Sample):
+                        waking.add(id(message))
+                    return woke
+
+                wake_filter.wakes = noting
             result["frames0"] = getattr(self, "frames", 0)
             result["samples0"] = self.state.samples
+            if profile is not None:
+                profile.clear()
             start_measuring()
 
         def done(self) -> None:
             stop_measuring()
             self.measuring = False
             result["samples"] = self.state.samples - result["samples0"]
+            if profile is not None:
+                result["profile"] = profile.report()
             if hasattr(self, "frames"):  # an older viewer drew a frame every tick
                 result["frames"] = self.frames - result["frames0"]
             source.stop_job()
@@ -148,9 +250,15 @@ def viewer(kind: str, seconds: float, out: Path) -> None:
                 super().drain()
                 return
             shown: list[tuple[list[float], float]] = []
+            filtered = hasattr(self, "wake_filter")
             for message in list(self._pending):  # what this frame applies (a C-level copy)
                 if isinstance(message, Sample):
-                    shown.append((samples, message.t))
+                    # Samples that change the screen, and every sample (one that changes
+                    # nothing waits for the next frame, a second at most).
+                    all_samples.append(time.time() - message.t)
+                    if not filtered or id(message) in waking:
+                        waking.discard(id(message))
+                        shown.append((samples, message.t))
                 elif isinstance(message, LogLine) and STAMP in message.text:
                     shown.append((lines, float(message.text.rsplit(STAMP, 1)[1])))
             super().drain()
@@ -164,53 +272,107 @@ def viewer(kind: str, seconds: float, out: Path) -> None:
 
     spec = RunSpec(target=["-m", "benchmarks.viewer_cost", "--job", kind])
     source = RunSource(spec)
-    Measured(source).run(headless=True, size=(80, 24))
-    source.wait_after_viewer()
-    for name, values in (("sample", samples), ("log", lines)):
+    try:
+        Measured(source).run(headless=True, size=(80, 24))
+        source.wait_after_viewer()
+    finally:
+        if source.job.process is not None and source.job.running():
+            source.job.process.kill()  # a viewer that failed leaves no job behind
+    for name, values in (("sample", samples), ("log", lines), ("any_sample", all_samples)):
         result[f"{name}_n"] = len(values)
-        for q in (0.5, 0.95):
+        for q in (0.5, 0.95, 1.0):
             value = percentile(values, q)
-            result[f"{name}_p{round(q * 100)}_ms"] = None if value is None else value * 1e3
+            key = "max" if q == 1.0 else f"p{round(q * 100)}"
+            result[f"{name}_{key}_ms"] = None if value is None else value * 1e3
     out.write_text(json.dumps(result))
 
 
 # -- the driver ------------------------------------------------------------------------------------
 
 
-def measure(kind: str, seconds: float, pythonpath: str | None) -> dict[str, Any]:
-    """One viewer process on one job; its numbers."""
-    env = dict(os.environ)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join([pythonpath, str(REPO)])
+def measure(kind: str, seconds: float, tree: Path, profiled: bool) -> dict[str, Any]:
+    """One viewer process on one job, run from ``tree`` (this checkout or an older commit's
+    ``torchtop`` beside this benchmark); its numbers. Whatever happens (a failure, Ctrl-C) the
+    viewer and its job are gone when this returns: the job ends with its parent, and a viewer
+    that outlives its time is killed."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "result.json"
         command = [sys.executable, "-m", "benchmarks.viewer_cost", "--viewer", kind]
         command += ["--seconds", str(seconds), "--out", str(out)]
-        subprocess.run(
-            command, cwd=REPO, env=env, check=True, stdin=subprocess.DEVNULL, timeout=seconds + 60
-        )
+        if profiled:
+            command.append("--profile")
+        # ``-m`` puts the working directory first on sys.path: ``tree``'s torchtop is imported,
+        # not the one the virtual environment installs.
+        viewer = subprocess.Popen(command, cwd=tree, stdin=subprocess.DEVNULL)
+        try:
+            code = viewer.wait(timeout=seconds + WARMUP_S + 60)
+        finally:
+            if viewer.poll() is None:
+                viewer.kill()
+                viewer.wait()
+        if code != 0:
+            raise SystemExit(f"viewer_cost: the viewer on the {kind} job exited with {code}")
         result: dict[str, Any] = json.loads(out.read_text())
         return result
 
 
-def old_tree(rev: str, folder: Path) -> str:
-    """The ``torchtop`` package as of ``rev``, unpacked into ``folder``."""
+def old_tree(rev: str, folder: Path) -> Path:
+    """The ``torchtop`` package as of ``rev`` and this benchmark, unpacked into ``folder``."""
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", rev, "torchtop"], check=True, capture_output=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
-    return str(folder)
+    shutil.copytree(REPO / "benchmarks", folder / "benchmarks")
+    return folder
 
 
-def fmt(value: float | None, unit: str = "") -> str:
-    return "—" if value is None else f"{value:.1f}{unit}"
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def print_table(rows: dict[str, dict[str, Any]], seconds: float, load: tuple[float, ...]) -> None:
+    cores = os.cpu_count()
+    print(
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {cores} cores; "
+        f"{seconds:.0f} s per row, 80x24"
+    )
+    print(
+        f"{'':<20}{'CPU %core':>10}{'x bare':>8}{'frames/s':>9}"
+        f"{'sample p50/p95/max ms':>23}{'log p50/p95/max ms':>20}"
+    )
+    bare = rows["bare textual app"]["cpu_share"]
+    for name, row in rows.items():
+        share = row["cpu_share"]
+        frames = row.get("frames")
+        fps = None if frames is None else frames / seconds
+        cells = []
+        for what in ("sample", "log"):
+            if f"{what}_n" not in row:
+                cells.append("")
+                continue
+            cells.append("/".join(fmt(row.get(f"{what}_{q}_ms"), 0) for q in ("p50", "p95", "max")))
+        ratio = share / bare if bare > 0 else None
+        figures = f"{share * 100:>10.1f}{fmt(ratio):>8}{fmt(fps):>9}"
+        print(f"{name:<20}{figures}{cells[0]:>23}{cells[1]:>20}")
+
+
+def print_profile(name: str, row: dict[str, Any], seconds: float) -> None:
+    frames = max(1, row.get("frames") or 0)
+    print(f"\n{name}: {frames} frames in {seconds:.0f} s; ms per second of run, ms per frame")
+    threads = sorted(row.get("threads", {}).items(), key=lambda item: -item[1])
+    print("  threads: " + ", ".join(f"{n} {share * 100:.1f}%" for n, share in threads if share))
+    for what, calls, ms in row.get("profile", [])[:14]:
+        print(f"  {what:<44}{calls:>7} calls{ms / seconds:>8.2f} ms/s{ms / frames:>8.2f} ms/frame")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured per row")
     parser.add_argument("--jobs", default=",".join(JOBS))
     parser.add_argument("--baseline", metavar="REV", help="also measure this commit's viewer")
+    parser.add_argument("--profile", action="store_true", help="where each frame's time goes")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--viewer", help=argparse.SUPPRESS)
@@ -220,37 +382,25 @@ def main() -> None:
         job(args.job)
         return
     if args.viewer:
-        viewer(args.viewer, args.seconds, args.out)
+        viewer(args.viewer, args.seconds, args.out, args.profile)
         return
-    load = os.getloadavg()[0]
-    cores = os.cpu_count()
+    load = os.getloadavg()
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as folder:
         old = old_tree(args.baseline, Path(folder)) if args.baseline else None
-        rows["bare textual app"] = measure("bare", args.seconds, None)
+        rows["bare textual app"] = measure("bare", args.seconds, REPO, False)
         for kind in args.jobs.split(","):
-            rows[kind] = measure(kind, args.seconds, None)
+            rows[kind] = measure(kind, args.seconds, REPO, args.profile)
             if old is not None:
-                rows[f"{kind} ({args.baseline})"] = measure(kind, args.seconds, old)
+                rows[f"{kind} ({args.baseline})"] = measure(kind, args.seconds, old, False)
     if args.json:
-        print(json.dumps({"load": load, "cores": cores, "rows": rows}, indent=2))
+        print(json.dumps({"load": load, "cores": os.cpu_count(), "rows": rows}, indent=2))
         return
-    bare = rows["bare textual app"]["cpu_share"]
-    print(f"load average {load:.1f} on {cores} cores; {args.seconds:.0f} s per row, 80x24")
-    print(
-        f"{'':<22}{'CPU %core':>10}{'x bare':>8}{'frames/s':>9}"
-        f"{'sample p50/p95 ms':>20}{'log p50/p95 ms':>18}"
-    )
-    for name, row in rows.items():
-        share = row["cpu_share"]
-        frames = row.get("frames")
-        fps = None if frames is None else frames / args.seconds
-        sample = f"{fmt(row.get('sample_p50_ms'))}/{fmt(row.get('sample_p95_ms'))}"
-        log = f"{fmt(row.get('log_p50_ms'))}/{fmt(row.get('log_p95_ms'))}"
-        if "sample_n" not in row:
-            sample = log = ""
-        ratio = share / bare if bare > 0 else None
-        print(f"{name:<22}{share * 100:>10.1f}{fmt(ratio):>8}{fmt(fps):>9}{sample:>20}{log:>18}")
+    print_table(rows, args.seconds, load)
+    if args.profile:
+        for name, row in rows.items():
+            if "profile" in row:
+                print_profile(name, row, args.seconds)
 
 
 if __name__ == "__main__":

@@ -318,9 +318,9 @@ async def test_redraws_only_when_the_state_changed() -> None:
         panel = app.query_one(MemoryPanel)
         original = panel.show_state
 
-        def counting_show_state(state: JobModel) -> None:
+        def counting_show_state(state: JobModel, **kwargs: bool) -> None:
             shown.append(state.version)
-            original(state)
+            original(state, **kwargs)
 
         panel.show_state = counting_show_state  # type: ignore[method-assign]
         app.drain()

@@ -8,41 +8,51 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import pytest
 from fakes.source import FakeSource
-from test_tui_app import HOST, SIZE, T0, cuda_job, drained, log_text, pilot_test
+from test_tui_app import HOST, SIZE, T0, cuda_job, drained, log_text, memory_text, pilot_test
+from textual.pilot import Pilot
 from textual.widget import Widget
 
 import torchtop.tui.app as app_module
-from torchtop.protocol import LogLine, MemoryStats, Sample
+from torchtop.protocol import LogLine, MemoryStats, Message, Sample
 from torchtop.tui.app import TorchtopApp
+from torchtop.tui.wake import WakeFilter
 from torchtop.tui.widgets.chart import TimeSeriesChart
 from torchtop.tui.widgets.device import DevicePanel
+from torchtop.tui.widgets.header import JobHeader
 from torchtop.tui.widgets.host import HostPanel
 from torchtop.tui.widgets.memory import MemoryPanel
+from torchtop.tui.widgets.ops import OpsPanel
 
 GiB = 1 << 30
 
 
 @contextmanager
-def counting_refreshes(*widgets: Widget) -> Iterator[dict[Widget, int]]:
-    """Count each widget's ``refresh`` calls (Textual's request to render it again)."""
-    counts = dict.fromkeys(widgets, 0)
-    for widget in widgets:
-        original = widget.refresh
+def counting_calls(method: str, *objects: object) -> Iterator[dict[object, int]]:
+    """Count each object's calls of ``method`` (``refresh``: Textual's request to render a
+    widget again), the method still doing its work."""
+    counts = dict.fromkeys(objects, 0)
+    for obj in objects:
+        original = getattr(obj, method)
 
-        def counted(*args: object, _w: Widget = widget, _o: object = original, **kw: object):  # type: ignore[no-untyped-def]
-            counts[_w] += 1
-            return _o(*args, **kw)  # type: ignore[operator]
+        def counted(*args: object, _obj: object = obj, _o: Any = original, **kw: object) -> Any:
+            counts[_obj] += 1
+            return _o(*args, **kw)
 
-        widget.refresh = counted  # type: ignore[method-assign]
+        setattr(obj, method, counted)
     try:
         yield counts
     finally:
-        for widget in widgets:
-            del widget.refresh
+        for obj in objects:
+            delattr(obj, method)
+
+
+def counting_refreshes(*widgets: Widget) -> AbstractContextManager[dict[object, int]]:
+    return counting_calls("refresh", *widgets)
 
 
 def sample(t: float, allocated: int) -> Sample:
@@ -104,6 +114,96 @@ async def test_data_from_the_source_thread_reaches_the_screen_without_a_tick() -
         await pilot.pause()
         assert getattr(app, "frames", 0) == frames + 1
         assert log_text(app)[-1].endswith("new line from the job")
+
+
+async def fed_one_by_one(pilot: Pilot[int], messages: list[Message]) -> None:
+    """Hand each message to the app's sink as a source would, letting the app run between
+    them: only what the sink asks for is drawn (the test never drains)."""
+    app = pilot.app
+    assert isinstance(app, TorchtopApp)
+    for message in messages:
+        app.sink(message)
+        await pilot.pause()
+
+
+def idle_samples(start: float, count: int, allocated: int = 9 * GiB) -> list[Message]:
+    """An idle job's samples: ten a second, the same figures each time."""
+    return [sample(start + i / 10, allocated) for i in range(count)]
+
+
+@pilot_test
+async def test_an_idle_job_draws_about_one_frame_a_second() -> None:
+    app = TorchtopApp(FakeSource(cuda_job()))
+    async with app.run_test(size=SIZE) as pilot:
+        await drained(pilot)
+        start = T0 + 31
+        await fed_one_by_one(pilot, [sample(start - 0.1, 9 * GiB)])
+        frames, applied = app.frames, app.state.samples
+        chart = app.query_one(MemoryPanel).query_one(TimeSeriesChart)
+        host = app.query_one(HostPanel)
+        with counting_refreshes(chart, host, app.query_one(JobHeader)) as counts:
+            await fed_one_by_one(pilot, idle_samples(start, 50))  # 5 s of the job's time
+        # 50 samples, a frame for each second of the job's time (the uptime moves), and the
+        # chart and host figures redrawn at most as often.
+        assert 4 <= app.frames - frames <= 6
+        assert all(count <= 6 for count in counts.values()), counts
+        await drained(pilot)
+        assert app.state.samples == applied + 50  # none lost: applied with the next frame
+
+
+@pilot_test
+async def test_a_sample_that_changes_a_figure_is_drawn_at_once() -> None:
+    app = TorchtopApp(FakeSource(cuda_job()))
+    async with app.run_test(size=SIZE) as pilot:
+        await drained(pilot)
+        start = T0 + 31
+        await fed_one_by_one(pilot, idle_samples(start, 3))
+        frames = app.frames
+        await fed_one_by_one(pilot, [sample(start + 0.3, 11 * GiB)])
+        assert app.frames == frames + 1
+        assert "11.0 GiB" in memory_text(app)
+
+
+@pilot_test
+async def test_new_figures_and_log_lines_do_not_lay_the_screen_out_again() -> None:
+    app = TorchtopApp(FakeSource(cuda_job()))
+    async with app.run_test(size=SIZE) as pilot:
+        await drained(pilot)
+        await pilot.pause()
+        messages: list[Message] = []
+        for i in range(10):
+            t = T0 + 31 + i / 10
+            messages += [sample(t, 9 * GiB + i * GiB // 4), LogLine(t, "stdout", f"line {i}")]
+        with counting_calls("_refresh_layout", app.screen) as layouts:
+            await fed_one_by_one(pilot, messages)
+            await pilot.pause()
+        assert log_text(app)[-1].endswith("line 9")
+        assert layouts[app.screen] == 0
+
+
+@pilot_test
+async def test_the_hidden_ops_panel_is_not_redrawn() -> None:
+    app = TorchtopApp(FakeSource(cuda_job()))
+    async with app.run_test(size=SIZE) as pilot:
+        await drained(pilot)
+        panel = app.query_one(OpsPanel)
+        with counting_calls("show_state", panel) as shown:
+            samples = [sample(T0 + 31 + i, 9 * GiB + i * GiB) for i in range(3)]
+            await fed_one_by_one(pilot, samples)
+            assert shown[panel] == 0
+            await pilot.press("t")  # shown: up to date at once
+            assert shown[panel] >= 1
+
+
+def test_the_wake_filter_wakes_for_changed_figures_events_and_each_second() -> None:
+    wake = WakeFilter(routine_wake_s=1.0)
+    assert wake.wakes(sample(T0, 9 * GiB))  # the first
+    assert not wake.wakes(sample(T0 + 0.1, 9 * GiB))  # looks the same
+    assert not wake.wakes(sample(T0 + 0.2, 9 * GiB + 1000))  # below the shown precision
+    assert wake.wakes(sample(T0 + 0.3, 10 * GiB))  # a figure changed
+    assert wake.wakes(LogLine(T0 + 0.4, "stdout", "hello"))  # anything but a routine reading
+    assert not wake.wakes(sample(T0 + 1.3, 10 * GiB))
+    assert wake.wakes(sample(T0 + 1.4, 10 * GiB))  # a second after the last wake
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,8 @@
 """The torchtop viewer: a Textual app that shows a :class:`Source`'s messages as they arrive.
 
-The source feeds a thread-safe queue from its own thread and wakes the app when the queue
-was empty; the app then drains the queue into a :class:`JobModel` as soon as the last frame is
+The source feeds a thread-safe queue from its own thread and wakes the app for a message that
+may change the screen (a sample whose figures look the same waits, at most a second); the app
+then drains the queue into a :class:`JobModel` as soon as the last frame is
 :data:`MIN_FRAME_GAP_S` old, and each widget redraws only when what it shows changed. So new
 data reaches the screen without waiting for a fixed tick, a chatty job costs at most a few
 frames a second, and a job with nothing new costs the viewer nothing. Never imports torch.
@@ -34,6 +35,7 @@ from torchtop.protocol import (
 from torchtop.tui.advice_screen import AdviceScreen
 from torchtop.tui.oom_screen import OomScreen
 from torchtop.tui.source import Source, SourceDisconnected
+from torchtop.tui.wake import WakeFilter
 from torchtop.tui.widgets.device import DevicePanel
 from torchtop.tui.widgets.header import JobHeader, Playback
 from torchtop.tui.widgets.host import HostPanel
@@ -47,6 +49,10 @@ from torchtop.tui.widgets.steps import StepPanel
 #: The shortest time between two frames: new data is drawn as soon as it comes, but a job that
 #: speaks all the time is drawn at most this often (10 frames a second is smooth to the eye).
 MIN_FRAME_GAP_S = 0.1
+#: Seconds of the job's time between two redraws of what moves without meaning more to the
+#: eye when redrawn more often: the charts, the step bars, and the host and GPU figures (which
+#: change at every sample). The memory and step figures and the log show every frame's data.
+SLOW_REDRAW_S = 1.0
 #: The most messages applied in one frame, so a burst (a replay's jump to the end) cannot
 #: freeze the screen; the rest wait for the next frame.
 MAX_MESSAGES_PER_FRAME = 50_000
@@ -217,8 +223,13 @@ class TorchtopApp(App[int]):
         # deque.append and popleft are atomic in CPython: the source's thread appends, the
         # app's timer pops, and neither needs a lock.
         self._pending: deque[Message] = deque()
+        #: Which messages wake the app; the others wait for the next frame.
+        self.wake_filter = WakeFilter()
         self._shown_version = -1
         self._shown_playback: Playback | None = None
+        #: The job's time (``state.now``) when the charts and noisy figures were last redrawn;
+        #: ``None``: redraw them at the next frame.
+        self._slow_shown_at: float | None = None
         self._shown_connection = self.state.connection
         #: Mounted: the source's thread may wake the app (before, on_mount drains what came).
         self._awake = False
@@ -271,9 +282,11 @@ class TorchtopApp(App[int]):
     # -- feeding -------------------------------------------------------------------------------
 
     def sink(self, message: Message) -> None:
-        """Queue a message and ask for a frame if none is asked for yet; safe from any thread."""
+        """Queue a message and ask for a frame if none is asked for yet and the message may
+        change what the screen shows (:mod:`.wake`); safe from any thread. (Two threads at once
+        can at worst wake the app once too often or a second late.)"""
         self._pending.append(message)
-        if not self._frame_asked:
+        if self.wake_filter.wakes(message) and not self._frame_asked:
             self._ask_frame()
 
     def _ask_frame(self) -> None:
@@ -322,15 +335,34 @@ class TorchtopApp(App[int]):
             return None
         return Playback(self.source.paused, self.source.speed)
 
+    def _slow_due(self, state: JobModel, playback: Playback | None) -> bool:
+        """Whether the charts and noisy figures are redrawn in this frame: once a second of
+        the job's time, and at once when the connection or the playback changed (the last
+        data before a pause or an end is always drawn)."""
+        now = state.now
+        shown = self._slow_shown_at
+        due = (
+            shown is None
+            or now is None
+            or not 0 <= now - shown < SLOW_REDRAW_S
+            or state.connection != self._shown_connection
+            or playback != self._shown_playback
+        )
+        if due:
+            self._slow_shown_at = now
+        return due
+
     def _show(self) -> None:
         state = self.state
         playback = self.playback
+        slow = self._slow_due(state, playback)
         self.query_one(JobHeader).show_state(state, playback)
-        self.query_one(MemoryPanel).show_state(state)
+        self.query_one(MemoryPanel).show_state(state, chart=slow)
         self._show_phase_info(state)
-        self._show_training(state)
-        self.query_one(DevicePanel).show_state(state)
-        self.query_one(HostPanel).show_state(state)
+        self._show_training(state, slow)
+        if slow:
+            self.query_one(DevicePanel).show_state(state)
+            self.query_one(HostPanel).show_state(state)
         self.query_one(LogPanel).show_state(state)
         self._shown_version = state.version
         self._shown_playback = playback
@@ -342,13 +374,17 @@ class TorchtopApp(App[int]):
         if isinstance(self.screen, AdviceScreen):
             self.screen.refresh_from(state)
 
-    def _show_training(self, state: JobModel) -> None:
-        """The step and loader row appears once the job has taken a step or iterated a loader."""
+    def _show_training(self, state: JobModel, slow: bool = True) -> None:
+        """The step and loader row appears once the job has taken a step or iterated a loader;
+        its bars and chart are redrawn when ``slow`` ones are."""
         training = state.training
         if not training.has_data:
             return
-        self.query_one("#body").add_class("has-training")
-        self.query_one(StepPanel).show_state(state)
+        body = self.query_one("#body")
+        if not body.has_class("has-training"):
+            body.add_class("has-training")
+            slow = True
+        self.query_one(StepPanel).show_state(state, charts=slow)
         self.query_one(LoaderPanel).show_state(state)
 
     def _show_phase_info(self, state: JobModel) -> None:
@@ -517,9 +553,11 @@ class TorchtopApp(App[int]):
     # -- op timings (torchtop.tui.widgets.ops) ---------------------------------------------------
 
     def _show_ops(self, state: JobModel) -> None:
-        """Keep the ops panel up to date; open it when the window this viewer asked for comes."""
+        """Keep the ops panel up to date while it shows; open it when the window this viewer
+        asked for comes."""
         panel = self.query_one(OpsPanel)
-        panel.show_state(state)
+        if self.query_one("#body").has_class("ops-only"):
+            panel.show_state(state)
         window = state.ops
         if window is not self._shown_ops:
             self._shown_ops = window

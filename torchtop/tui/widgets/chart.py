@@ -140,9 +140,18 @@ def _phase_row(
             chars[col] = "◆"
             styles[col] = _MARK_STYLE
     text = Text()
-    for ch, style in zip(chars, styles, strict=True):
-        text.append(ch, style or None)
+    _append_runs(text, chars, styles)
     return text
+
+
+def _append_runs(text: Text, chars: Sequence[str], styles: Sequence[str]) -> None:
+    """Append ``chars`` to ``text``, one span per run of one style: a span per cell made the
+    chart the costliest widget to render."""
+    start = 0
+    for index in range(1, len(chars) + 1):
+        if index == len(chars) or styles[index] != styles[start]:
+            text.append("".join(chars[start:index]), styles[start] or None)
+            start = index
 
 
 def render_chart(
@@ -222,12 +231,9 @@ def render_chart(
                 label = ""
             tick = "┤" if label else "│"
             text.append(f"{label:>{axis_width - 1}}{tick}", "dim")
-        for cx in range(plot_width):
-            cell_bits = bits[row][cx]
-            if cell_bits:
-                text.append(chr(_BRAILLE_BASE + cell_bits), series[owner[row][cx]].style)
-            else:
-                text.append(" ")
+        chars = [chr(_BRAILLE_BASE + b) if b else " " for b in bits[row]]
+        styles = [series[o].style if o >= 0 else "" for o in owner[row]]
+        _append_runs(text, chars, styles)
         text.append("\n")
     if axis_width:
         window = f"-{format_span(t_end - t_start)}" if t_end > t_start else ""

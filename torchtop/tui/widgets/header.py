@@ -5,9 +5,9 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from rich.console import Group
-from rich.table import Table
 from rich.text import Text
+from textual import on
+from textual.events import Resize
 from textual.widgets import Static
 
 from torchtop.model.job import JobModel
@@ -125,21 +125,22 @@ def header_rows(state: JobModel, playback: Playback | None = None) -> list[tuple
     return [(command, right), (about, drops)]
 
 
-def header_renderable(state: JobModel, playback: Playback | None = None) -> Group:
-    """The header's rows, each a grid whose left part shrinks with an ellipsis and whose right
-    part stays whole (one grid per row, so a wide right part in one row costs the other none)."""
-    return _grids(header_rows(state, playback))
-
-
-def _grids(rows: list[tuple[Text, Text]]) -> Group:
-    grids = []
+def header_text(rows: list[tuple[Text, Text]], width: int) -> Text:
+    """The rows fitted to ``width`` cells: each left part cut with an ellipsis where it would
+    reach its row's right part, which stays whole. Plain text rather than a Rich table (which
+    cost the viewer more to render than all its other panels)."""
+    lines = []
     for left, right in rows:
-        grid = Table.grid(expand=True, padding=(0, 0, 0, 1))
-        grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
-        grid.add_column(justify="right", no_wrap=True)
-        grid.add_row(left, right)
-        grids.append(grid)
-    return Group(*grids)
+        line = Text(" ", no_wrap=True)
+        room = max(0, width - 1 - (right.cell_len + 1 if right else 0))
+        part = left.copy()
+        part.truncate(room, overflow="ellipsis", pad=bool(right))
+        line.append_text(part)
+        if right:
+            line.append(" ")
+            line.append_text(right)
+        lines.append(line)
+    return Text("\n", no_wrap=True).join(lines)
 
 
 class JobHeader(Static):
@@ -153,7 +154,15 @@ class JobHeader(Static):
     }
     """
 
+    _rows: list[tuple[Text, Text]] | None = None
+
     def show_state(self, state: JobModel, playback: Playback | None = None) -> None:
         """Redraw from ``state`` and, for a recording, its playback."""
-        rows = header_rows(state, playback)
-        update_if_changed(self, _grids(rows), key=rows)
+        self._rows = header_rows(state, playback)
+        self._fit()
+
+    @on(Resize)
+    def _fit(self) -> None:
+        width = self.content_region.width
+        if self._rows is not None and width > 0:
+            update_if_changed(self, header_text(self._rows, width))

@@ -7,6 +7,8 @@ from itertools import islice
 from rich.text import Text
 from textual import on
 from textual.events import Resize
+from textual.geometry import Size
+from textual.reactive import Reactive
 from textual.widgets import RichLog
 
 from torchtop.model.job import DEFAULT_LOG_LINES, JobModel, LogEntry
@@ -22,6 +24,11 @@ def log_line(entry: LogEntry) -> Text:
 
 class LogPanel(RichLog):
     """Appends only the lines it has not shown yet, and follows the end unless scrolled up."""
+
+    #: Each line written makes the log longer; Textual would lay the whole screen out again
+    #: for it (about 15 ms at 80x24, most of a chatty job's viewer CPU). The panel's own size
+    #: is set by the layout, not by its lines: only its scrollbar follows them (below).
+    virtual_size: Reactive[Size] = Reactive(Size(0, 0), layout=False)
 
     DEFAULT_CSS = """
     LogPanel {
@@ -61,6 +68,17 @@ class LogPanel(RichLog):
         # Only a move of the view itself says where the reader is: up, they read back; at the
         # end (by scrolling down, or held there as the panel grew), they follow again.
         self.following = new_value >= self.max_scroll_y
+
+    def watch_virtual_size(self, size: Size) -> None:
+        """Longer content moves the scrollbar; only a scrollbar that appears or goes changes
+        the panel's layout."""
+        shown = (self.show_vertical_scrollbar, self.show_horizontal_scrollbar)
+        self._refresh_scrollbars()
+        if (self.show_vertical_scrollbar, self.show_horizontal_scrollbar) != shown:
+            self.refresh(layout=True)
+        else:
+            self._scroll_update(size)
+            self.refresh()
 
     @on(Resize)
     def _keep_following(self) -> None:

@@ -230,12 +230,14 @@ class MemoryPanel(Vertical):
         """The figures are fitted to the width: a panel beside the phase panel is narrower."""
         self._show_figures()
 
-    def show_state(self, state: JobModel) -> None:
-        """Redraw from ``state``."""
+    def show_state(self, state: JobModel, *, chart: bool = True) -> None:
+        """Redraw the figures from ``state``, and the chart too when ``chart``."""
         device = state.primary_device
         set_titles(self, f" Memory · {device} ", other_devices(state))
         self._state = state
         self._show_figures()
+        if not chart:
+            return
         series, spans, marks, t_start, t_end = chart_data(state)
         self.query_one(TimeSeriesChart).set_data(
             series, t_start=t_start, t_end=t_end, spans=spans, marks=marks

@@ -17,6 +17,7 @@ by a name substring (``/``). The sorting and filtering are pure functions, teste
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Literal, NamedTuple
 
@@ -267,7 +268,9 @@ def ops_summary(state: JobModel, *, cumulative: bool = False, width: int = 0) ->
         due = window.spacing_s
         if state.now is not None:
             due -= max(0.0, state.now - window.t)
-        head.append(f"~{format_duration(due)}" if due > 0 else "due now")
+        # Whole seconds below a minute: a figure that changes at every frame reads as noise.
+        soon = f"~{math.ceil(due)} s" if due < 60 else f"~{format_duration(due)}"
+        head.append(soon if due > 0 else "due now")
     lines.append(head)
 
     figures = Text()

@@ -362,10 +362,12 @@ class StepPanel(Vertical):
             yield StepBars(id="step-bars")
             yield StepTimeChart(id="step-history")
 
-    def show_state(self, state: JobModel) -> None:
-        """Redraw from ``state``."""
+    def show_state(self, state: JobModel, *, charts: bool = True) -> None:
+        """Redraw the figures from ``state``, and the bars and chart too when ``charts``."""
         set_titles(self, step_title(state))
         update_if_changed(self.query_one("#step-figures", Static), step_figures(state))
+        if not charts:
+            return
         bars = self.query_one(StepBars)
         bars.set_points(state.training.last_points(max(1, bars.size.width)))
         series, spans, t_start, t_end = history_data(state)
