@@ -3,6 +3,7 @@ launcher or a DataLoader worker, and every rank in one recording and its report.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.conftest import SCRIPTS, report_json, torchtop
@@ -220,7 +222,10 @@ def test_a_rank_blocked_before_a_collective_is_named_with_its_line_and_a_killed_
         os.kill(rank3, signal.SIGKILL)
         job.wait(180)
     finally:
-        if job.poll() is None:
+        if job.poll() is None:  # a failed test leaves no launcher or rank blocked forever
+            with contextlib.suppress(psutil.Error):
+                for process in psutil.Process(job.pid).children(recursive=True):
+                    process.kill()
             job.kill()
             job.wait()
     report = dict(report_json(record))

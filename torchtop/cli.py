@@ -490,6 +490,8 @@ def _run_spec(spec: Any) -> int:
         if spec.headless:
             return run_headless(spec)
         _require_terminal("torchtop run --headless")
+        if spec.launcher:
+            return _run_ranks_view(spec)
         from torchtop.tui.app import TorchtopApp
         from torchtop.tui.sources import RunSource
 
@@ -505,6 +507,22 @@ def _run_spec(spec: Any) -> int:
         return job_code if job_code is not None else code
     except (RunError, RecordingError) as exc:
         raise CliError(str(exc), code=1) from None
+
+
+def _run_ranks_view(spec: Any) -> int:
+    """A multi-rank job under the live view of its ranks; the job's exit code."""
+    from torchtop.runner import RankRun
+    from torchtop.tui.run_view import RunView
+
+    run = RankRun(spec)
+    try:
+        _run_app(RunView(run, title=spec.description))
+    finally:
+        if run.running():
+            run.stop_job()
+            print(f"torchtop: stopping job pid {run.job.pid}…", file=sys.stderr)
+    code = run.finish()
+    return code if code is not None else 0
 
 
 def _require_terminal(alternative: str) -> None:

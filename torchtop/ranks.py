@@ -42,14 +42,18 @@ class RankFeeds:
     def __init__(
         self,
         launcher_pid: int,
-        writer: RecordingWriter,
+        writer: RecordingWriter | None,
         on_message: Callable[[Message], None] | None = None,
+        on_rank: Callable[[str, Message], None] | None = None,
     ) -> None:
+        """``on_message(message)`` and ``on_rank(stream, message)`` get every rank's messages,
+        the second with the rank's stream (its pid, as the recording tags it)."""
         from torchtop.export.service import descends_from
 
         self._below = descends_from(launcher_pid)
         self._writer = writer
         self._on_message = on_message
+        self._on_rank = on_rank
         self.feeds: dict[int, AgentFeed] = {}
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._scan_loop, name="torchtop-ranks", daemon=True)
@@ -74,27 +78,33 @@ class RankFeeds:
             if info.pid in self.feeds or not self._below(info):
                 continue
             pid = info.pid
-            writer = TaggedWriter(self._writer, str(pid))
+            writer = TaggedWriter(self._writer, str(pid)) if self._writer is not None else None
             feed = AgentFeed(
                 pid=pid,
                 alive=functools.partial(pid_alive, pid),
                 writer=writer,  # type: ignore[arg-type]
                 client="recorder",
-                on_message=self._on_message,
+                on_message=functools.partial(self._received, str(pid)),
                 on_end=functools.partial(self._ended, pid, writer),
             )
             self.feeds[pid] = feed
             feed.start()
 
-    def _ended(self, pid: int, writer: TaggedWriter, reason: str) -> None:
+    def _received(self, stream: str, message: Message) -> None:
+        if self._on_message is not None:
+            self._on_message(message)
+        if self._on_rank is not None:
+            self._on_rank(stream, message)
+
+    def _ended(self, pid: int, writer: TaggedWriter | None, reason: str) -> None:
         """A rank whose stream broke off without its exit (killed): its exit, saying so, goes
         into the recording as the rank's own, so the report shows it dead."""
         lost = self.feeds[pid].lost_exit()
         if lost is None:
             return
-        writer.write_frame(encode(lost).rstrip(b"\n"))
-        if self._on_message is not None:
-            self._on_message(lost)
+        if writer is not None:
+            writer.write_frame(encode(lost).rstrip(b"\n"))
+        self._received(str(pid), lost)
 
     def join(self, timeout: float | None = None) -> bool:
         """Stop looking for new ranks; wait until every followed rank's stream has ended."""

@@ -71,11 +71,7 @@ class RunSpec:
         if not self.target:
             raise RunError("nothing to run: give a script or -m MODULE (see `torchtop run --help`)")
         if self.launcher:
-            if not self.headless:
-                raise RunError(
-                    "a multi-rank job runs headless for now: add --headless "
-                    "(and --record FILE to keep every rank's figures)"
-                )
+            pass  # the launcher checks its own arguments
         elif self.target[0] == "-m":
             if len(self.target) < 2 or not self.target[1]:
                 raise RunError("-m needs a module name, e.g. `torchtop run -m mypkg.train`")
@@ -340,3 +336,75 @@ def run_headless(spec: RunSpec) -> int:
     if returncode == -signal.SIGINT:
         raise KeyboardInterrupt  # the job ended by Ctrl-C: so do we, as python would
     return code
+
+
+class RankRun:
+    """A multi-rank job ``torchtop run`` starts under a viewer: the launcher, each rank's agent
+    and the job's output, folded into one :class:`RunModel` by whoever calls :meth:`drain`
+    (the viewer's thread); the feeds only queue what they read."""
+
+    #: Messages queued between two drains, at most (the oldest go first past it).
+    MAX_PENDING = 200_000
+
+    def __init__(self, spec: RunSpec) -> None:
+        from collections import deque
+
+        from torchtop.model import JobModel
+        from torchtop.model.run import RunModel
+
+        self.spec = spec
+        self.job = Job(spec, on_line=self._line)
+        self.writer = RecordingWriter(spec.record) if spec.record is not None else None
+        self.model = RunModel()
+        #: The run's own stream: the job's output and the launcher's exit.
+        self.launcher = JobModel()
+        self._pending: deque[tuple[str | None, Message]] = deque(maxlen=self.MAX_PENDING)
+        self._log = LogLines(self.writer, lambda m: self._pending.append((None, m)))
+        self.feeds: RankFeeds | None = None
+
+    def start(self) -> None:
+        self.job.start()
+        self.feeds = RankFeeds(
+            self.job.pid,
+            self.writer,
+            on_message=lambda _m: self._log.agent_spoke(),
+            on_rank=lambda stream, m: self._pending.append((stream, m)),
+        ).start()
+
+    def _line(self, stream: str, text: str) -> None:
+        self._log.line(stream, text)
+
+    def drain(self) -> bool:
+        """Fold what arrived since the last call; True if anything did."""
+        pending = self._pending
+        changed = False
+        while pending:
+            stream, message = pending.popleft()
+            if stream is None:
+                self.launcher.apply(message)
+            else:
+                self.model.apply(stream, message)
+            changed = True
+        return changed
+
+    def running(self) -> bool:
+        return self.job.running()
+
+    def stop_job(self) -> None:
+        """Interrupt the launcher (it stops its ranks), then terminate and kill it."""
+        self.job.stop()
+
+    def finish(self) -> int | None:
+        """After the viewer: wait for the job to end, finish the recording; its exit code."""
+        returncode = self.job.wait()
+        assert returncode is not None
+        feeds = self.feeds
+        if feeds is not None:
+            feeds.join(timeout=10.0)
+            feeds.close()
+        self._log.close()
+        if self.writer is not None:
+            _code, reason = exit_status(returncode)
+            self.writer.write(JobExited(t=time.time(), exit_code=returncode, reason=reason))
+            self.writer.close()
+        return self.job.exit_code

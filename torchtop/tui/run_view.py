@@ -1,0 +1,156 @@
+"""The live view of a multi-rank job ``torchtop run`` launched (``torchtop run torchrun ...``).
+
+One table of ranks (step, recent step time, steps/s, data wait, time in backward, memory, last
+seen, state), the run's findings (straggler, hang, dead ranks: :mod:`torchtop.model.ranks`)
+and the job's output. It reads the :class:`~torchtop.model.run.RunModel` that
+:class:`~torchtop.runner.RankRun` folds, four times a second, and redraws only when something
+arrived. ``q`` stops the job (the launcher stops its ranks) and quits.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding, BindingType
+from textual.widgets import DataTable, Footer, RichLog, Static
+
+from torchtop.model.ranks import died
+from torchtop.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from torchtop.model import JobModel
+    from torchtop.runner import RankRun
+
+#: Seconds between two looks at what arrived.
+REFRESH_S = 0.25
+COLUMNS = ("rank", "pid", "state", "steps", "step", "/s", "wait", "bwd", "memory", "seen")
+SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def rank_row(job: JobModel, now: float | None, launcher: dict[int, int]) -> tuple[str, ...]:
+    """One rank's row of the table."""
+    hello = job.hello
+    recent = job.training.recent(job.now)
+    step = recent.mean_step_s
+    backward = recent.backward_s / recent.time_s if recent.time_s > 0 else None
+    memory = None
+    for device in job.memory.values():
+        memory = device.latest.allocated_bytes
+        break
+    if died(job, launcher):
+        state = "dead"
+    elif job.job_ended:
+        state = "exited"
+    else:
+        state = "running"
+    seen = "-" if now is None or job.now is None else f"{max(0.0, now - job.now):.0f}s"
+    return (
+        str(hello.rank if hello is not None and hello.rank is not None else "?"),
+        str(hello.pid if hello is not None else "?"),
+        state,
+        str(job.training.total),
+        "-" if step is None else f"{1000 * step:.1f}ms",
+        "-" if recent.steps_per_s is None else f"{recent.steps_per_s:.1f}",
+        _pct(recent.wait_fraction),
+        _pct(backward),
+        format_bytes(memory),
+        seen,
+    )
+
+
+class RunView(App[int]):
+    """Every rank of one run, side by side, while the job runs."""
+
+    CSS_PATH = "run_view.tcss"
+    TITLE = "torchtop"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("q", "stop", "stop the job and quit"),
+    ]
+
+    def __init__(self, run: RankRun, title: str) -> None:
+        super().__init__()
+        self.run_ = run
+        self.sub_title = title
+        self._logged = 0
+        self._drawn = -1
+
+    def compose(self) -> ComposeResult:
+        yield Static("starting the launcher…", id="run-head")
+        yield DataTable[str](id="ranks", cursor_type="row", zebra_stripes=True)
+        yield Static("", id="run-findings")
+        yield RichLog(id="run-log", max_lines=2000, wrap=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table: DataTable[str] = self.query_one("#ranks", DataTable)
+        for column in COLUMNS:
+            table.add_column(column, key=column)
+        self.run_.start()
+        self.set_interval(REFRESH_S, self.refresh_run)
+
+    def refresh_run(self) -> None:
+        run = self.run_
+        run.drain()
+        launcher = run.launcher
+        logs = list(launcher.logs)
+        new = launcher.log_total - self._logged
+        if new > 0:
+            log = self.query_one("#run-log", RichLog)
+            for entry in logs[-min(new, len(logs)) :]:
+                log.write(Text(entry.text, style="red" if entry.stream == "stderr" else ""))
+            self._logged = launcher.log_total
+        version = run.model.version + launcher.version + int(run.running())
+        if version == self._drawn:
+            return
+        self._drawn = version
+        jobs = sorted(
+            run.model,
+            key=lambda j: j.hello.rank if j.hello and j.hello.rank is not None else 1 << 30,
+        )
+        now = max((j.now for j in jobs if j.now is not None), default=None)
+        table: DataTable[str] = self.query_one("#ranks", DataTable)
+        table.clear()
+        exits = run.model.ranks.launcher_exits
+        for job in jobs:
+            table.add_row(*rank_row(job, now, exits))
+        self.query_one("#run-head", Static).update(self._head(jobs))
+        self.query_one("#run-findings", Static).update(self._findings())
+
+    def _head(self, jobs: list[JobModel]) -> Text:
+        run = self.run_
+        hello = next((j.hello for j in jobs if j.hello is not None), None)
+        text = Text()
+        world = hello.world_size if hello is not None else None
+        text.append(f"{len(jobs)} rank{'s' if len(jobs) != 1 else ''}", "bold")
+        if world is not None:
+            text.append(f" of {world}")
+        if hello is not None and hello.run_id:
+            text.append(f" · run {hello.run_id}")
+        if run.running():
+            text.append(f" · launcher pid {run.job.pid} running", "green")
+        else:
+            text.append(f" · job ended, exit code {run.job.exit_code}", "yellow")
+        return text
+
+    def _findings(self) -> Text:
+        findings = self.run_.model.ranks.findings
+        if not findings:
+            return Text("no straggler, hang or dead rank", style="dim")
+        text = Text()
+        for i, finding in enumerate(findings):
+            if i:
+                text.append("\n")
+            text.append(f"{finding.severity:<8} ", SEVERITY_STYLE.get(finding.severity, ""))
+            text.append(finding.summary)
+        return text
+
+    def action_stop(self) -> None:
+        if self.run_.running():
+            self.run_.stop_job()
+        self.exit(0)
