@@ -53,3 +53,12 @@ def report_json(path: Path) -> dict[str, object]:
     assert out.returncode == 0, out.stderr
     result: dict[str, object] = json.loads(out.stdout)
     return result
+
+
+def cuda_available() -> bool:
+    """A CUDA GPU is here (tests marked ``cuda`` skip without one)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())

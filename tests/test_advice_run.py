@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import SCRIPTS, torchtop
+from tests.conftest import SCRIPTS, cuda_available, torchtop
 
 SCRIPT = str(SCRIPTS / "advice_jobs.py")
 
@@ -89,3 +89,17 @@ def test_healthy_jobs_have_no_warning(tmp_path: Path, argv: list[str]) -> None:
     report = _report(tmp_path, str(SCRIPTS / argv[0]), *argv[1:])
     assert report["steps"] > 0
     assert _serious(report) == [], report["findings"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
+def test_float32_matmuls_on_a_real_gpu_and_none_under_autocast(tmp_path: Path) -> None:
+    """The dtypes the agent reads on a GPU are the ones the rule looks for (its unit tests
+    use them): float32 without autocast, bf16 with it. Its GPU has tensor cores (7.0 on)."""
+    report = _report(tmp_path, SCRIPT, "--case", "fp32-matmuls")
+    found = {f["name"]: f for f in report["findings"]}
+    assert "float32-matmuls" in found, report["findings"]
+    evidence = found["float32-matmuls"]["evidence"]
+    assert evidence["dtypes"].get("float", 0) >= 10 and evidence["device"] == "cuda:0"
+    fixed = _report(tmp_path, SCRIPT, "--case", "bf16-autocast")
+    assert "float32-matmuls" not in {f["name"] for f in fixed["findings"]}, fixed["findings"]

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import cuda_available
 from torchtop.agent.probes.cuda_memory import SOURCE_CUDA, CudaMemoryProbe, gpu_uuid
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -332,16 +333,8 @@ def test_real_torch_without_cuda_in_use_reads_nothing() -> None:
     assert not torch.cuda.is_initialized()
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
 @pytest.mark.cuda
-@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
 def test_real_cuda_allocator() -> None:
     import torch
 
@@ -362,7 +355,7 @@ def test_real_cuda_allocator() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
 def test_real_probe_does_not_initialize_cuda() -> None:
     code = (
         "import torch\n"

@@ -136,3 +136,25 @@ def test_vanishing_during_the_children_walk_is_also_gone() -> None:
 def test_children_every_must_be_positive() -> None:
     with pytest.raises(ValueError):
         HostProbe(children_every=0)
+
+
+def test_the_cpus_it_may_use_and_the_jobs_processes_on_the_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the CPU-oversubscription advice weighs torch's threads against: the affinity (not
+    the machine's count) and torchrun's LOCAL_WORLD_SIZE."""
+    import os
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    stats = HostProbe().read()
+    assert stats.cpus == len(os.sched_getaffinity(0)) and stats.local_processes == 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert HostProbe().read().local_processes is None  # a single process
+    # Pinned to one CPU, a process has one, however many the machine has.
+    pinned = subprocess.run(
+        [sys.executable, "-c", "from torchtop.agent.probes.host import HostProbe as H; "
+         "print(H().read().cpus)"],
+        preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert pinned.stdout.strip() == "1"

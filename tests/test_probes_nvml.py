@@ -15,6 +15,7 @@ from fakes.nvml import (
     pynvml_error,
 )
 
+from tests.conftest import cuda_available
 from torchtop.agent.probes.base import ProbeUnavailable
 from torchtop.agent.probes.nvml import NvmlCallError, NvmlProbe, PynvmlBackend
 from torchtop.protocol import GpuProcess
@@ -383,16 +384,8 @@ def test_mig_instances_are_listed_and_the_parents_utilization_is_asked_again() -
     assert backend.count("utilization", 0) == 2
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
 @pytest.mark.cuda
-@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
 def test_real_nvml_reads_a_gpu() -> None:
     probe = NvmlProbe()
     try:

@@ -10,6 +10,8 @@ It knows nothing of torchtop. ``--case`` picks the job:
   same pass under ``torch.no_grad()``.
 - ``threads``: ``torch.set_num_threads`` at four times the CPUs, beside two DataLoader workers
   that compute their items; ``threads-fixed``: one worker and the CPUs it leaves as threads.
+- ``fp32-matmuls`` (CUDA): an MLP trained in float32; ``bf16-autocast``: the same under bf16
+  autocast. ``--device cpu`` runs them where there is no GPU (the advice needs one).
 """
 
 from __future__ import annotations
@@ -123,6 +125,21 @@ def threads_job(fixed: bool, seconds: float = 9.0) -> None:
             break
 
 
+def matmul_job(autocast: bool, device: str, seconds: float = 8.0) -> None:
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(256, 1024, device=device)
+    y = torch.randint(0, 10, (256,), device=device)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        opt.zero_grad()
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        time.sleep(0.01)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -137,9 +154,13 @@ def main() -> None:
             "eval-nograd",
             "threads",
             "threads-fixed",
+            "fp32-matmuls",
+            "bf16-autocast",
         ],
     )
-    case = parser.parse_args().case
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    case = args.case
     torch.manual_seed(0)
     if case.startswith("input"):
         input_job(0 if case == "input-bound" else 4)
@@ -147,6 +168,8 @@ def main() -> None:
         creep_job(case == "creep-fixed")
     elif case.startswith("threads"):
         threads_job(case == "threads-fixed")
+    elif case in ("fp32-matmuls", "bf16-autocast"):
+        matmul_job(case == "bf16-autocast", args.device)
     else:
         eval_job(case == "eval-nograd")
     print("done")
