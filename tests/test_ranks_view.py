@@ -4,9 +4,14 @@ job and quits."""
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import shutil
+import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -51,4 +56,48 @@ def test_the_run_view_shows_each_rank_names_the_straggler_and_stops_the_job(
     assert int(rows[2][6].rstrip("%")) > int(rows[0][6].rstrip("%"))
     terminal.keys("q")
     screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+", s), timeout=120)
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+@pytest.fixture
+def wide_terminal() -> Iterator[Terminal]:
+    """A 160x50 terminal, the environment passed as the 80x24 one's."""
+    session = f"torchtop-test-{uuid.uuid4().hex[:8]}"
+    env = " ".join(
+        f"{k}={shlex.quote(v)}"
+        for k, v in os.environ.items()
+        if k in ("TORCHTOP_RUNTIME_DIR", "PATH", "PYTHONPATH", "HOME")
+    )
+    shell = f"env {env} TERM=xterm-256color PYTHONWARNINGS=ignore bash --norc --noprofile"
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "50", shell], check=True
+    )
+    try:
+        yield Terminal(session)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_a_rank_opens_in_the_full_viewer_and_closes_back_to_the_run(
+    wide_terminal: Terminal,
+) -> None:
+    term = wide_terminal
+    command = (
+        f"{sys.executable} -m torchtop run --no-ops -m torch.distributed.run --standalone "
+        f"--nproc_per_node=4 {SCRIPTS / 'ddp.py'} --steps 3000 --sleep-ms 10; echo EXIT=$?"
+    )
+    term.keys(command, "Enter")
+    screen = term.wait_for(lambda s: sorted(_rows(s)) == [0, 1, 2, 3], timeout=120)
+    rank1 = _rows(screen)[1][1]
+    # The cursor starts on rank 0: down to rank 1, and open it.
+    term.keys("Down", "Enter")
+    # Its full screens: memory, then steps once its history has arrived.
+    term.wait_for(lambda s: "Memory" in s and "Steps" in s and f"pid {rank1}" in s, timeout=60)
+    # Its q comes back to the run's view, with every rank still running.
+    term.keys("q")
+    screen = term.wait_for(lambda s: sorted(_rows(s)) == [0, 1, 2, 3], timeout=60)
+    assert all(row[2] == "running" for row in _rows(screen).values())
+    pids = [int(row[1]) for row in _rows(screen).values()]
+    term.keys("q")
+    term.wait_for(lambda s: re.search(r"EXIT=\d+", s), timeout=120)
     assert not any(psutil.pid_exists(pid) for pid in pids)

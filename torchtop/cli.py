@@ -512,11 +512,25 @@ def _run_spec(spec: Any) -> int:
 def _run_ranks_view(spec: Any) -> int:
     """A multi-rank job under the live view of its ranks; the job's exit code."""
     from torchtop.runner import RankRun
+    from torchtop.transport import find_agent
+    from torchtop.tui.app import TorchtopApp
     from torchtop.tui.run_view import RunView
+    from torchtop.tui.sources import LiveSource
 
     run = RankRun(spec)
     try:
-        _run_app(RunView(run, title=spec.description))
+        while True:
+            view = RunView(run, title=spec.description)
+            _run_app(view)
+            if view.open_pid is None:
+                break
+            # One rank's full screens, attached to its agent; its q comes back to the run.
+            info = find_agent(view.open_pid)
+            if info is not None:
+                rank = info.identity.get("rank")
+                _run_app(
+                    TorchtopApp(LiveSource(info.address), title=f"rank {rank}: {info.command}")
+                )
     finally:
         if run.running():
             run.stop_job()

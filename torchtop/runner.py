@@ -362,6 +362,10 @@ class RankRun:
         self._log = LogLines(self.writer, lambda m: self._pending.append((None, m)))
         self.feeds: RankFeeds | None = None
 
+    @property
+    def started(self) -> bool:
+        return self.job.process is not None
+
     def start(self) -> None:
         self.job.start()
         self.feeds = RankFeeds(

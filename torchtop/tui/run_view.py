@@ -4,7 +4,9 @@ One table of ranks (step, recent step time, steps/s, data wait, time in backward
 seen, state), the run's findings (straggler, hang, dead ranks: :mod:`torchtop.model.ranks`)
 and the job's output. It reads the :class:`~torchtop.model.run.RunModel` that
 :class:`~torchtop.runner.RankRun` folds, four times a second, and redraws only when something
-arrived. ``q`` stops the job (the launcher stops its ranks) and quits.
+arrived. ``enter`` on a rank's row opens that rank's full screens (the single-process viewer
+attached to its agent; its ``q`` comes back here); ``q`` stops the job (the launcher stops its
+ranks) and quits.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class RunView(App[int]):
     TITLE = "torchtop"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("q", "stop", "stop the job and quit"),
+        Binding("enter", "open_rank", "open the rank"),
     ]
 
     def __init__(self, run: RankRun, title: str) -> None:
@@ -79,6 +82,8 @@ class RunView(App[int]):
         self.sub_title = title
         self._logged = 0
         self._drawn = -1
+        #: The pid of the rank to open once this view has closed (``None``: quit).
+        self.open_pid: int | None = None
 
     def compose(self) -> ComposeResult:
         yield Static("starting the launcher…", id="run-head")
@@ -91,7 +96,8 @@ class RunView(App[int]):
         table: DataTable[str] = self.query_one("#ranks", DataTable)
         for column in COLUMNS:
             table.add_column(column, key=column)
-        self.run_.start()
+        if not self.run_.started:
+            self.run_.start()
         self.set_interval(REFRESH_S, self.refresh_run)
 
     def refresh_run(self) -> None:
@@ -117,8 +123,11 @@ class RunView(App[int]):
         table: DataTable[str] = self.query_one("#ranks", DataTable)
         table.clear()
         exits = run.model.ranks.launcher_exits
+        cursor = table.cursor_row
         for job in jobs:
             table.add_row(*rank_row(job, now, exits))
+        if jobs:
+            table.move_cursor(row=min(cursor, len(jobs) - 1))
         self.query_one("#run-head", Static).update(self._head(jobs))
         self.query_one("#run-findings", Static).update(self._findings())
 
@@ -149,6 +158,18 @@ class RunView(App[int]):
             text.append(f"{finding.severity:<8} ", SEVERITY_STYLE.get(finding.severity, ""))
             text.append(finding.summary)
         return text
+
+    def action_open_rank(self) -> None:
+        table: DataTable[str] = self.query_one("#ranks", DataTable)
+        if table.row_count == 0:
+            return
+        pid = table.get_row_at(table.cursor_row)[1]
+        if pid.isdigit():
+            self.open_pid = int(pid)
+            self.exit(0)
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.action_open_rank()
 
     def action_stop(self) -> None:
         if self.run_.running():
