@@ -16,6 +16,8 @@ from torchtop.model.run import RunModel
 from torchtop.protocol import (
     Hello,
     JobExited,
+    LoaderInfo,
+    LoaderStats,
     Sample,
     StackFrame,
     StackSampled,
@@ -130,6 +132,29 @@ def test_a_hang_names_the_rank_outside_any_collective_and_where_it_blocks() -> N
     assert run.ranks.findings == [] and run.ranks.cleared[-1].name == "hang"
 
 
+def loaders(t: float, batches: int) -> LoaderInfo:
+    stats = LoaderStats(index=1, name="loader 1", dataset="Val", batch_size=8, num_workers=0,
+                        pin_memory=False, prefetch_factor=None, persistent_workers=False,
+                        batches=batches)  # fmt: skip
+    return LoaderInfo(t=t, loaders=[stats])
+
+
+def test_an_evaluation_loop_taking_batches_without_steps_is_no_hang() -> None:
+    run = RunModel(new_job=lambda: JobModel(mode="replay"))
+    for rank in range(2):
+        run.apply(str(rank), hello(rank, hang_after_s=3.0))
+        run.apply(str(rank), steps(T0 + 1, 10, 10, 0.01, 0.0, 0.005))
+    # Ten seconds of evaluation: batches, no step.
+    for i in range(1, 11):
+        for rank in range(2):
+            run.apply(str(rank), loaders(T0 + 1 + i, 100 * i))
+    assert run.ranks.findings == [] and not run.ranks.cleared
+    # The batches stop too: now it is stuck.
+    for rank in range(2):
+        run.apply(str(rank), sample(T0 + 15))
+    assert [f.name for f in run.ranks.findings] == ["hang"]
+
+
 # torchrun's own failure summary, as it printed it for a rank killed with SIGKILL.
 SUMMARY = """\
 Failures:
@@ -216,3 +241,6 @@ def test_a_stuck_main_thread_s_stack_is_sent_from_another_thread() -> None:
     assert ours.function == "test_a_stuck_main_thread_s_stack_is_sent_from_another_thread"
     # Repeated only after REPEAT_S while the same stall lasts.
     assert watch.check(collector, time.time()) is None
+    # A batch taken since the step (an evaluation loop) is progress: not stuck.
+    collector.last_batch = time.perf_counter()
+    assert StallWatch(hang_after_s=0.05).check(collector, time.time()) is None

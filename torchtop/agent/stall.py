@@ -3,7 +3,8 @@
 A rank blocked before a collective holds every other rank inside it: the job hangs with no
 error until the collective's timeout (30 minutes by default). :class:`StallWatch` runs in the
 sampler thread; once the job has taken a step and then finished none for its threshold
-(``HANG_STEPS`` median steps, and at least ``hang_after_s``), it reads the main thread's
+(``HANG_STEPS`` median steps, and at least ``hang_after_s``; a batch taken counts as
+progress too, as in an evaluation loop), it reads the main thread's
 Python stack with ``sys._current_frames()``, which never stops or signals the job, and sends
 it as a ``stack`` message, again every :data:`REPEAT_S` while the job stays stuck. The
 message goes through the agent's bounded queues like any other: dropped, never waited for.
@@ -64,6 +65,9 @@ class StallWatch:
         last_end = steps.last_end
         if last_end is None:
             return None
+        # A batch since counts as progress (an evaluation loop takes batches, not steps).
+        if steps.last_batch is not None and steps.last_batch > last_end:
+            last_end = steps.last_batch
         stale = time.perf_counter() - last_end
         median = statistics.median(steps.recent) if steps.recent else None
         threshold = hang_threshold(median, self.hang_after_s)

@@ -222,6 +222,9 @@ class StepCollector:
         self._others: list[tuple[float, int, _Interval]] = []
         #: When the clock optimizer last stepped.
         self._clock_last: float | None = None
+        #: When the training thread last got a batch (``perf_counter``): an evaluation loop
+        #: between epochs takes no step but is not stuck.
+        self.last_batch: float | None = None
 
     @property
     def last_end(self) -> float | None:

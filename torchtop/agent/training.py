@@ -409,6 +409,7 @@ class TrainingMonitor:
                 wait = ended - began
                 first, index = loaders.batch(iterator, wait, size, grad)
                 steps.batch(wait, first=first, loader=index, samples=size)
+                steps.last_batch = ended
             elif kind == OPT_STEP:
                 steps.optimizer_step(event[1], event[2], event[3], event[4])
             elif kind == BACKWARD:

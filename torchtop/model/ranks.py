@@ -19,11 +19,11 @@ has held :data:`STRAGGLER_HOLD_S`. The gap is then attributed: the culprit's ext
 its extra time outside backward and data (forward, optimizer, the rest), each as a share of the
 gap; a share of :data:`CAUSE_COVERAGE` names the cause.
 
-**Hangs.** When no rank has finished a step for ``hang_threshold(median step)`` seconds
-(:data:`~torchtop.protocol.HANG_STEPS` median steps, at least the agents' ``hang_after_s``:
-30 s by default), the run is stuck. Each stuck rank's agent sends its training thread's stack
-(:class:`~torchtop.protocol.StackSampled`); a rank whose stack is outside backward and
-``torch.distributed`` is the one the others wait for.
+**Hangs.** When no rank has finished a step (or taken a batch) for
+``hang_threshold(median step)`` seconds (:data:`~torchtop.protocol.HANG_STEPS` median
+steps, at least the agents' ``hang_after_s``: 30 s by default), the run is stuck. Each stuck
+rank's agent sends its training thread's stack (:class:`~torchtop.protocol.StackSampled`); a
+rank whose stack is outside backward and ``torch.distributed`` is the one the others wait for.
 
 **Dead ranks.** A rank whose stream ended with a failing exit, or broke off with none (killed),
 is dead; the launcher's own failure summary gives its exit code when the agent could not
@@ -220,9 +220,14 @@ def _where(frame: StackFrame | None) -> str:
     return f"{frame.file.rsplit('/', 1)[-1]}:{frame.line} in {frame.function}"
 
 
-def _last_step_end(job: JobModel) -> float | None:
+def _last_progress(job: JobModel) -> float | None:
+    """When the rank last ended a step, or took a batch after its first step (an evaluation
+    loop between epochs makes progress without steps); ``None`` before its first step."""
     points = job.training.points
-    return points[-1].t if points else None
+    if not points:
+        return None
+    batch = job.training.last_batch_t
+    return max(points[-1].t, batch) if batch is not None else points[-1].t
 
 
 def _stack_since(job: JobModel, t: float) -> StackSampled | None:
@@ -231,8 +236,9 @@ def _stack_since(job: JobModel, t: float) -> StackSampled | None:
 
 
 def hang(jobs: Sequence[JobModel], now: float) -> Verdict | None:
-    """No rank finished a step for the hang threshold: which ranks are stuck, and where."""
-    ends = [e for e in map(_last_step_end, jobs) if e is not None]
+    """No rank finished a step (or took a batch) for the hang threshold: which ranks are
+    stuck, and where."""
+    ends = [e for e in map(_last_progress, jobs) if e is not None]
     if not ends:
         return None
     alive = [j for j in jobs if not j.job_ended and j.hello is not None]

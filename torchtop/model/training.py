@@ -268,6 +268,9 @@ class TrainingState:
     #: Every DataLoader by index, with its latest stats.
     loader_states: dict[int, LoaderState] = field(default_factory=dict)
     loaders_t: float | None = None
+    #: When a ``loaders`` frame last showed more batches taken: progress without a step (an
+    #: evaluation loop), which the run's hang rule counts as not stuck.
+    last_batch_t: float | None = None
 
     def __post_init__(self) -> None:
         self.points = deque(maxlen=self.max_points)
@@ -309,6 +312,8 @@ class TrainingState:
                 state = self.loader_states[loader.index] = LoaderState(loader)
                 changed = True
             elif newest and state.stats != loader:
+                if loader.batches > state.stats.batches:
+                    self.last_batch_t = message.t
                 state.stats = loader
                 changed = True
             state.observe_workers(loader)
