@@ -31,6 +31,14 @@ def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(path.parent, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def config_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The viewer's settings (its theme) go to a folder of the test's, never the user's."""
+    path = tmp_path / "config"
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(path))
+    return path
+
+
 def torchtop(
     *args: str, timeout: float = 120, **kwargs: object
 ) -> subprocess.CompletedProcess[str]:

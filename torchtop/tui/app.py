@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
+from functools import partial
+from typing import cast
 
 from rich.table import Table
+from rich.text import Text
 from textual import log
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message as TMessage
 from textual.screen import ModalScreen
+from textual.theme import Theme
 from textual.timer import Timer
 from textual.widgets import Footer, Static
 
@@ -33,7 +38,9 @@ from torchtop.protocol import (
     OpsWindow,
 )
 from torchtop.tui.advice_screen import AdviceScreen
+from torchtop.tui.commands import Action, ViewerCommands, actions, help_rows
 from torchtop.tui.oom_screen import OomScreen
+from torchtop.tui.settings import load_settings, save_setting
 from torchtop.tui.source import Source, SourceDisconnected
 from torchtop.tui.wake import WakeFilter
 from torchtop.tui.widgets.device import DevicePanel
@@ -61,23 +68,10 @@ SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 #: Actions that only apply to a seekable source (a recording).
 PLAYBACK_ACTIONS = frozenset({"toggle_pause", "jump_to_end", "faster", "slower"})
 
-HELP_KEYS = (
-    ("q", "quit (asks first if torchtop started the job and it still runs)"),
-    ("?", "this help"),
-    ("l", "the log alone, full height; l again to go back"),
-    ("↑↓ PgUp", "scroll the log"),
-    ("space", "recordings: play or pause"),
-    ("e End", "recordings: jump to the end"),
-    ("+ -", "recordings: faster, slower"),
-    ("o", "the OOM screen: the last out-of-memory failure or snapshot (opens by itself)"),
-    ("m", "take a memory snapshot now: the same summary, and a file for memory_viz"),
-    ("t", "the ops panel alone, full height (op timings); t again to go back"),
-    ("p", "take an op-timing window now (its trace is kept for Perfetto)"),
-    ("k 1 2 3", "ops: sort by self time, calls, average (k cycles)"),
-    ("/", "ops: filter by name (enter keeps it, esc clears it)"),
-    ("w", "ops: the last window, or all windows so far"),
-    ("a", "advice: what the rules found, with evidence, the fix and its demo"),
-)
+#: The help's line for Textual's command palette.
+PALETTE_KEYS = ("^p", "the command palette: every action here, themes, copy a figure or a path")
+#: The help's line for the log's own keys (Textual's scrolling keys, not the app's bindings).
+LOG_KEYS = ("↑↓ PgUp PgDn", "scroll the log (or the mouse wheel); at its end it follows again")
 HELP_PANELS = (
     (
         "Header",
@@ -125,14 +119,18 @@ HELP_PANELS = (
 )
 
 
-def help_table() -> Table:
-    """Keys and panels in two columns, so long descriptions wrap under themselves."""
+def help_table(app: TorchtopApp) -> Table:
+    """Keys and panels in two columns, so long descriptions wrap under themselves. The keys
+    come from the bindings (:mod:`.commands`), so the help lists exactly what the keys do."""
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold", no_wrap=True)
     table.add_column()
     table.add_row("[b u]Keys[/]", "")
-    for key, what in HELP_KEYS:
-        table.add_row(key, what)
+    for keys, what in help_rows([app.actions(), [], app.ops_actions()]):
+        table.add_row(keys, what)
+        if what == "this help":
+            table.add_row(*PALETTE_KEYS)
+            table.add_row(*LOG_KEYS)
     table.add_row("", "")
     table.add_row("[b u]Panels[/]", "")
     for panel, what in HELP_PANELS:
@@ -153,7 +151,7 @@ class HelpScreen(ModalScreen[None]):
         with VerticalScroll(id="help-dialog", can_focus=True) as dialog:
             dialog.border_title = "torchtop help"
             dialog.border_subtitle = "↑↓ PgUp PgDn scroll · esc, ? or q close"
-            yield Static(help_table(), id="help-text")
+            yield Static(help_table(cast(TorchtopApp, self.app)), id="help-text")
 
     def on_mount(self) -> None:
         self.query_one("#help-dialog").focus()
@@ -185,6 +183,23 @@ class QuitScreen(ModalScreen[str | None]):
         self.dismiss(choice or None)
 
 
+#: A theme for low-vision users and washed-out screens: white on black, bright accents.
+HIGH_CONTRAST = Theme(
+    name="torchtop-high-contrast",
+    primary="#FFD700",
+    secondary="#00FFFF",
+    accent="#FF66FF",
+    foreground="#FFFFFF",
+    background="#000000",
+    surface="#000000",
+    panel="#202020",
+    success="#00FF00",
+    warning="#FFFF00",
+    error="#FF4040",
+    dark=True,
+)
+
+
 class FrameWanted(TMessage):
     """New data is queued: draw a frame once the gap since the last one is over."""
 
@@ -194,24 +209,81 @@ class TorchtopApp(App[int]):
 
     CSS_PATH = "app.tcss"
     TITLE = "torchtop"
-    ENABLE_COMMAND_PALETTE = False
+    #: ctrl+p: the viewer's actions (:mod:`.commands`) beside Textual's (theme, keys, ...).
+    COMMANDS = App.COMMANDS | {ViewerCommands}
 
+    # Each binding's tooltip is its line in the help and the command palette (tui/commands.py).
     BINDINGS = [
-        Binding("q", "request_quit", "Quit", priority=True),
+        Binding(
+            "q",
+            "request_quit",
+            "Quit",
+            priority=True,
+            tooltip="quit (asks first if torchtop started the job and it still runs)",
+        ),
         # A monitor quits on ctrl+c like top does (Textual's default only hints at ctrl+q).
         Binding("ctrl+c", "request_quit", "Quit", show=False, priority=True),
-        Binding("question_mark", "help", "Help", key_display="?", priority=True),
-        Binding("l", "toggle_log", "Log", priority=True),
-        Binding("space", "toggle_pause", "Pause", priority=True),
-        Binding("e", "jump_to_end", "End", priority=True),
+        Binding(
+            "question_mark", "help", "Help", key_display="?", priority=True, tooltip="this help"
+        ),
+        Binding(
+            "l",
+            "toggle_log",
+            "Log",
+            priority=True,
+            tooltip="the log alone, full height; l again to go back",
+        ),
+        Binding(
+            "space", "toggle_pause", "Pause", priority=True, tooltip="recordings: play or pause"
+        ),
+        Binding("e", "jump_to_end", "End", priority=True, tooltip="recordings: jump to the end"),
         Binding("end", "jump_to_end", "End", show=False, priority=True),
-        Binding("plus,equals_sign", "faster", "Faster", key_display="+", priority=True),
-        Binding("minus", "slower", "Slower", key_display="-", priority=True),
-        Binding("o", "show_oom", "OOM"),
-        Binding("m", "snapshot", "Snapshot"),
-        Binding("t", "toggle_ops", "Ops"),
-        Binding("p", "profile", "Profile"),
-        Binding("a", "advice", "Advice"),
+        Binding(
+            "plus,equals_sign",
+            "faster",
+            "Faster",
+            key_display="+",
+            priority=True,
+            tooltip="recordings: play faster",
+        ),
+        Binding(
+            "minus",
+            "slower",
+            "Slower",
+            key_display="-",
+            priority=True,
+            tooltip="recordings: slower",
+        ),
+        Binding(
+            "o",
+            "show_oom",
+            "OOM",
+            tooltip="the OOM screen: the last out-of-memory failure or snapshot (opens by itself)",
+        ),
+        Binding(
+            "m",
+            "snapshot",
+            "Snapshot",
+            tooltip="take a memory snapshot now: the same summary, and a file for memory_viz",
+        ),
+        Binding(
+            "t",
+            "toggle_ops",
+            "Ops",
+            tooltip="the ops panel alone, full height (op timings); t again to go back",
+        ),
+        Binding(
+            "p",
+            "profile",
+            "Profile",
+            tooltip="take an op-timing window now (its trace is kept for Perfetto)",
+        ),
+        Binding(
+            "a",
+            "advice",
+            "Advice",
+            tooltip="advice: what the rules found, with evidence, the fix and its demo",
+        ),
     ]
 
     def __init__(self, source: Source, *, title: str | None = None) -> None:
@@ -249,6 +321,8 @@ class TorchtopApp(App[int]):
         #: ``state.ops`` when last shown, and whether we asked for an op window.
         self._shown_ops: OpsWindow | None = None
         self._profile_asked = False
+        self.register_theme(HIGH_CONTRAST)
+        self._restore_theme()
 
     # -- layout --------------------------------------------------------------------------------
 
@@ -267,9 +341,14 @@ class TorchtopApp(App[int]):
                 yield HostPanel(id="host")
             yield LogPanel(id="log")
             yield OpsPanel(id="ops")  # `t`: in place of the rest
-        yield Footer()
+        # ctrl+p is in the help: the footer has no room left for its hint at 80 columns.
+        yield Footer(show_command_palette=False)
 
     def on_mount(self) -> None:
+        # Watched from here, not in __init__: restoring the saved theme does not write it back.
+        self.watch(self, "theme", self._theme_changed, init=False)
+        # The log has the focus at first, so the arrow keys scroll it; a click focuses a panel.
+        self.query_one(LogPanel).focus()
         self._awake = True
         self._show()
         try:
@@ -422,6 +501,70 @@ class TorchtopApp(App[int]):
         if action in PLAYBACK_ACTIONS:
             return self.source.seekable
         return True
+
+    # -- the command palette and the help (torchtop.tui.commands) --------------------------------
+
+    def actions(self) -> list[Action]:
+        """The app's own keys and what they do."""
+        return actions(self, self.BINDINGS)
+
+    def ops_actions(self) -> list[Action]:
+        """The ops panel's keys (they act while it is shown)."""
+        return actions(self, OpsPanel.BINDINGS, prefix="Ops: ")
+
+    def palette_commands(self) -> list[tuple[Action, Callable[[], object]]]:
+        """What ``ctrl+p`` offers: every action the keys have (those that apply now), the ops
+        panel's sort orders, and what has no key."""
+        commands: list[tuple[Action, Callable[[], object]]] = [
+            (action, partial(self.run_action, action.action))
+            for action in self.actions()
+            if self.check_action(action.action, ()) and action.action != "request_quit"
+        ]
+        for action in self.ops_actions():
+            commands.append((action, partial(self._run_ops_action, action.action)))
+        commands.append(
+            (
+                Action("q", "Quit", "quit the viewer (asks about a job torchtop started)", ""),
+                self.action_request_quit,
+            )
+        )
+        if self.source.owns_job and self.source.job_running():
+            stop = Action("q s", "Stop the job and quit", "interrupt the job, then quit", "")
+            detach = Action("q d", "Detach", "leave the job running and quit", "")
+            commands.append((stop, partial(self._leave, stop_job=True)))
+            commands.append((detach, partial(self._leave, stop_job=False)))
+        window = self.state.ops
+        if window is not None and window.trace_path:
+            trace = Action(
+                "", "Copy the trace's path", f"{window.trace_path} (open it in ui.perfetto.dev)", ""
+            )
+            commands.append((trace, partial(self._copy, window.trace_path, "the trace's path")))
+        content = self.query_one(MemoryPanel).query_one("#memory-figures", Static).content
+        figures = content.plain if isinstance(content, Text) else ""
+        if figures:
+            copy = Action("", "Copy the memory figures", figures.replace("\n", " · "), "")
+            commands.append((copy, partial(self._copy, figures, "the memory figures")))
+        return commands
+
+    def _run_ops_action(self, action: str) -> None:
+        """An ops panel action from the palette: the panel is shown first."""
+        self._set_ops_shown(True)
+        self.call_later(self.run_action, action, self.query_one(OpsPanel))
+
+    def _copy(self, text: str, what: str) -> None:
+        self.copy_to_clipboard(text)
+        self.notify(f"Copied {what} (terminals that allow it put it on the clipboard).", timeout=3)
+
+    # -- themes ------------------------------------------------------------------------------
+
+    def _restore_theme(self) -> None:
+        """The theme chosen last time (a theme since gone is ignored)."""
+        saved = load_settings().get("theme")
+        if isinstance(saved, str) and saved in self.available_themes:
+            self.theme = saved
+
+    def _theme_changed(self, theme: str) -> None:
+        save_setting("theme", theme)
 
     def action_request_quit(self) -> None:
         """Quit; if torchtop started the job and it still runs, ask what to do with it."""

@@ -71,6 +71,9 @@ def device_text(state: JobModel) -> Text:
 class DevicePanel(Static):
     """Utilisation, memory, temperature, power and clock of each GPU, one line each."""
 
+    #: A click focuses the panel (and the palette can maximize it).
+    can_focus = True
+
     BORDER_TITLE = " GPU · NVML "
     DEFAULT_CSS = """
     DevicePanel {

@@ -41,6 +41,9 @@ def host_text(state: JobModel) -> Text:
 class HostPanel(Static):
     """The job's process and the machine it runs on, as psutil reads them."""
 
+    #: A click focuses the panel (and the palette can maximize it).
+    can_focus = True
+
     BORDER_TITLE = "Host "
     DEFAULT_CSS = """
     HostPanel {

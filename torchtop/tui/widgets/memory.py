@@ -205,6 +205,9 @@ class MemoryPanel(Vertical):
     """Allocated, reserved, peak, cache and fragmentation of the primary device, over their
     chart; the job's other devices in one line beneath."""
 
+    #: A click focuses the panel (and the palette can maximize it).
+    can_focus = True
+
     DEFAULT_CSS = """
     MemoryPanel {
         height: auto;

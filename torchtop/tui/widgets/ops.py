@@ -355,14 +355,27 @@ class OpsPanel(Vertical):
     }
     """
 
+    # The tooltips are the help's and the command palette's lines (tui/commands.py).
     BINDINGS = [
-        Binding("k", "cycle_sort", "Sort"),
-        Binding("1", "sort('self')", "By self time", show=False),
-        Binding("2", "sort('calls')", "By calls", show=False),
-        Binding("3", "sort('avg')", "By average", show=False),
-        Binding("slash", "filter", "Filter", key_display="/"),
+        Binding("k", "cycle_sort", "Sort", tooltip="ops: the next sort order (k cycles)"),
+        Binding("1", "sort('self')", "By self time", show=False, tooltip="ops: sort by self time"),
+        Binding("2", "sort('calls')", "By calls", show=False, tooltip="ops: sort by calls"),
+        Binding("3", "sort('avg')", "By average", show=False, tooltip="ops: sort by average"),
+        Binding(
+            "slash",
+            "filter",
+            "Filter",
+            key_display="/",
+            tooltip="ops: filter by name (enter keeps it, esc clears it)",
+        ),
         # Shown in the title rather than the footer, which has no room left at 80 columns.
-        Binding("w", "toggle_view", "Window/all", show=False),
+        Binding(
+            "w",
+            "toggle_view",
+            "Window/all",
+            show=False,
+            tooltip="ops: the last window, or all windows so far",
+        ),
     ]
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
@@ -454,6 +467,11 @@ class OpsPanel(Vertical):
         self.query_one("#ops-table", DataTable).focus()
 
     # -- keys -------------------------------------------------------------------------------------
+
+    @on(DataTable.HeaderSelected)
+    def _sort_by_header(self, event: DataTable.HeaderSelected) -> None:
+        """A click on the calls, self or avg heading sorts by it."""
+        self.action_sort(str(event.column_key.value))
 
     def action_cycle_sort(self) -> None:
         self.sort = next_sort(self.sort)

@@ -334,6 +334,9 @@ def history_data(
 class StepPanel(Vertical):
     """Step figures over the last steps' bars and the step time history."""
 
+    #: A click focuses the panel (and the palette can maximize it).
+    can_focus = True
+
     DEFAULT_CSS = """
     StepPanel {
         height: 1fr;
