@@ -3,8 +3,10 @@
 For each job the viewer runs as ``torchtop run`` would (a :class:`RunSource`, the job a child
 process with the agent), headless at 80x24, in its own process. Measured inside the viewer:
 
-- latency: from the job's timestamp to the screen refresh that first shows it, for samples (the
-  agent's sample time) and for log lines (the time the job printed, carried in the line);
+- latency: from the job's timestamp to the screen refresh that first shows it, for samples that
+  change a figure on screen (the agent's sample time; a sample that looks like the last waits
+  for the next frame, a second at most, and counts in ``any_sample`` of ``--json``) and for log
+  lines (the time the job printed, carried in the line);
 - CPU: the viewer process's own CPU time (all its threads, not the job's) over ``--seconds``,
   as a share of one core (psutil).
 
@@ -13,8 +15,11 @@ a line every 10 ms and steps every 5 ms with op windows on. The baseline, measur
 run on the same (possibly loaded) machine: a bare Textual app with one static widget, and with
 ``--baseline REV`` the viewer of an older commit (``git archive``) against the same jobs.
 
-    python -m benchmarks.viewer_cost                   # about 3 x 25 s
-    python -m benchmarks.viewer_cost --seconds 10 --baseline main~3
+    python -m benchmarks.viewer_cost                   # about 4 x 30 s
+    python -m benchmarks.viewer_cost --seconds 60 --baseline 2f43635 --profile
+
+``--profile`` adds, per job, the CPU time of each thread and of each widget's drawing (what
+each frame costs and where); ``--json`` prints every figure.
 """
 
 from __future__ import annotations
@@ -330,17 +335,20 @@ def fmt(value: float | None, digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def print_table(rows: dict[str, dict[str, Any]], seconds: float, load: tuple[float, ...]) -> None:
+def print_table(
+    rows: dict[str, dict[str, Any]], seconds: float, load: tuple[float, ...], baseline: str | None
+) -> None:
+    """One row per viewer; ``x REV``: its CPU against the older viewer's on the same job."""
     cores = os.cpu_count()
     print(
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {cores} cores; "
         f"{seconds:.0f} s per row, 80x24"
     )
+    versus = f"x {baseline}"[:9] if baseline else ""
     print(
-        f"{'':<20}{'CPU %core':>10}{'x bare':>8}{'frames/s':>9}"
+        f"{'':<20}{'CPU %core':>10}{versus:>10}{'frames/s':>9}"
         f"{'sample p50/p95/max ms':>23}{'log p50/p95/max ms':>20}"
     )
-    bare = rows["bare textual app"]["cpu_share"]
     for name, row in rows.items():
         share = row["cpu_share"]
         frames = row.get("frames")
@@ -351,8 +359,9 @@ def print_table(rows: dict[str, dict[str, Any]], seconds: float, load: tuple[flo
                 cells.append("")
                 continue
             cells.append("/".join(fmt(row.get(f"{what}_{q}_ms"), 0) for q in ("p50", "p95", "max")))
-        ratio = share / bare if bare > 0 else None
-        figures = f"{share * 100:>10.1f}{fmt(ratio):>8}{fmt(fps):>9}"
+        old = rows.get(f"{name} ({baseline})")
+        ratio = fmt(share / old["cpu_share"], 2) if old and old["cpu_share"] > 0 else ""
+        figures = f"{share * 100:>10.1f}{ratio:>10}{fmt(fps):>9}"
         print(f"{name:<20}{figures}{cells[0]:>23}{cells[1]:>20}")
 
 
@@ -396,7 +405,7 @@ def main() -> None:
     if args.json:
         print(json.dumps({"load": load, "cores": os.cpu_count(), "rows": rows}, indent=2))
         return
-    print_table(rows, args.seconds, load)
+    print_table(rows, args.seconds, load, args.baseline)
     if args.profile:
         for name, row in rows.items():
             if "profile" in row:
