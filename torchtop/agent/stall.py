@@ -41,7 +41,11 @@ def main_thread_stack(limit: int = MAX_HANG_FRAMES) -> list[StackFrame]:
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     if frame is None:
         return []
-    summary = traceback.extract_stack(frame, limit=limit + 4)
+    # No source lines looked up: the frames' file and line are enough, and cost no file reads.
+    summary = traceback.StackSummary.extract(
+        traceback.walk_stack(frame), limit=limit + 4, lookup_lines=False
+    )
+    summary.reverse()
     frames = [
         StackFrame(f.filename, f.lineno or 0, f.name)
         for f in summary
