@@ -52,3 +52,21 @@ def test_a_run_prunes_ended_jobs_files_oldest_first(tmp_path: Path, runtime_dir:
     assert out.returncode == 0 and out.stdout == "ran\n", out.stderr
     assert not oldest.exists()  # 80 MiB of ended jobs' files: the oldest 30 MiB went
     assert [p.name for p in kept if not p.exists()] == []
+
+
+def test_only_an_agents_own_file_is_read_as_an_agent(runtime_dir: Path) -> None:
+    """Op-window traces kept in the runtime directory (``PID-ops-last.json``, megabytes) are
+    not agents: they are neither listed nor parsed on every look (`ps`, each rank scan)."""
+    import json
+
+    from torchtop.transport import bind_server, list_agents
+
+    server, _ = bind_server(os.getpid(), ["train.py"], time.time(), {})
+    try:
+        # A trace that parses as an agent's file would (the old listing took it for one).
+        meta = json.loads((runtime_dir / f"{os.getpid()}.json").read_text())
+        trace = runtime_dir / f"{os.getpid()}-ops-last.json"
+        trace.write_text(json.dumps({**meta, "traceEvents": []}))
+        assert [a.pid for a in list_agents(clean_stale=False)] == [os.getpid()]
+    finally:
+        server.close()

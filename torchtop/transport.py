@@ -242,6 +242,10 @@ def list_agents(clean_stale: bool = True) -> list[AgentInfo]:
         return []
     agents = []
     for meta in sorted(directory.glob("*.json")):
+        # Only an agent's own file, PID.json: op-window traces and other files the agents
+        # keep here (PID-ops-last.json, megabytes) are not parsed on every look.
+        if not meta.stem.isdigit():
+            continue
         try:
             raw = json.loads(meta.read_text())
             info = AgentInfo(

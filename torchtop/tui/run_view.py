@@ -11,6 +11,7 @@ ranks) and quits.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, ClassVar
 
 from rich.text import Text
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
     from torchtop.model import JobModel
     from torchtop.runner import RankRun
 
-#: Seconds between two looks at what arrived.
+#: Seconds between two looks at what arrived, and the least between two redraws of the table.
 REFRESH_S = 0.25
+TABLE_S = 1.0
 COLUMNS = ("rank", "pid", "state", "steps", "step", "/s", "wait", "bwd", "memory", "seen")
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -84,6 +86,10 @@ class RunView(App[int]):
         self._drawn = -1
         #: The pid of the rank to open once this view has closed (``None``: quit).
         self.open_pid: int | None = None
+        #: Each rank's row as drawn, by stream; when the table was last drawn.
+        self._rows: dict[str, tuple[str, ...]] = {}
+        self._table_at = 0.0
+        self._shown_findings: Text | None = None
 
     def compose(self) -> ComposeResult:
         yield Static("starting the launcher…", id="run-head")
@@ -114,22 +120,40 @@ class RunView(App[int]):
         version = run.model.version + launcher.version + int(run.running())
         if version == self._drawn:
             return
+        findings = self._findings()
+        moment = time.monotonic()
+        # The table at most once a second (its figures change at that pace), unless a rank
+        # appeared or the findings changed; each cell only when its text changed.
+        if (
+            len(run.model) == len(self._rows)
+            and findings == self._shown_findings
+            and moment - self._table_at < TABLE_S
+        ):
+            return
         self._drawn = version
-        jobs = sorted(
-            run.model,
-            key=lambda j: j.hello.rank if j.hello and j.hello.rank is not None else 1 << 30,
-        )
-        now = max((j.now for j in jobs if j.now is not None), default=None)
+        self._table_at = moment
+        jobs = run.model.jobs
+        now = max((j.now for j in jobs.values() if j.now is not None), default=None)
         table: DataTable[str] = self.query_one("#ranks", DataTable)
-        table.clear()
         exits = run.model.ranks.launcher_exits
-        cursor = table.cursor_row
-        for job in jobs:
-            table.add_row(*rank_row(job, now, exits))
-        if jobs:
-            table.move_cursor(row=min(cursor, len(jobs) - 1))
-        self.query_one("#run-head", Static).update(self._head(jobs))
-        self.query_one("#run-findings", Static).update(self._findings())
+        added = False
+        for stream, job in jobs.items():
+            row = rank_row(job, now, exits)
+            old = self._rows.get(stream)
+            if old is None:
+                table.add_row(*row, key=stream)
+                added = True
+            else:
+                for column, before, after in zip(COLUMNS, old, row, strict=True):
+                    if before != after:
+                        table.update_cell(stream, column, after)
+            self._rows[stream] = row
+        if added:
+            table.sort("rank", key=lambda rank: int(rank) if rank.isdigit() else 1 << 30)
+        self.query_one("#run-head", Static).update(self._head(list(jobs.values())))
+        if findings != self._shown_findings:
+            self._shown_findings = findings
+            self.query_one("#run-findings", Static).update(findings)
 
     def _head(self, jobs: list[JobModel]) -> Text:
         run = self.run_

@@ -1,0 +1,125 @@
+"""What the live view of a multi-rank job costs: ``torchtop run torchrun ...`` with N ranks.
+
+The view runs as ``torchtop run`` runs it (a :class:`~torchtop.runner.RankRun` and the
+:class:`~torchtop.tui.run_view.RunView` app, headless at 80x24) in its own process, following
+N real ranks of ``tests/scripts/ddp.py`` (gloo, CPU; each step sleeps ``--sleep-ms`` so the
+ranks leave the CPU to the viewer) with the agent's default settings. Measured: the viewer
+process's own CPU time (every thread: the ranks' feeds, the folding, the drawing; not the
+job's) over ``--seconds`` once every rank has stepped, as a share of one core (psutil).
+
+    python -m benchmarks.run_view_cost                 # 8 ranks, about a minute
+    python -m benchmarks.run_view_cost --ranks 4 --seconds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+DDP = REPO / "tests" / "scripts" / "ddp.py"
+
+
+def viewer(ranks: int, seconds: float, sleep_ms: float, out: Path) -> None:
+    """Run the view over a real job of ``ranks`` ranks; write what it cost to ``out``."""
+    from torchtop.runner import RankRun, RunSpec
+    from torchtop.tui.run_view import RunView
+
+    spec = RunSpec(
+        target=[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={ranks}", str(DDP), "--steps", "1000000",
+                "--sleep-ms", str(sleep_ms)],
+        headless=False,
+    )  # fmt: skip
+    run = RankRun(spec)
+    app = RunView(run, title="run_view_cost")
+    me = psutil.Process()
+    result: dict[str, float] = {}
+
+    def cpu() -> float:
+        times = me.cpu_times()
+        return times.user + times.system
+
+    def by_thread() -> dict[str, float]:
+        """CPU seconds so far of the app's thread and of the others (feeds, I/O) together."""
+        import threading
+
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        main = threading.main_thread().native_id
+        seconds = {"app thread": 0.0, "other threads": 0.0}
+        for thread in me.threads():
+            key = "app thread" if thread.id == main else "other threads"
+            seconds[key] += thread.user_time + thread.system_time
+            name = "thread " + names.get(thread.id, "?")
+            seconds[name] = seconds.get(name, 0.0) + thread.user_time + thread.system_time
+        return seconds
+
+    def measure() -> None:
+        stepping = [j for j in run.model if j.training.total > 0]
+        if len(stepping) < ranks:
+            app.set_timer(0.5, measure)
+            return
+        began, began_cpu, began_threads = time.monotonic(), cpu(), by_thread()
+
+        def done() -> None:
+            wall = time.monotonic() - began
+            threads = by_thread()
+            for key, value in threads.items():
+                result[key] = round(value - began_threads.get(key, 0.0), 3)
+            result.update(
+                ranks=ranks,
+                seconds=round(wall, 2),
+                cpu_s=round(cpu() - began_cpu, 3),
+                core_share=round((cpu() - began_cpu) / wall, 4),
+                steps=sum(j.training.total for j in run.model),
+            )
+            app.exit(0)
+
+        app.set_timer(seconds, done)
+
+    app.call_later(lambda: app.set_timer(1.0, measure))
+    app.run(headless=True, size=(80, 24))
+    run.stop_job()
+    run.finish()
+    out.write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--sleep-ms", type=float, default=50.0)
+    parser.add_argument("--threads", action="store_true", help="CPU seconds by thread name")
+    parser.add_argument("--viewer", metavar="OUT", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.viewer is not None:
+        viewer(args.ranks, args.seconds, args.sleep_ms, args.viewer)
+        return
+    out = Path(f"/tmp/run_view_cost-{time.time_ns()}.json")
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.run_view_cost", "--ranks", str(args.ranks),
+         "--seconds", str(args.seconds), "--sleep-ms", str(args.sleep_ms), "--viewer", str(out)],
+        cwd=REPO, check=True, timeout=args.seconds + 600,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    out.unlink()
+    if args.threads:
+        print(json.dumps({k: v for k, v in result.items() if k.startswith("thread ")}))
+    print(
+        f"view of {result['ranks']} ranks: {100 * result['core_share']:.1f}% of one core "
+        f"({result['cpu_s']:.2f} s CPU over {result['seconds']:.1f} s; the ranks took "
+        f"{result['steps']} steps in all); app thread {result['app thread']:.2f} s, "
+        f"other threads (one feed per rank) {result['other threads']:.2f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
