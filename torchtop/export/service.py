@@ -123,7 +123,7 @@ class JobSet:
                 if not job.accepted:
                     continue
                 if job.dirty or job.snapshot is None:
-                    job.snapshot = snapshot_of(self.model.jobs[address])
+                    job.snapshot = snapshot_of(self.model.jobs[address], self.model.ranks.findings)
                     job.dirty = False
                 if job.snapshot is not None:
                     out.append(job.snapshot)

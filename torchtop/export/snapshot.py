@@ -7,8 +7,10 @@ ones exported into an immutable :class:`JobSnapshot` that the HTTP and OTLP thre
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torchtop.model.advice import Finding
 from torchtop.model.job import JobModel
 from torchtop.protocol import Hello
 
@@ -73,8 +75,10 @@ class JobSnapshot:
     findings: tuple[tuple[str, str], ...] = ()
 
 
-def snapshot_of(model: JobModel) -> JobSnapshot | None:
-    """The exported figures of one job's model; ``None`` before its hello."""
+def snapshot_of(model: JobModel, run_findings: Sequence[Finding] = ()) -> JobSnapshot | None:
+    """The exported figures of one job's model; ``None`` before its hello. ``run_findings``
+    (the run's findings about its ranks: straggler, hang, dead rank) add those that name this
+    job's rank of its run to its own."""
     hello = model.hello
     if hello is None:
         return None
@@ -116,7 +120,19 @@ def snapshot_of(model: JobModel) -> JobSnapshot | None:
         host_rss_bytes=model.host.rss_bytes if model.host is not None else None,
         devices=tuple(devices),
         exited=model.job_ended,
-        findings=tuple((f.name, f.severity) for f in model.advice.findings),
+        findings=tuple(
+            (f.name, f.severity)
+            for f in [
+                *model.advice.findings,
+                *(
+                    f
+                    for f in run_findings
+                    if hello.rank is not None
+                    and f.rank == hello.rank
+                    and f.evidence.get("run_id") == hello.run_id
+                ),
+            ]
+        ),
     )
 
 
