@@ -411,3 +411,25 @@ def test_a_hello_waiting_for_its_turn_is_not_expired_as_silent(
         assert srv.client_count == 4
     finally:
         srv.stop(drain_s=0)
+
+
+def test_requests_sent_right_after_the_hello_are_served_while_it_waits_its_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server_module, "GREET_BURST", 1)
+    monkeypatch.setattr(server_module, "GREET_PER_S", 1.0)
+    srv = _server()
+    served: list[Request] = []
+    srv.on_request = served.append
+    srv.start()
+    try:
+        first = _connect(srv)
+        assert isinstance(_read(first, 1)[0], Hello)  # took the one greeting of the burst
+        viewer = _connect(
+            srv, encode(ClientHello(protocol=PROTOCOL_VERSION)) + encode(Request("profile", 1))
+        )
+        assert isinstance(_read(viewer, 1)[0], Hello)
+        assert [r.action for r in served] == ["profile"]
+        assert srv.bad_peers == 0 and srv.clients_seen == 2
+    finally:
+        srv.stop(drain_s=0)

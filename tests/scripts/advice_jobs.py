@@ -45,13 +45,13 @@ def input_job(workers: int) -> None:
     options = {"num_workers": workers}
     if workers:
         options.update(persistent_workers=True, prefetch_factor=4)
-    loader = DataLoader(Items(4 * 80, 0.01), batch_size=4, **options)
+    loader = DataLoader(Items(4 * 60, 0.01), batch_size=4, **options)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for x, y in loader:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
-        time.sleep(0.05)  # the "GPU" at work
+        time.sleep(0.08)  # the "GPU" at work: 8x what four workers need per batch
         opt.step()
 
 
@@ -120,7 +120,7 @@ def threads_job(fixed: bool, seconds: float = 9.0) -> None:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x.repeat(16, 1)), y.repeat(16)).backward()
         opt.step()
-        time.sleep(0.05)  # the "GPU" at work
+        time.sleep(0.08)  # the "GPU" at work: 8x what four workers need per batch
         if time.monotonic() > end:
             break
 

@@ -387,9 +387,7 @@ class AgentServer:
         try:
             for frame in client.splitter.feed(data):
                 message = decode(frame)
-                if client.waiting:
-                    raise ProtocolError("a second frame before the hello was answered")
-                if not client.greeted:
+                if not client.greeted and not client.waiting:
                     if not isinstance(message, ClientHello):
                         raise ProtocolError("the first frame must be a client hello")
                     if message.protocol != PROTOCOL_VERSION:
