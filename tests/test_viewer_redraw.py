@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from fakes.source import FakeSource
+from test_steps_tui import training_job
 from test_tui_app import HOST, SIZE, T0, cuda_job, drained, log_text, memory_text, pilot_test
 from textual.pilot import Pilot
 from textual.widget import Widget
@@ -27,6 +28,7 @@ from torchtop.tui.widgets.header import JobHeader
 from torchtop.tui.widgets.host import HostPanel
 from torchtop.tui.widgets.memory import MemoryPanel
 from torchtop.tui.widgets.ops import OpsPanel
+from torchtop.tui.widgets.steps import StepBars
 
 GiB = 1 << 30
 
@@ -210,3 +212,16 @@ def test_the_wake_filter_wakes_for_changed_figures_events_and_each_second() -> N
 def no_gap(monkeypatch: pytest.MonkeyPatch) -> None:
     """Frames as soon as data comes: the counts do not depend on the gap between frames."""
     monkeypatch.setattr(app_module, "MIN_FRAME_GAP_S", 0.0, raising=False)
+
+
+@pilot_test
+async def test_step_bars_fill_their_width_once_the_row_appears() -> None:
+    # The row appears with the first steps, before its size is known; the bars are paced to
+    # a second of the job's time, but a new size draws them at once.
+    app = TorchtopApp(FakeSource(training_job(wait=0.05)))
+    async with app.run_test(size=SIZE) as pilot:
+        await drained(pilot)
+        await pilot.pause()
+        bars = app.query_one(StepBars)
+        assert bars.size.width > 1
+        assert len(bars.points) == bars.size.width

@@ -245,7 +245,7 @@ class OomScreen(Screen[None]):
         chart = TimeSeriesChart(id="oom-timeline")
         chart.border_title = " Memory up to it (◆) "
         yield chart
-        yield Footer()
+        yield Footer(show_command_palette=False)  # ctrl+p is in the help
 
     def on_mount(self) -> None:
         table = self.query_one("#oom-sites", DataTable)

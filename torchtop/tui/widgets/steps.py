@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rich.text import Text
+from textual import on
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.events import Resize
 from textual.widget import Widget
 from textual.widgets import Static
 
@@ -359,6 +361,8 @@ class StepPanel(Vertical):
     }
     """
 
+    _state: JobModel | None = None
+
     def compose(self) -> ComposeResult:
         yield Static(id="step-figures")
         with Horizontal(id="step-charts"):
@@ -369,7 +373,16 @@ class StepPanel(Vertical):
         """Redraw the figures from ``state``, and the bars and chart too when ``charts``."""
         set_titles(self, step_title(state))
         update_if_changed(self.query_one("#step-figures", Static), step_figures(state))
-        if not charts:
+        self._state = state
+        if charts:
+            self._show_charts()
+
+    @on(Resize)
+    def _show_charts(self) -> None:
+        """The bars hold as many steps as their width: drawn again when it changes (the row
+        appears with the first steps, before its size is known), whatever the pace."""
+        state = self._state
+        if state is None:
             return
         bars = self.query_one(StepBars)
         bars.set_points(state.training.last_points(max(1, bars.size.width)))
