@@ -31,8 +31,11 @@ prometheus:
 demo: setup
 	$(BIN)/torchtop demo broadcasting
 
+# Most tests wait on real jobs (a job's start, its frames): two at once keep 2 cores busy. A file
+# stays on one worker (its jobs share fixtures). `make test WORKERS=0` runs them one by one.
+WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=15
 
 lint: setup
 	$(BIN)/ruff check torchtop demos tests benchmarks
