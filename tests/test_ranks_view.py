@@ -4,6 +4,7 @@ job and quits."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -18,8 +19,28 @@ import pytest
 
 from tests.conftest import SCRIPTS
 from tests.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
+from torchtop.tui.run_view import BARS, trend
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+
+
+@pytest.fixture
+def launchers() -> Iterator[list[int]]:
+    """Launcher pids the test saw: a failed test kills each with its ranks (the launcher runs
+    in its own session, so a viewer killed with its terminal leaves it running)."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            launcher = psutil.Process(pid)
+            for process in [*launcher.children(recursive=True), launcher]:
+                process.kill()
+
+
+def _launcher(screen: str) -> int:
+    match = re.search(r"launcher pid (\d+)", screen)
+    assert match, screen
+    return int(match.group(1))
 
 
 def _rows(screen: str) -> dict[int, list[str]]:
@@ -34,6 +55,7 @@ def _rows(screen: str) -> dict[int, list[str]]:
 
 def test_the_run_view_shows_each_rank_names_the_straggler_and_stops_the_job(
     terminal: Terminal,  # noqa: F811
+    launchers: list[int],
 ) -> None:
     command = (
         f"{sys.executable} -m torchtop run --no-ops -m torch.distributed.run --standalone "
@@ -47,7 +69,8 @@ def test_the_run_view_shows_each_rank_names_the_straggler_and_stops_the_job(
         return sorted(rows) == [0, 1, 2] and all(int(r[3]) > 0 for r in rows.values())
 
     screen = terminal.wait_for(stepping, timeout=120)
-    assert "3 ranks of 3" in screen and "launcher pid" in screen
+    launchers.append(_launcher(screen))
+    assert "3 ranks of 3" in screen
     pids = [int(row[1]) for row in _rows(screen).values()]
     assert all(row[2] == "running" for row in _rows(screen).values())
     screen = terminal.wait_for(lambda s: "rank 2 holds the others back" in s, timeout=120)
@@ -79,7 +102,7 @@ def wide_terminal() -> Iterator[Terminal]:
 
 
 def test_a_rank_opens_in_the_full_viewer_and_closes_back_to_the_run(
-    wide_terminal: Terminal,
+    wide_terminal: Terminal, launchers: list[int]
 ) -> None:
     term = wide_terminal
     command = (
@@ -87,8 +110,16 @@ def test_a_rank_opens_in_the_full_viewer_and_closes_back_to_the_run(
         f"--nproc_per_node=4 {SCRIPTS / 'ddp.py'} --steps 3000 --sleep-ms 10; echo EXIT=$?"
     )
     term.keys(command, "Enter")
-    screen = term.wait_for(lambda s: sorted(_rows(s)) == [0, 1, 2, 3], timeout=120)
+
+    def stepping(screen: str) -> bool:
+        rows = _rows(screen)
+        return sorted(rows) == [0, 1, 2, 3] and all(int(r[3]) > 3 for r in rows.values())
+
+    screen = term.wait_for(stepping, timeout=120)
+    launchers.append(_launcher(screen))
     rank1 = _rows(screen)[1][1]
+    # Each rank's trend: its last steps' times as bars.
+    assert all(set(row[-1]) <= set(BARS) and len(row[-1]) > 1 for row in _rows(screen).values())
     # The cursor starts on rank 0: down to rank 1, and open it.
     term.keys("Down", "Enter")
     # Its full screens: memory, then steps once its history has arrived.
@@ -101,3 +132,10 @@ def test_a_rank_opens_in_the_full_viewer_and_closes_back_to_the_run(
     term.keys("q")
     term.wait_for(lambda s: re.search(r"EXIT=\d+", s), timeout=120)
     assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_the_trend_draws_every_rank_on_one_scale() -> None:
+    assert trend([0.01, 0.02, 0.03], 0.01, 0.03) == "▁▅█"
+    # A rank whose steps all take the run's shortest time stays at the bottom.
+    assert trend([0.01, 0.01], 0.01, 0.05) == "▁▁"
+    assert trend([0.02], 0.02, 0.02) == "▁"

@@ -1,7 +1,8 @@
 """The live view of a multi-rank job ``torchtop run`` launched (``torchtop run torchrun ...``).
 
 One table of ranks (step, recent step time, steps/s, data wait, time in backward, memory, last
-seen, state), the run's findings (straggler, hang, dead ranks: :mod:`torchtop.model.ranks`)
+seen, state, and a trend: the last steps' times as bars on one scale for every rank), the
+run's findings (straggler, hang, dead ranks: :mod:`torchtop.model.ranks`)
 and the job's output. It reads the :class:`~torchtop.model.run.RunModel` that
 :class:`~torchtop.runner.RankRun` folds, four times a second, and redraws only when something
 arrived. ``enter`` on a rank's row opens that rank's full screens (the single-process viewer
@@ -29,7 +30,10 @@ if TYPE_CHECKING:
 #: Seconds between two looks at what arrived, and the least between two redraws of the table.
 REFRESH_S = 0.25
 TABLE_S = 1.0
-COLUMNS = ("rank", "pid", "state", "steps", "step", "/s", "wait", "bwd", "memory", "seen")
+COLUMNS = ("rank", "pid", "state", "steps", "step", "/s", "wait", "bwd", "memory", "seen", "trend")
+#: Steps the trend column shows, and its marks from shortest to longest.
+TREND_STEPS = 12
+BARS = "▁▂▃▄▅▆▇█"
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
 
@@ -37,8 +41,27 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
-def rank_row(job: JobModel, now: float | None, launcher: dict[int, int]) -> tuple[str, ...]:
-    """One rank's row of the table."""
+def trend(durations: list[float], low: float, high: float) -> str:
+    """The last steps' durations as bars on the run's common scale ``[low, high]``."""
+    span = high - low
+    if span <= 0:
+        return BARS[0] * len(durations)
+    top = len(BARS) - 1
+    return "".join(BARS[min(top, int((d - low) / span * top + 0.5))] for d in durations)
+
+
+def recent_durations(job: JobModel) -> list[float]:
+    return [p.duration for p in job.training.last_points(TREND_STEPS) if p.duration is not None]
+
+
+def rank_row(
+    job: JobModel,
+    now: float | None,
+    launcher: dict[int, int],
+    scale: tuple[float, float] = (0.0, 0.0),
+) -> tuple[str, ...]:
+    """One rank's row of the table; ``scale`` is the step-time range its trend is drawn on
+    (the same for every rank, so a slower rank's bars stand higher)."""
     hello = job.hello
     recent = job.training.recent(job.now)
     step = recent.mean_step_s
@@ -65,6 +88,7 @@ def rank_row(job: JobModel, now: float | None, launcher: dict[int, int]) -> tupl
         _pct(backward),
         format_bytes(memory),
         seen,
+        trend(recent_durations(job), *scale),
     )
 
 
@@ -136,9 +160,11 @@ class RunView(App[int]):
         now = max((j.now for j in jobs.values() if j.now is not None), default=None)
         table: DataTable[str] = self.query_one("#ranks", DataTable)
         exits = run.model.ranks.launcher_exits
+        every = [d for job in jobs.values() for d in recent_durations(job)]
+        scale = (min(every), max(every)) if every else (0.0, 0.0)
         added = False
         for stream, job in jobs.items():
-            row = rank_row(job, now, exits)
+            row = rank_row(job, now, exits, scale)
             old = self._rows.get(stream)
             if old is None:
                 table.add_row(*row, key=stream)
