@@ -183,7 +183,7 @@ def straggler(times: Sequence[RankTimes], now: float) -> Verdict | None:
         name="straggler",
         rank=r,
         severity="critical" if score >= STRAGGLER_CRITICAL else "warning",
-        title=f"rank {r} is a straggler",
+        title="a straggler holds the others back",
         evidence={
             "score": round(score, 3),
             "gap_s": round(gap, 6),
@@ -291,7 +291,7 @@ def hang(jobs: Sequence[JobModel], now: float) -> Verdict | None:
         name="hang",
         rank=culprit,
         severity="critical",
-        title="the run is stuck" if culprit is None else f"rank {culprit} holds the run",
+        title="the run is stuck",
         evidence={
             "stale_s": round(stale, 3),
             "threshold_s": round(threshold, 3),
@@ -370,7 +370,7 @@ def dead_ranks(
                 name="rank_died",
                 rank=rank,
                 severity="info" if consequence else "critical",
-                title=f"rank {rank} died",
+                title="a rank died" if not consequence else "a rank was stopped",
                 evidence={
                     "exit_code": code,
                     "reason": job.exit.reason,
@@ -380,8 +380,10 @@ def dead_ranks(
                 summary=summary,
                 window=(job.exit.t, job.exit.t),
                 fix=(
-                    "The rank's own output (its traceback, or the OOM killer in the kernel log "
-                    "for a SIGKILL) says why; the others cannot go on without it."
+                    "Nothing to fix in this rank: the launcher stopped it once another had died."
+                    if consequence
+                    else "The rank's own output (its traceback, or the OOM killer in the kernel "
+                    "log for a SIGKILL) says why; the others cannot go on without it."
                 ),
             )
         )
