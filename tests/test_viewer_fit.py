@@ -162,6 +162,7 @@ async def test_toasts_leave_the_gpu_host_and_log_rows_free() -> None:
         covered = [app.query_one(w).region for w in (DevicePanel, HostPanel, LogPanel)]
         for toast in toasts:
             assert _inside(toast.region, app.size)
+            assert toast.region.height == 1  # one row of the chart, at most
             for region in covered:
                 assert not toast.region.overlaps(region), (toast.region, region)
 

@@ -479,20 +479,14 @@ class TorchtopApp(App[int]):
             code = state.exit_code
             ok = code == 0
             words = "exit status unknown" if code is None else f"exit code {code}"
+            # One row, no title: the header says the same, and stays.
             self.notify(
-                f"The job ended ({words}). Press q to quit.",
-                title="Job ended",
+                f"The job ended ({words}): q quits.",
                 severity="information" if ok else "error",
                 timeout=5,
             )
         elif state.connection == "disconnected" and state.mode != "replay":
-            self.notify(
-                f"{state.disconnect_reason or 'The connection closed'} without an exit status; "
-                "the job may have been killed. The data stays on screen.",
-                title="Connection lost",
-                severity="error",
-                timeout=6,
-            )
+            self.notify("Connection lost, no exit status: data kept.", severity="error", timeout=6)
 
     # -- actions -------------------------------------------------------------------------------
 
