@@ -97,7 +97,9 @@ class LogPanel(RichLog):
         # frame), and the view moved to the end at once rather than after the next refresh,
         # which drew every frame twice.
         lines = [log_line(entry) for entry in islice(state.logs, max(0, kept - new), kept)]
-        self.write(Text("\n").join(lines), scroll_end=False)
+        # At the panel's width: RichLog need not measure the lines first to find it.
+        width = self.scrollable_content_region.width or None
+        self.write(Text("\n").join(lines), width=width, scroll_end=False)
         if follow:
             self.scroll_end(animate=False, immediate=True, x_axis=False)
         self.shown_total = state.log_total
