@@ -49,12 +49,13 @@ def test_ps_and_the_picker_show_rank_world_size_and_run(tmp_path: Path) -> None:
         assert table[1] == f"run {run_id}: 2 ranks of 2 on node 0"
         by_rank = sorted(agents, key=lambda a: a.identity["rank"])
         assert [line.split()[0] for line in table[2:4]] == [str(a.pid) for a in by_rank]
-        # With no PID, attach says the run's ranks are there and how to attach one of them.
+        # A headless recording with no PID: it says the run's ranks are there and how to
+        # record one of them (the viewer opens the whole run: tests/test_ranks_view.py).
         out = torchtop("attach", "--headless", "--record", str(tmp_path / "r.ttr"))
         assert out.returncode == 1
         (line,) = out.stderr.splitlines()
         assert f"the 2 agents running are the ranks of run {run_id}" in line
-        assert f"`torchtop attach {by_rank[0].pid}` for rank 0" in line
+        assert f"`torchtop attach {by_rank[0].pid} --headless --record FILE` for rank 0" in line
         for agent in agents:
             (row,) = [line for line in table if line.split()[0] == str(agent.pid)]
             assert f"{agent.identity['rank']}/2  {run_id}" in row

@@ -11,14 +11,17 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.conftest import SCRIPTS
 from tests.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
+from torchtop.transport import list_agents
 from torchtop.tui.run_view import BARS, trend
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
@@ -139,3 +142,43 @@ def test_the_trend_draws_every_rank_on_one_scale() -> None:
     # A rank whose steps all take the run's shortest time stays at the bottom.
     assert trend([0.01, 0.01], 0.01, 0.05) == "▁▁"
     assert trend([0.02], 0.02, 0.02) == "▁"
+
+
+RANK_JOB = """\
+import time, torchtop
+torchtop.start(ops=False)
+for _ in range(1200):
+    time.sleep(0.1)
+"""
+
+
+def test_attach_with_no_pid_opens_the_run_and_q_leaves_it_running(
+    terminal: Terminal,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "job.py").write_text(RANK_JOB)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "job.py"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(list_agents()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = {a.identity["rank"]: a.pid for a in list_agents()}
+        assert sorted(ranks) == [0, 1]
+        terminal.keys(f"{sys.executable} -m torchtop attach; echo EXIT=$?", "Enter")
+        screen = terminal.wait_for(lambda s: sorted(_rows(s)) == [0, 1], timeout=60)
+        assert "2 ranks of 2" in screen and "attached to 2 agents" in screen
+        assert {int(r[1]) for r in _rows(screen).values()} == set(ranks.values())
+        terminal.keys("q")
+        terminal.wait_for(lambda s: "EXIT=0" in s, timeout=60)
+        # Detached: the job runs on.
+        assert launcher.poll() is None and all(psutil.pid_exists(p) for p in ranks.values())
+    finally:
+        with contextlib.suppress(psutil.Error):
+            for process in psutil.Process(launcher.pid).children(recursive=True):
+                process.kill()
+        launcher.kill()
+        launcher.wait()

@@ -512,31 +512,35 @@ def _run_spec(spec: Any) -> int:
 def _run_ranks_view(spec: Any) -> int:
     """A multi-rank job under the live view of its ranks; the job's exit code."""
     from torchtop.runner import RankRun
-    from torchtop.transport import find_agent
-    from torchtop.tui.app import TorchtopApp
-    from torchtop.tui.run_view import RunView
-    from torchtop.tui.sources import LiveSource
 
     run = RankRun(spec)
     try:
-        while True:
-            view = RunView(run, title=spec.description)
-            _run_app(view)
-            if view.open_pid is None:
-                break
-            # One rank's full screens, attached to its agent; its q comes back to the run.
-            info = find_agent(view.open_pid)
-            if info is not None:
-                rank = info.identity.get("rank")
-                _run_app(
-                    TorchtopApp(LiveSource(info.address), title=f"rank {rank}: {info.command}")
-                )
+        _view_run(run, spec.description)
     finally:
         if run.running():
             run.stop_job()
             print(f"torchtop: stopping job pid {run.job.pid}…", file=sys.stderr)
     code = run.finish()
     return code if code is not None else 0
+
+
+def _view_run(run: Any, title: str) -> None:
+    """The view of a run's ranks until it quits; ``enter`` on a rank opens that rank's full
+    screens (the single-process viewer on its agent), whose ``q`` comes back to the run."""
+    from torchtop.transport import find_agent
+    from torchtop.tui.app import TorchtopApp
+    from torchtop.tui.run_view import RunView
+    from torchtop.tui.sources import LiveSource
+
+    while True:
+        view = RunView(run, title=title)
+        _run_app(view)
+        if view.open_pid is None:
+            return
+        info = find_agent(view.open_pid)
+        if info is not None:
+            rank = info.identity.get("rank")
+            _run_app(TorchtopApp(LiveSource(info.address), title=f"rank {rank}: {info.command}"))
 
 
 def _require_terminal(alternative: str) -> None:
@@ -634,14 +638,17 @@ def _pick_agent(pid: int | None, interactive: bool) -> Any:
         return agents[0]
     runs = _by_run(agents)
     if len(runs) == 1 and runs[0][0]:
-        # Every agent is a rank of one run: the view of a whole run is not there yet.
+        # Every agent is a rank of one run: the viewer shows the run; a recording is one rank's.
         run, members = runs[0]
+        if interactive:
+            return _RunOfRanks(run, members)
         pids = ", ".join(f"rank {a.identity.get('rank')}: {a.pid}" for a in members)
         raise CliError(
-            f"the {len(members)} agents running are the ranks of run {run} ({pids}); a view of "
-            f"the whole run is not built yet: attach one rank with `torchtop attach PID` "
-            f"(`torchtop attach {members[0].pid}` for rank {members[0].identity.get('rank')}), "
-            "or record them all with `torchtop run --headless --record FILE torchrun ...`",
+            f"the {len(members)} agents running are the ranks of run {run} ({pids}); a headless "
+            f"recording follows one rank: give its PID (`torchtop attach "
+            f"{members[0].pid} --headless --record FILE` for rank "
+            f"{members[0].identity.get('rank')}), or record every rank with "
+            "`torchtop run --headless --record FILE torchrun ...`",
             code=1,
         )
     if not interactive:
@@ -666,6 +673,17 @@ def cmd_attach(args: argparse.Namespace) -> int:
     from torchtop.tui.app import TorchtopApp
     from torchtop.tui.sources import LiveSource, pick_agent_interactively
 
+    if isinstance(info, _RunOfRanks):
+        if args.record:
+            raise CliError("--record follows one rank: give its PID (see `torchtop ps`)")
+        from torchtop.ranks import AttachedRun
+
+        run = AttachedRun(info.agents)
+        try:
+            _view_run(run, f"run {info.run}")
+        finally:
+            run.stop_job()  # detach: the job runs on
+        return 0
     if info is None:
         info = pick_agent_interactively()
         if info is None:
@@ -710,6 +728,14 @@ def _attach_target(args: argparse.Namespace, ask: bool) -> Any:
         )
         return _Outside(args.pid, str(exc))
     return started.info
+
+
+class _RunOfRanks:
+    """Every running agent is a rank of this run: ``torchtop attach`` opens the run's view."""
+
+    def __init__(self, run: str, agents: list[Any]) -> None:
+        self.run = run
+        self.agents = agents
 
 
 class _Outside:

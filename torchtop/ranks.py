@@ -14,12 +14,15 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 
 from torchtop.feed import AgentFeed
+from torchtop.model import JobModel
+from torchtop.model.run import RunModel
 from torchtop.protocol import Message, encode
 from torchtop.recording import RecordingWriter, tag_frame
-from torchtop.transport import list_agents, pid_alive
+from torchtop.transport import AgentInfo, list_agents, pid_alive
 
 #: How often the runtime directory is scanned for new ranks.
 SCAN_INTERVAL_S = 0.2
@@ -134,3 +137,91 @@ class RankFeeds:
                 "starts with RANK, LOCAL_RANK and TORCHELASTIC_RUN_ID set)"
             )
         return "; ".join(sorted({feed.end_reason for feed in self.feeds.values()}))
+
+
+class RunFold:
+    """What the view of a run reads: its ranks side by side (:class:`RunModel`, with the
+    run's findings) and the run's own stream (the job's output, the launcher's exit), folded
+    by whoever calls :meth:`drain` (the viewer's thread) from what the feeds only queue."""
+
+    #: Messages queued between two drains, at most (the oldest go first past it).
+    MAX_PENDING = 200_000
+    #: What quitting the view does to the job, for the view to say.
+    on_quit = "stops the job"
+
+    def __init__(self) -> None:
+        self.model = RunModel()
+        #: The run's own stream: the job's output and the launcher's exit.
+        self.launcher = JobModel()
+        self._pending: deque[tuple[str | None, Message]] = deque(maxlen=self.MAX_PENDING)
+
+    def queue(self, stream: str | None, message: Message) -> None:
+        """From any thread: a rank's message (``stream``: its pid), or the run's own."""
+        self._pending.append((stream, message))
+
+    def drain(self) -> bool:
+        """Fold what arrived since the last call; True if anything did."""
+        pending = self._pending
+        changed = False
+        while pending:
+            stream, message = pending.popleft()
+            if stream is None:
+                self.launcher.apply(message)
+            else:
+                self.model.apply(stream, message)
+            changed = True
+        return changed
+
+    @property
+    def started(self) -> bool:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def running(self) -> bool:
+        raise NotImplementedError
+
+    def stop_job(self) -> None:
+        """What quitting the view does (:attr:`on_quit`)."""
+        raise NotImplementedError
+
+    def status(self) -> tuple[str, bool]:
+        """The view's line about the job, and whether it is still going."""
+        raise NotImplementedError
+
+
+class AttachedRun(RunFold):
+    """The ranks of a run torchtop did not start (``torchtop attach`` with no PID), followed
+    live until their streams end; quitting detaches and leaves the job running."""
+
+    on_quit = "detaches (the job runs on)"
+
+    def __init__(self, agents: Sequence[AgentInfo]) -> None:
+        super().__init__()
+        self.agents = list(agents)
+        self.feeds: list[AgentFeed] = []
+
+    @property
+    def started(self) -> bool:
+        return bool(self.feeds)
+
+    def start(self) -> None:
+        for info in self.agents:
+            feed = AgentFeed(
+                address=info.address,
+                on_message=functools.partial(self.queue, str(info.pid)),
+            )
+            self.feeds.append(feed.start())
+
+    def running(self) -> bool:
+        return any(not feed.ended.is_set() for feed in self.feeds)
+
+    def stop_job(self) -> None:
+        for feed in self.feeds:
+            feed.close()
+
+    def status(self) -> tuple[str, bool]:
+        if self.running():
+            return f"attached to {len(self.agents)} agents", True
+        return "every rank's stream has ended", False

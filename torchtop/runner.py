@@ -10,6 +10,7 @@ viewer that detaches; its output goes to a log file and the viewer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ from torchtop.feed import AgentFeed
 from torchtop.job_output import JobOutput
 from torchtop.private_files import open_private
 from torchtop.protocol import JobExited, LogLine, Message, OutOfMemory
-from torchtop.ranks import RankFeeds
+from torchtop.ranks import RankFeeds, RunFold
 from torchtop.recording import RecordingWriter
 from torchtop.transport import TransportError, ensure_runtime_dir
 
@@ -338,28 +339,16 @@ def run_headless(spec: RunSpec) -> int:
     return code
 
 
-class RankRun:
+class RankRun(RunFold):
     """A multi-rank job ``torchtop run`` starts under a viewer: the launcher, each rank's agent
-    and the job's output, folded into one :class:`RunModel` by whoever calls :meth:`drain`
-    (the viewer's thread); the feeds only queue what they read."""
-
-    #: Messages queued between two drains, at most (the oldest go first past it).
-    MAX_PENDING = 200_000
+    (:class:`RankFeeds`) and the job's output, folded for the view (:class:`RunFold`)."""
 
     def __init__(self, spec: RunSpec) -> None:
-        from collections import deque
-
-        from torchtop.model import JobModel
-        from torchtop.model.run import RunModel
-
+        super().__init__()
         self.spec = spec
         self.job = Job(spec, on_line=self._line)
         self.writer = RecordingWriter(spec.record) if spec.record is not None else None
-        self.model = RunModel()
-        #: The run's own stream: the job's output and the launcher's exit.
-        self.launcher = JobModel()
-        self._pending: deque[tuple[str | None, Message]] = deque(maxlen=self.MAX_PENDING)
-        self._log = LogLines(self.writer, lambda m: self._pending.append((None, m)))
+        self._log = LogLines(self.writer, functools.partial(self.queue, None))
         self.feeds: RankFeeds | None = None
 
     @property
@@ -372,24 +361,16 @@ class RankRun:
             self.job.pid,
             self.writer,
             on_message=lambda _m: self._log.agent_spoke(),
-            on_rank=lambda stream, m: self._pending.append((stream, m)),
+            on_rank=self.queue,
         ).start()
 
     def _line(self, stream: str, text: str) -> None:
         self._log.line(stream, text)
 
-    def drain(self) -> bool:
-        """Fold what arrived since the last call; True if anything did."""
-        pending = self._pending
-        changed = False
-        while pending:
-            stream, message = pending.popleft()
-            if stream is None:
-                self.launcher.apply(message)
-            else:
-                self.model.apply(stream, message)
-            changed = True
-        return changed
+    def status(self) -> tuple[str, bool]:
+        if self.running():
+            return f"launcher pid {self.job.pid} running", True
+        return f"job ended, exit code {self.job.exit_code}", False
 
     def running(self) -> bool:
         return self.job.running()

@@ -4,7 +4,7 @@ One table of ranks (step, recent step time, steps/s, data wait, time in backward
 seen, state, and a trend: the last steps' times as bars on one scale for every rank), the
 run's findings (straggler, hang, dead ranks: :mod:`torchtop.model.ranks`)
 and the job's output. It reads the :class:`~torchtop.model.run.RunModel` that
-:class:`~torchtop.runner.RankRun` folds, four times a second, and redraws only when something
+:class:`~torchtop.ranks.RunFold` folds, four times a second, and redraws only when something
 arrived. ``enter`` on a rank's row opens that rank's full screens (the single-process viewer
 attached to its agent; its ``q`` comes back here); ``q`` stops the job (the launcher stops its
 ranks) and quits.
@@ -25,7 +25,7 @@ from torchtop.sizes import format_bytes
 
 if TYPE_CHECKING:
     from torchtop.model import JobModel
-    from torchtop.runner import RankRun
+    from torchtop.ranks import RunFold
 
 #: Seconds between two looks at what arrived, and the least between two redraws of the table.
 REFRESH_S = 0.25
@@ -98,11 +98,11 @@ class RunView(App[int]):
     CSS_PATH = "run_view.tcss"
     TITLE = "torchtop"
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("q", "stop", "stop the job and quit"),
+        Binding("q", "stop", "quit"),
         Binding("enter", "open_rank", "open the rank"),
     ]
 
-    def __init__(self, run: RankRun, title: str) -> None:
+    def __init__(self, run: RunFold, title: str) -> None:
         super().__init__()
         self.run_ = run
         self.sub_title = title
@@ -191,10 +191,9 @@ class RunView(App[int]):
             text.append(f" of {world}")
         if hello is not None and hello.run_id:
             text.append(f" · run {hello.run_id}")
-        if run.running():
-            text.append(f" · launcher pid {run.job.pid} running", "green")
-        else:
-            text.append(f" · job ended, exit code {run.job.exit_code}", "yellow")
+        line, going = run.status()
+        text.append(f" · {line}", "green" if going else "yellow")
+        text.append(f" · q {run.on_quit}", "dim")
         return text
 
     def _findings(self) -> Text:
