@@ -22,6 +22,8 @@ from torchtop.agent.rank_start import OWNER_ENV, RANK_OPTIONS_ENV, rank_environm
 from torchtop.protocol import Hello
 from torchtop.recording import read_recording
 
+#: What the run's rank rules can find (tests/test_ranks_model.py has each).
+RANK_FINDINGS = ("straggler", "hang", "rank_died")
 RANK_ENV = {"RANK": "1", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "abc", RANK_OPTIONS_ENV: "{}"}
 
 
@@ -104,7 +106,9 @@ def test_torchrun_under_torchtop_records_every_rank_and_nothing_else(
     ]
     # Each rank's agent sent its end (a rank's exit code is the launcher's to know: null).
     assert all(r["step_time_s"] and r["exit_reason"] != "no exit recorded" for r in ranks)
-    assert report["exit_code"] == 0 and report["findings"] == []
+    # Nothing wrong with the ranks (the advisor may still say 4 ranks oversubscribe 2 CPUs).
+    assert report["exit_code"] == 0
+    assert [f for f in report["findings"] if f["name"] in RANK_FINDINGS] == []
     assert report["job"]["world_size"] == 4  # type: ignore[index]
 
 
