@@ -345,9 +345,11 @@ def test_a_closures_forward_and_backward_are_not_optimizer_time(
         assert isinstance(loss, torch.Tensor)  # what the closure returned passes through
     (steps,) = [m for m in monitor.tick(1.0) if isinstance(m, StepStats)]
     assert steps.total == 4
-    # Each step ran the closure (>= 20 ms each); the optimizer's own work is well under that.
-    assert steps.time_s >= 0.02 * (calls - calls // 4)
-    assert steps.optimizer_s < 0.2 * steps.time_s, (steps.optimizer_s, steps.time_s)
+    # Each timed step ran the closure (>= 20 ms each): none of it is optimizer time, however
+    # long the optimizer's own work took on a busy machine.
+    in_closures = 0.02 * (calls - calls // 4)
+    assert steps.time_s >= in_closures
+    assert steps.optimizer_s <= steps.time_s - in_closures, (steps.optimizer_s, steps.time_s)
 
 
 def test_a_closure_that_raises_reaches_the_job(monitor: TrainingMonitor) -> None:
