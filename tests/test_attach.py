@@ -62,7 +62,16 @@ class Job:
     def __init__(self, tmp: Path, *args: str, python: str = sys.executable) -> None:
         self.stop_file = tmp / "stop"
         self.proc = subprocess.Popen(
-            [python, str(PLAIN_TRAIN), "--stop-file", str(self.stop_file), *args],
+            # It trains until the test stops it, however long a busy machine makes the test.
+            [
+                python,
+                str(PLAIN_TRAIN),
+                "--stop-file",
+                str(self.stop_file),
+                "--seconds",
+                "900",
+                *args,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -144,8 +153,11 @@ def test_attach_to_a_dataloader_loop_with_workers(tmp_path: Path, jobs: list[Job
     job = Job(tmp_path, "--workers", "2", "--exit-code", "3")
     jobs.append(job)
     _attach_and_check(job, tmp_path)
-    workers = psutil.Process(job.pid).children()
-    assert workers, "the job runs DataLoader workers"
+    # Each short epoch starts new workers: look until a set of them is up.
+    deadline = time.monotonic() + 30
+    while not psutil.Process(job.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert psutil.Process(job.pid).children(), "the job runs DataLoader workers"
     assert [a.pid for a in list_agents()] == [job.pid]  # the workers have no agent
     code, out, err = job.finish()
     assert (code, out) == (3, EXPECTED_STDOUT)
