@@ -111,14 +111,18 @@ def test_findings_are_the_same_fed_at_once_or_message_by_message() -> None:
     assert len(whole.advice.all_findings) == 1
 
 
-def creep_job(per_step: int, n: int = 80, every: int = 1) -> list[Message]:
+def creep_job(
+    per_step: int, n: int = 120, every: int = 1, rising: int | None = None
+) -> list[Message]:
     """``n`` steps of 0.1 s, four memory samples in each ``every``-th step (none in the others:
-    steps faster than the sampling); RSS climbs by ``per_step`` each step."""
+    steps faster than the sampling); RSS climbs by ``per_step`` each of the first ``rising``
+    steps (all of them by default), then holds."""
     out: list[Message] = []
     for i in range(n):
         for k in range(4 if i % every == 0 else 0):
             t = T0 + i * 0.1 + k * 0.025
-            rss = 500 * (1 << 20) + i * per_step + (k % 2) * (8 << 20)
+            grown = i if rising is None else min(i, rising)
+            rss = 500 * (1 << 20) + grown * per_step + (k % 2) * (8 << 20)
             host = HostStats(rss, 50.0, 4, 0, 100 * GIB, 200 * GIB)
             memory = [dataclasses.replace(_cpu, allocated_bytes=rss // 2, reserved_bytes=rss)]
             out.append(Sample(t, host, memory))
@@ -146,6 +150,15 @@ def test_memory_creep_over_fifty_steps_and_not_for_flat_or_short_runs() -> None:
     # steps, under 10% of the 500 MiB it started at, is no creep on a CPU job.
     assert fed(creep_job(150 << 10, n=300)).advice.findings == []
     assert fed(creep_job(2 << 20, n=40)).advice.findings == []  # fewer than 50 steps
+    assert fed(creep_job(2 << 20, n=80)).advice.all_findings == []  # 80 steps, but only 8 s
+
+
+def test_memory_that_grows_for_a_moment_then_holds_is_no_creep() -> None:
+    """DataLoader workers starting, a cache filling: 60 steps of growth (6 s, 120 MiB), then
+    flat. The last 400 steps' floors rose in all, but not chunk after chunk."""
+    assert fed(creep_job(2 << 20, n=400, rising=60)).advice.all_findings == []  # never, not once
+    (finding,) = fed(creep_job(2 << 20, n=400, rising=400)).advice.findings
+    assert finding.name == "memory-creep"
 
 
 def test_memory_creep_when_steps_outrun_the_sampling() -> None:

@@ -55,24 +55,28 @@ def input_job(workers: int) -> None:
         opt.step()
 
 
+STEPS_CREEP = 240
+
+
 def creep_job(fixed: bool) -> None:
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(256, 256)
     y = torch.randint(0, 3, (256,))
-    held_out = torch.randn(256, 256)
+    held_out = torch.randn(128, 256)
     total_loss: float | torch.Tensor = 0.0
-    for _ in range(80):
+    # About 12 s: creep is growth held for at least 10 s (warm-up growth stops sooner).
+    for _ in range(STEPS_CREEP):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        loss = nn.functional.cross_entropy(model(held_out), y)
+        loss = nn.functional.cross_entropy(model(held_out), y[:128])
         if fixed:
             total_loss += loss.item()
         else:
             total_loss += loss  # keeps this step's graph alive
-        time.sleep(0.02)
-    print(f"mean loss {float(total_loss) / 80:.4f}")
+        time.sleep(0.04)
+    print(f"mean loss {float(total_loss) / STEPS_CREEP:.4f}")
 
 
 def eval_job(no_grad: bool) -> None:

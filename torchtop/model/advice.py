@@ -16,6 +16,8 @@ shape (``name``, ``severity``, ``rank``, ``evidence``, ...) is the one multi-ran
 
 from __future__ import annotations
 
+import bisect
+
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +48,10 @@ BUSY_WORKER_CPU = 90.0
 #: lowest floor must rise chunk after chunk, by at least this much in all.
 CREEP_MIN_STEPS = 50
 CREEP_MAX_STEPS = 400
+#: ... and over at least this many seconds: memory that grows for a moment (DataLoader workers
+#: starting, caches filling) and then holds is warm-up, not creep. Fast jobs look back further
+#: than ``CREEP_MAX_STEPS`` to cover it.
+CREEP_MIN_SPAN_S = 10.0
 CREEP_CHUNKS = 5
 #: ... each chunk holding at least this many sampled steps.
 CREEP_FLOORS_PER_CHUNK = 2
@@ -433,14 +439,17 @@ def input_bound(model: JobModel, now: float, advisor: Advisor) -> Check | None:
 
 
 def memory_creep(model: JobModel, now: float, advisor: Advisor) -> Check | None:
-    """The memory at each step's low point rises over at least 50 steps: allocated on CUDA;
-    on the CPU the RSS (the heap misses the large tensors, which are mapped apart from it)."""
+    """The memory at each step's low point rises over at least 50 steps and 10 s: allocated
+    on CUDA; on the CPU the RSS (the heap misses the large tensors, mapped apart from it)."""
     memory = model.primary_memory
     if memory is None:
         return None
-    ends = [p.t for p in model.training.points if p.t <= now][-CREEP_MAX_STEPS - 1 :]
-    if len(ends) < CREEP_MIN_STEPS + 1:
+    all_ends = [p.t for p in model.training.points if p.t <= now]
+    if len(all_ends) < CREEP_MIN_STEPS + 1 or all_ends[-1] - all_ends[0] < CREEP_MIN_SPAN_S:
         return None
+    # The last CREEP_MAX_STEPS steps, or more where they span less than CREEP_MIN_SPAN_S.
+    spanned = bisect.bisect_right(all_ends, all_ends[-1] - CREEP_MIN_SPAN_S) - 1  # >= 0 here
+    ends = all_ends[min(spanned, max(0, len(all_ends) - CREEP_MAX_STEPS - 1)) :]
     # Samples within the steps considered; the first end bounds the first step.
     first = ends[0]
     cuda = memory.is_cuda
