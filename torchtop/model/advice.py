@@ -17,7 +17,6 @@ shape (``name``, ``severity``, ``rank``, ``evidence``, ...) is the one multi-ran
 from __future__ import annotations
 
 import bisect
-
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
