@@ -512,8 +512,11 @@ def test_a_time_based_window_costs_its_events_not_its_length(tmp_path: Path) -> 
     assert frames, "no time-based window was taken"
     (frame,) = frames
     assert frame.steps is None and frame.duration_s >= 0.5
-    assert frame.cost_s < 0.1 * frame.duration_s, (frame.cost_s, frame.duration_s)
-    assert frame.spacing_s == sampler.min_spacing_s
+    # Its cost is the profiler's start, stop and events (a few ms; more on a busy machine),
+    # not its 0.5 s; the next window is spaced by that cost, not by the length.
+    assert frame.cost_s < 0.5 * frame.duration_s, (frame.cost_s, frame.duration_s)
+    assert frame.spacing_s <= max(sampler.min_spacing_s, frame.cost_s / sampler.budget) + 1e-6
+    assert frame.spacing_s < frame.duration_s / sampler.budget
 
 
 def test_the_first_window_over_steps_comes_as_soon_as_steps_do(sampler: OpsSampler) -> None:
