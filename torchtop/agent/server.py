@@ -75,6 +75,31 @@ GREET_PER_S = 50.0
 MAX_FAILURES = 5
 
 
+@dataclass
+class _Bucket:
+    """A token bucket: ``burst`` at once, then ``per_s`` a second."""
+
+    burst: float
+    per_s: float
+    tokens: float = -1.0  # full, once first used
+    last: float = 0.0
+
+    def refill(self, now: float) -> None:
+        full = self.tokens < 0
+        self.tokens = (
+            self.burst if full else min(self.burst, self.tokens + (now - self.last) * self.per_s)
+        )
+        self.last = now
+
+    def take(self, now: float) -> bool:
+        """One token if there is one (refilled to ``now`` first)."""
+        self.refill(now)
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
 @dataclass(frozen=True)
 class RingLimit:
     """How much history one ring keeps: at most ``frames`` frames and ``bytes`` bytes."""
@@ -159,12 +184,11 @@ class AgentServer:
         self._wake_w.setblocking(False)
         self._stopping = threading.Event()
         self._thread = self._new_thread()
-        self._request_budget: dict[str, tuple[float, float]] = {}
+        self._request_budget: dict[str, _Bucket] = {}
         self._waiting: deque[_Client] = deque()
         #: Connections not greeted yet, oldest first (by ``id``; the I/O thread's own).
         self._pending: dict[int, _Client] = {}
-        self._greet_tokens = float(GREET_BURST)
-        self._greet_refilled = time.monotonic()
+        self._greetings = _Bucket(GREET_BURST, GREET_PER_S)
         self.clients_seen = 0
         #: Connections closed because MAX_CLIENTS viewers or MAX_PENDING handshakes were open.
         self.refused = 0
@@ -392,10 +416,6 @@ class AgentServer:
                         raise ProtocolError("the first frame must be a client hello")
                     if message.protocol != PROTOCOL_VERSION:
                         raise ProtocolError(f"unsupported protocol version {message.protocol}")
-                    if self.client_count >= MAX_CLIENTS:
-                        self.refused += 1
-                        self._drop_client(client)
-                        return
                     client.waiting = True
                     self._waiting.append(client)
                 elif isinstance(message, Request) and self._allow_request(message.action):
@@ -411,33 +431,32 @@ class AgentServer:
         """A token bucket per action: a burst of ``REQUEST_BURST``, then one per interval."""
         if action not in self._request_budget and len(self._request_budget) >= MAX_REQUEST_ACTIONS:
             action = "\0other"
-        now = time.monotonic()
-        tokens, last = self._request_budget.get(action, (float(REQUEST_BURST), now))
-        tokens = min(float(REQUEST_BURST), tokens + (now - last) / REQUEST_EVERY_S)
-        if tokens < 1.0:
-            self._request_budget[action] = (tokens, now)
-            self.requests_dropped += 1
-            return False
-        self._request_budget[action] = (tokens - 1.0, now)
-        return True
+        bucket = self._request_budget.setdefault(
+            action, _Bucket(REQUEST_BURST, 1.0 / REQUEST_EVERY_S)
+        )
+        if bucket.take(time.monotonic()):
+            return True
+        self.requests_dropped += 1
+        return False
 
     def _greet_waiting(self) -> None:
-        """Answer the waiting hellos the budget allows, oldest first; skip the peers gone."""
+        """Answer the waiting hellos the budget allows, oldest first; skip the peers gone.
+        A hello beyond ``MAX_CLIENTS`` viewers is answered by closing (the one place it is)."""
         now = time.monotonic()
-        self._greet_tokens = min(
-            float(GREET_BURST), self._greet_tokens + (now - self._greet_refilled) * GREET_PER_S
-        )
-        self._greet_refilled = now
-        while self._waiting and self._greet_tokens >= 1.0:
-            client = self._waiting.popleft()
-            if not client.waiting:  # dropped meanwhile
+        while self._waiting:
+            client = self._waiting[0]
+            if not client.waiting:  # dropped meanwhile: costs no greeting
+                self._waiting.popleft()
                 continue
             if self.client_count >= MAX_CLIENTS:
+                self._waiting.popleft()
                 self.refused += 1
                 self._drop_client(client)
                 continue
+            if not self._greetings.take(now):
+                return
+            self._waiting.popleft()
             client.waiting = False
-            self._greet_tokens -= 1.0
             self._greet(client)
 
     def _greet(self, client: _Client) -> None:
