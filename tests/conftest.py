@@ -27,6 +27,9 @@ def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Each test gets its own socket directory (short: Unix socket paths are limited to 108)."""
     path = Path(tempfile.mkdtemp(prefix="tt-", dir="/tmp")) / "run"
     monkeypatch.setenv("TORCHTOP_RUNTIME_DIR", str(path))
+    # And its own tmux server: tests run two at once, and one ending the shared server's last
+    # session while another starts one failed it with "server exited unexpectedly".
+    monkeypatch.setenv("TMUX_TMPDIR", str(path.parent))
     yield path
     shutil.rmtree(path.parent, ignore_errors=True)
 
