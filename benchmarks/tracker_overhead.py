@@ -26,23 +26,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from benchmarks.agent_overhead import mlp, tiny_ops
 from torchtop.agent.memory_limit import MemoryLimitTracker
 from torchtop.agent.tensor_tracker import TensorTracker
-
-
-def mlp() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    model = nn.Sequential(
-        nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
-    )
-    return model, torch.randn(128, 512), torch.randint(0, 10, (128,))
-
-
-def tiny_ops() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    layers: list[nn.Module] = []
-    for _ in range(48):
-        layers += [nn.Linear(16, 16), nn.Tanh()]
-    model = nn.Sequential(*layers, nn.Linear(16, 10))
-    return model, torch.randn(8, 16), torch.randint(0, 10, (8,))
 
 
 def conv() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

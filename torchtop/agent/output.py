@@ -58,15 +58,11 @@ class OutputCapture:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        for _name, _fd, saved, read_end in self._streams:
-            with contextlib.suppress(OSError):
-                os.close(saved)
-            with contextlib.suppress(OSError):
-                os.close(read_end)
-        self._streams = []
+        self.close_fds_in_child()
 
     def close_fds_in_child(self) -> None:
-        """After fork, in the child: the pipes' read ends and saved fds are not ours to keep."""
+        """Close the pipes' read ends and the saved descriptors: after fork, in the child, they
+        are not ours to keep; at :meth:`stop`, once the originals are back, they are done."""
         for _name, _fd, saved, read_end in self._streams:
             with contextlib.suppress(OSError):
                 os.close(saved)
