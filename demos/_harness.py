@@ -98,6 +98,14 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> DemoOptio
     return DemoOptions(quick=args.quick, device=torch.device(args.device))
 
 
+def begin(doc: str | None, name: str, argv: Sequence[str] | None = None) -> DemoOptions:
+    """A demo's start: its options (:func:`parse_args`, described by the first line of its
+    docstring ``doc``, else ``name``) and the line that says where it runs."""
+    options = parse_args(doc.splitlines()[0] if doc else name, argv)
+    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    return options
+
+
 def section(title: str) -> None:
     """A heading between the parts of a demo's output."""
     print(f"\n== {title} ==")

@@ -163,8 +163,7 @@ def conclusion(results: list[harness.PhaseResult]) -> str:
 
 
 def main() -> None:
-    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "autograd")
-    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    options = harness.begin(__doc__, "autograd")
     show_gradients(options.device)
     harness.pause(options)
     results = compare_inference_modes(options)

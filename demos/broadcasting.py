@@ -189,8 +189,7 @@ def an_accidental_broadcast(options: harness.DemoOptions) -> list[harness.PhaseR
 
 
 def main() -> None:
-    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "broadcasting")
-    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    options = harness.begin(__doc__, "broadcasting")
     show_the_rule(options.device)
     harness.pause(options)
     three_ways = compare_the_three_ways(options)

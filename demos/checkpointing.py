@@ -153,8 +153,7 @@ def conclusion(results: list[harness.PhaseResult]) -> str:
 
 
 def main() -> None:
-    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "checkpointing")
-    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    options = harness.begin(__doc__, "checkpointing")
     results = compare(options)
     harness.print_results(
         f"activation checkpointing on {options.device}", results, conclusion(results)

@@ -354,8 +354,7 @@ def conclusion(results: list[harness.PhaseResult]) -> str:
 
 
 def main() -> None:
-    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "dataloader")
-    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    options = harness.begin(__doc__, "dataloader")
     batches = 12 if options.quick else 40
     dataset = DecodingDataset(batches * BATCH_SIZE, DECODE_SECONDS)
     model = Classifier(options.device)

@@ -415,8 +415,7 @@ def conclusion(
 
 
 def main() -> None:
-    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "device")
-    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    options = harness.begin(__doc__, "device")
     steps = 20 if options.quick else 100
     trainer = Trainer(options.device)
     moves = move_once_or_every_step(options, trainer, steps)

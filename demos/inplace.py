@@ -228,8 +228,7 @@ def conclusion(results: list[harness.PhaseResult]) -> str:
 
 
 def main() -> None:
-    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "inplace")
-    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    options = harness.begin(__doc__, "inplace")
     show_what_inplace_means(options.device)
     harness.pause(options)
     updates = measure_updates(options)

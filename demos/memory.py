@@ -281,8 +281,7 @@ def conclusion(results: list[harness.PhaseResult]) -> str:
 
 
 def main() -> None:
-    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "memory")
-    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    options = harness.begin(__doc__, "memory")
     del_results = measure_del(options)
     show_empty_cache(options)
     leak_results = measure_the_leak(options)

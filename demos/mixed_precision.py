@@ -196,8 +196,7 @@ def conclusion(results: list[harness.PhaseResult], device: torch.device) -> str:
 
 
 def main() -> None:
-    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "mixed precision")
-    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    options = harness.begin(__doc__, "mixed precision")
     show_the_types(options.device, low_precision_dtype(options.device))
     harness.pause(options)
     results = compare(options)

@@ -297,8 +297,7 @@ def conclusion(device: Device, results: list[harness.PhaseResult]) -> str:
 
 
 def main() -> None:
-    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "oom")
-    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    options = harness.begin(__doc__, "oom")
     device = the_device(options)
     if device is None:
         print(

@@ -441,8 +441,7 @@ def conclusion(results: list[harness.PhaseResult], culprit: str) -> str:
 
 
 def main() -> None:
-    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "profiling")
-    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    options = harness.begin(__doc__, "profiling")
     steps = 5 if options.quick else 20
     training = Training(options.device)
     events = profile_steps(options, training, steps)

@@ -205,8 +205,7 @@ def conclusion(results: list[harness.PhaseResult]) -> str:
 
 
 def main() -> None:
-    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "tensors")
-    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    options = harness.begin(__doc__, "tensors")
     show_creation(options.device)
     show_views_and_copies(options.device)
     show_slicing_and_indexing(options.device)

@@ -127,8 +127,7 @@ def conclusion(results: list[harness.PhaseResult]) -> str:
 
 
 def main() -> None:
-    options = harness.parse_args(__doc__.splitlines()[0] if __doc__ else "vectorization")
-    print(f"device: {options.device}{' (quick)' if options.quick else ''}")
+    options = harness.begin(__doc__, "vectorization")
     show_the_idea(options.device)
     harness.pause(options)
     results = compare(options)
