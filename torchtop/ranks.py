@@ -154,6 +154,41 @@ class RunFold:
         #: The run's own stream: the job's output and the launcher's exit.
         self.launcher = JobModel()
         self._pending: deque[tuple[str | None, Message]] = deque(maxlen=self.MAX_PENDING)
+        #: The node of each stream from another node (``torchtop attach --node``), as the user
+        #: named it; local streams are absent.
+        self.remote: dict[str, str] = {}
+        #: Nodes whose relay was lost, with why: their ranks show as lost.
+        self.lost_nodes: dict[str, str] = {}
+
+    def node_of(self, stream: str) -> str:
+        """Where a rank runs: the node as the user named it (``--node``), else the host its
+        hello names."""
+        node = self.remote.get(stream)
+        if node is not None:
+            return node
+        job = self.model.jobs.get(stream)
+        return job.hello.hostname if job is not None and job.hello is not None else ""
+
+    def is_lost(self, stream: str) -> bool:
+        """The rank's node was lost before the rank ended: its state is unknown."""
+        node = self.remote.get(stream)
+        job = self.model.jobs.get(stream)
+        return node in self.lost_nodes and not (job is not None and job.job_ended)
+
+    def opens_elsewhere(self, stream: str) -> str | None:
+        """Why a rank's full screens cannot open here, with where they can; None if they can
+        (a rank of this machine)."""
+        node = self.remote.get(stream)
+        if node is None:
+            return None
+        job = self.model.jobs.get(stream)
+        hello = job.hello if job is not None else None
+        pid = hello.pid if hello is not None else "PID"
+        rank = f"rank {hello.rank}" if hello is not None and hello.rank is not None else "it"
+        return (
+            f"{rank} runs on node {node}: its full screens open there "
+            f"(`torchtop attach {pid}` on that node); this view shows its row only"
+        )
 
     def queue(self, stream: str | None, message: Message) -> None:
         """From any thread: a rank's message (``stream``: its pid), or the run's own."""

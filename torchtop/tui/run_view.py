@@ -1,12 +1,14 @@
 """The live view of a multi-rank job ``torchtop run`` launched (``torchtop run torchrun ...``).
 
 One table of ranks (step, recent step time, steps/s, data wait, time in backward, memory, last
-seen, state, and a trend: the last steps' times as bars on one scale for every rank), the
+seen, state, and a trend: the last steps' times as bars on one scale for every rank; a node
+column once ranks of more than one node are shown, ``torchtop attach --node``), the
 run's findings (straggler, hang, dead ranks: :mod:`torchtop.model.ranks`)
 and the job's output. It reads the :class:`~torchtop.model.run.RunModel` that
 :class:`~torchtop.ranks.RunFold` folds, four times a second, and redraws only when something
 arrived. ``enter`` on a rank's row opens that rank's full screens (the single-process viewer
-attached to its agent; its ``q`` comes back here); ``q`` stops the job (the launcher stops its
+attached to its agent; its ``q`` comes back here; a rank of another node says where to open it);
+``q`` stops the job (the launcher stops its
 ranks) and quits.
 """
 
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
+from textual.coordinate import Coordinate
 from textual.widgets import DataTable, Footer, RichLog, Static
 
 from torchtop.model.ranks import died
@@ -114,6 +117,8 @@ class RunView(App[int]):
         self._rows: dict[str, tuple[str, ...]] = {}
         self._table_at = 0.0
         self._shown_findings: Text | None = None
+        #: The table's columns: a node column first once ranks of several nodes are shown.
+        self._columns: tuple[str, ...] = COLUMNS
 
     def compose(self) -> ComposeResult:
         yield Static("starting the launcher…", id="run-head")
@@ -163,14 +168,24 @@ class RunView(App[int]):
         every = [d for job in jobs.values() for d in recent_durations(job)]
         scale = (min(every), max(every)) if every else (0.0, 0.0)
         added = False
+        if len({run.node_of(stream) for stream in jobs}) > 1 and "node" not in self._columns:
+            self._columns = ("node", *COLUMNS)
+            table.clear(columns=True)
+            for column in self._columns:
+                table.add_column(column, key=column)
+            self._rows = {}
         for stream, job in jobs.items():
             row = rank_row(job, now, exits, scale)
+            if run.is_lost(stream):
+                row = (*row[:2], "lost", *row[3:])
+            if "node" in self._columns:
+                row = (run.node_of(stream), *row)
             old = self._rows.get(stream)
             if old is None:
                 table.add_row(*row, key=stream)
                 added = True
             else:
-                for column, before, after in zip(COLUMNS, old, row, strict=True):
+                for column, before, after in zip(self._columns, old, row, strict=True):
                     if before != after:
                         table.update_cell(stream, column, after)
             self._rows[stream] = row
@@ -212,7 +227,12 @@ class RunView(App[int]):
         table: DataTable[str] = self.query_one("#ranks", DataTable)
         if table.row_count == 0:
             return
-        pid = table.get_row_at(table.cursor_row)[1]
+        stream = table.coordinate_to_cell_key(Coordinate(table.cursor_row, 0)).row_key.value
+        elsewhere = self.run_.opens_elsewhere(stream or "")
+        if elsewhere is not None:
+            self.notify(elsewhere, timeout=8)
+            return
+        pid = table.get_row_at(table.cursor_row)[self._columns.index("pid")]
         if pid.isdigit():
             self.open_pid = int(pid)
             self.exit(0)
