@@ -12,6 +12,7 @@ import io
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import pytest
 from fakes.source import FakeSource
 from rich.console import Console
 from textual.pilot import Pilot
@@ -137,12 +138,13 @@ def cpu_job() -> list[Message]:
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def pilot_test(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
-    """Run an async Pilot scenario as a plain test (no pytest plugin needed)."""
+def pilot_test(scenario: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """Run an async Pilot scenario as a plain test (no pytest plugin needed); its arguments
+    (``parametrize``) pass through."""
 
     @functools.wraps(scenario)
-    def test() -> None:
-        asyncio.run(scenario())
+    def test(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(scenario(*args, **kwargs))
 
     return test
 
@@ -386,48 +388,39 @@ async def test_a_source_that_cannot_start_is_shown_not_raised() -> None:
 # -- quitting ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("owned", "running", "keys", "asks", "stops"),
+    [
+        # A job torchtop only watches: q closes the source at once.
+        (False, False, ("q",), False, False),
+        # A running job torchtop runs: q asks; d detaches (the job runs on), s stops it.
+        (True, True, ("q", "d"), True, False),
+        (True, True, ("q", "s"), True, True),
+        (True, True, ("ctrl+c", "d"), True, False),
+        # A job torchtop ran that has ended: nothing to ask.
+        (True, False, ("q",), False, False),
+    ],
+    ids=["watched", "q-detach", "q-stop", "ctrl+c-detach", "ended"],
+)
 @pilot_test
-async def test_q_closes_the_source_and_exits_zero() -> None:
-    source = FakeSource(cuda_job())
+async def test_quitting(
+    owned: bool, running: bool, keys: tuple[str, ...], asks: bool, stops: bool
+) -> None:
+    source = FakeSource(cuda_job(), mode="run" if owned else None, owns_job=owned, running=running)
     app = TorchtopApp(source)
     async with app.run_test(size=SIZE) as pilot:
         await drained(pilot)
-        await pilot.press("q")
+        await pilot.press(keys[0])
         await pilot.pause()
-    assert source.called("close") and not source.called("stop_job")
+        assert isinstance(app.screen, QuitScreen) == asks
+        if asks:
+            assert app.is_running
+            await pilot.press(*keys[1:])
+            await pilot.pause()
+    # Stopping hands the job's end to the source; every other way out closes it.
+    assert source.called("stop_job") == stops
+    assert source.called("close") != stops
     assert app.return_value == 0 and app.return_code == 0
-
-
-@pilot_test
-async def test_q_on_an_owned_running_job_asks_and_d_detaches() -> None:
-    source = FakeSource(cuda_job(), mode="run", owns_job=True, running=True)
-    app = TorchtopApp(source)
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
-        await pilot.press("q")
-        await pilot.pause()
-        assert isinstance(app.screen, QuitScreen)
-        assert app.is_running
-        await pilot.press("d")
-        await pilot.pause()
-    assert source.called("close")
-    assert not source.called("stop_job")
-    assert app.return_value == 0
-
-
-@pilot_test
-async def test_q_on_an_owned_running_job_then_s_stops_it() -> None:
-    source = FakeSource(cuda_job(), mode="run", owns_job=True, running=True)
-    app = TorchtopApp(source)
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
-        await pilot.press("q")
-        await pilot.pause()
-        assert isinstance(app.screen, QuitScreen)
-        await pilot.press("s")
-        await pilot.pause()
-    assert source.called("stop_job")
-    assert app.return_value == 0
 
 
 @pilot_test
@@ -445,32 +438,6 @@ async def test_escape_cancels_the_quit() -> None:
         assert source.calls == [("start",)]
         await pilot.press("q", "d")
         await pilot.pause()
-
-
-@pilot_test
-async def test_ctrl_c_quits_like_q() -> None:
-    source = FakeSource(cuda_job(), mode="run", owns_job=True, running=True)
-    app = TorchtopApp(source)
-    async with app.run_test(size=SIZE) as pilot:
-        await pilot.press("ctrl+c")
-        await pilot.pause()
-        assert isinstance(app.screen, QuitScreen)
-        await pilot.press("d")
-        await pilot.pause()
-    assert source.called("close")
-    assert app.return_value == 0
-
-
-@pilot_test
-async def test_q_on_an_owned_job_that_has_ended_quits_at_once() -> None:
-    source = FakeSource(cuda_job(), mode="run", owns_job=True, running=False)
-    app = TorchtopApp(source)
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
-        await pilot.press("q")
-        await pilot.pause()
-    assert source.called("close") and not source.called("stop_job")
-    assert app.return_value == 0
 
 
 # -- help, log view, replay keys -----------------------------------------------------------------
