@@ -117,6 +117,20 @@ def results_of(output: str) -> Results:
     return {entry["name"]: entry for entry in payload["results"]}
 
 
+def shown_results(output: str, conclusion_start: str) -> Results:
+    """What every demo shows: one conclusion line (it starts with ``conclusion_start``), a
+    results table within 78 columns, and a time for each phase; returns the results."""
+    conclusions = [line for line in output.splitlines() if line.startswith(conclusion_start)]
+    assert len(conclusions) == 1, output
+    assert "peak memory" in output  # the table's header
+    table = [line for line in output.splitlines() if line.startswith(("|", "+"))]
+    assert table and max(len(line) for line in table) <= 78, output
+    results = results_of(output)
+    for entry in results.values():
+        assert entry["seconds"] > 0
+    return results
+
+
 def peak(results: Results, name: str) -> int:
     return int(results[name]["peak_bytes"])
 
