@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import SCRIPTS, report_json, torchtop
 from torchtop.agent.rank_start import OWNER_ENV, RANK_OPTIONS_ENV, rank_environment, should_start
-from torchtop.protocol import Hello
+from torchtop.protocol import Hello, LogLine
 from torchtop.recording import read_recording
 
 #: What the run's rank rules can find (tests/test_ranks_model.py has each).
@@ -62,10 +62,46 @@ def _run_ddp(tmp_path: Path, launcher: list[str], world: int, *script_args: str)
         *script_args, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    # Four ranks write to one pipe: another rank's output can land on the same line.
-    results = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", out.stdout)]
-    assert sorted(r["rank"] for r in results) == list(range(world)), out.stdout
+    # Each rank's result on a line of its own, behind its own rank's prefix.
+    results = re.findall(r"^\[rank(\d+)\]:RESULT (\{[^{}]*\})$", out.stdout, re.M)
+    assert sorted(int(rank) for rank, _ in results) == list(range(world)), out.stdout
+    assert all(json.loads(result)["rank"] == int(rank) for rank, result in results)
     return record
+
+
+def test_each_ranks_lines_show_once_behind_its_rank_and_the_launchers_bare(
+    tmp_path: Path,
+) -> None:
+    record = tmp_path / "r.ttr"
+    out = torchtop(
+        "run", "--headless", "--record", str(record), "--no-ops", "-m", "torch.distributed.run",
+        "--standalone", "--nproc_per_node=3", str(SCRIPTS / "ddp.py"), "--say", "2",
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    said = {"stdout": "says", "stderr": "warns"}
+    for stream, text in (("stdout", out.stdout), ("stderr", out.stderr)):
+        lines = text.splitlines()
+        for rank in range(3):
+            for i in range(2):
+                line = f"rank {rank} {said[stream]} {i}"
+                # Once, behind its own rank's prefix, on the stream it was written to.
+                assert lines.count(f"[rank{rank}]:{line}") == 1, text
+                assert sum(line in other for other in lines) == 1, text
+    # The launcher's own lines (torchrun's warning) have no prefix.
+    assert any(line.startswith("Setting OMP_NUM_THREADS") for line in out.stderr.splitlines())
+    # The recording holds each line once, as it was shown.
+    logged = [
+        (m.stream, m.text)
+        for m in read_recording(record).messages
+        if isinstance(m, LogLine) and re.search(r"rank \d (says|warns)", m.text)
+    ]
+    assert sorted(logged) == sorted(
+        (stream, f"[rank{rank}]:rank {rank} {said[stream]} {i}")
+        for stream in said
+        for rank in range(3)
+        for i in range(2)
+    )
 
 
 def _roles(tmp_path: Path) -> dict[str, dict[int, int]]:

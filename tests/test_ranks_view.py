@@ -1,6 +1,7 @@
-"""The live view of a torchrun job's ranks, in a real terminal (tmux) at 80x24, as a user
-drives it: every rank's row fills in, the straggler is named while the job runs, q stops the
-job and quits."""
+"""The live view of a torchrun job's ranks, in a real terminal (tmux) at 80x24 and 160x50, as a
+user drives it: every rank's row fills in, the straggler is named and its strip of the step
+time chart stands higher while the job runs, each rank's lines show once behind its prefix, q
+stops the job and quits."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import psutil
 import pytest
 
 from tests.conftest import SCRIPTS
+from tests.test_ranks_output import _heights
 from tests.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
 from torchtop.transport import list_agents
 from torchtop.tui.run_view import BARS, trend
@@ -56,30 +58,80 @@ def _rows(screen: str) -> dict[int, list[str]]:
     return rows
 
 
+def _strips(screen: str) -> dict[int, list[str]]:
+    """The step time chart's strips by rank: each strip's plot lines, top first."""
+    strips: dict[int, list[str]] = {}
+    current: list[str] | None = None
+    for line in screen.splitlines():
+        label = re.match(r"^ *r(\d+)┤", line)
+        if label:
+            current = strips[int(label.group(1))] = [line[6:]]
+        elif current is not None and re.match(r"^ {5}│", line):
+            current.append(line[6:])
+        else:
+            current = None
+    return strips
+
+
+def _strip_levels(screen: str) -> dict[int, float]:
+    """Each strip's median height (in braille dots) over its last ten columns with steps."""
+    levels = {}
+    for rank, strip in _strips(screen).items():
+        heights = [h for h in _heights(strip) if h > 0][-10:]
+        levels[rank] = sorted(heights)[len(heights) // 2] if heights else 0
+    return levels
+
+
+def _said_once(screen: str, ranks: int) -> bool:
+    """Each rank's line (``--say 1``) shows once, behind its own rank's prefix."""
+    lines = [line.strip() for line in screen.splitlines()]
+    return all(
+        lines.count(f"[rank{r}]:rank {r} {word} 0") == 1
+        and sum(f"rank {r} {word} 0" in line for line in lines) == 1
+        for r in range(ranks)
+        for word in ("says", "warns")
+    )
+
+
 def test_the_run_view_shows_each_rank_names_the_straggler_and_stops_the_job(
     terminal: Terminal,  # noqa: F811
     launchers: list[int],
 ) -> None:
     command = (
         f"{sys.executable} -m torchtop run --no-ops -m torch.distributed.run --standalone "
-        f"--nproc_per_node=3 {SCRIPTS / 'ddp.py'} --steps 3000 --slow-rank 2 --slow-in data"
-        "; echo EXIT=$?"
+        f"--nproc_per_node=4 {SCRIPTS / 'ddp.py'} --steps 3000 --slow-rank 2 --slow-in data "
+        "--say 1; echo EXIT=$?"
     )
     terminal.keys(command, "Enter")
 
     def stepping(screen: str) -> bool:
         rows = _rows(screen)
-        return sorted(rows) == [0, 1, 2] and all(int(r[3]) > 0 for r in rows.values())
+        return sorted(rows) == [0, 1, 2, 3] and all(int(r[3]) > 0 for r in rows.values())
 
     screen = terminal.wait_for(stepping, timeout=120)
     launchers.append(_launcher(screen))
-    assert "3 ranks of 3" in screen
+    assert "4 ranks of 4" in screen
     pids = [int(row[1]) for row in _rows(screen).values()]
     assert all(row[2] == "running" for row in _rows(screen).values())
     screen = terminal.wait_for(lambda s: "rank 2 holds the others back" in s, timeout=120)
     # Rank 2's data wait shows in its row; the others wait in backward.
     rows = _rows(screen)
     assert int(rows[2][6].rstrip("%")) > int(rows[0][6].rstrip("%"))
+    # The chart has a strip for every rank, on one scale, with its range; rank 2's stands
+    # higher once its recent steps are on it.
+    screen = terminal.wait_for(
+        lambda s: (
+            sorted(_strips(s)) == [0, 1, 2, 3]
+            and _strip_levels(s)[2] > max(v for r, v in _strip_levels(s).items() if r != 2)
+        ),
+        timeout=60,
+    )
+    assert re.search(r"each row 0 to \d+ms · last 60s", screen)
+    assert all(len(strip) == 1 for strip in _strips(screen).values())
+    # The log's last lines (the rest scrolled up): each once, behind its own rank's prefix.
+    said = re.findall(r"\S*rank \d (?:says|warns) 0", screen)
+    assert len(said) >= 4 and len(set(said)) == len(said), screen
+    assert all(re.fullmatch(r"\[rank(\d)\]:rank \1 (says|warns) 0", line) for line in said)
     terminal.keys("q")
     screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+", s), timeout=120)
     assert not any(psutil.pid_exists(pid) for pid in pids)
@@ -110,7 +162,8 @@ def test_a_rank_opens_in_the_full_viewer_and_closes_back_to_the_run(
     term = wide_terminal
     command = (
         f"{sys.executable} -m torchtop run --no-ops -m torch.distributed.run --standalone "
-        f"--nproc_per_node=4 {SCRIPTS / 'ddp.py'} --steps 3000 --sleep-ms 10; echo EXIT=$?"
+        f"--nproc_per_node=4 {SCRIPTS / 'ddp.py'} --steps 3000 --sleep-ms 10 --slow-rank 1 "
+        "--slow-in forward --say 1; echo EXIT=$?"
     )
     term.keys(command, "Enter")
 
@@ -120,6 +173,17 @@ def test_a_rank_opens_in_the_full_viewer_and_closes_back_to_the_run(
 
     screen = term.wait_for(stepping, timeout=120)
     launchers.append(_launcher(screen))
+    # The chart uses the room: a strip of several lines per rank; rank 1's (slower in its
+    # forward) stands higher.
+    screen = term.wait_for(
+        lambda s: (
+            sorted(_strips(s)) == [0, 1, 2, 3]
+            and _strip_levels(s)[1] > max(v for r, v in _strip_levels(s).items() if r != 1)
+        ),
+        timeout=60,
+    )
+    assert all(len(strip) == 3 for strip in _strips(screen).values())
+    assert _said_once(screen, 4), screen
     rank1 = _rows(screen)[1][1]
     # Each rank's trend: its last steps' times as bars.
     assert all(set(row[-1]) <= set(BARS) and len(row[-1]) > 1 for row in _rows(screen).values())

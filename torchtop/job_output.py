@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import subprocess
 import sys
@@ -27,6 +28,25 @@ MAX_LINE_CHARS = 16_384
 #: Once the job has exited, a pipe quiet this long is done: a forked worker that outlived the
 #: job may hold its write end open forever.
 QUIET_AFTER_EXIT_S = 0.2
+#: How each line a rank of a torchrun job wrote reaches the launcher's output under ``torchtop
+#: run``: torchrun's ``--tee`` prefix (its ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``), with the
+#: global rank rather than torchrun's default ``[default<local rank>]:``.
+RANK_PREFIX_TEMPLATE = "[rank${rank}]:"
+_RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")
+
+
+def rank_prefix(rank: int) -> str:
+    """The prefix of a line that rank ``rank`` wrote (:data:`RANK_PREFIX_TEMPLATE`)."""
+    return f"[rank{rank}]:"
+
+
+def split_rank(text: str) -> tuple[int | None, str]:
+    """A line of a multi-rank job's output: the rank whose line it is (``None``: the
+    launcher's own) and the rank's text without its prefix."""
+    match = _RANK_PREFIX.match(text)
+    if match is None:
+        return None, text
+    return int(match.group(1)), text[match.end() :]
 
 
 class LineSplitter:

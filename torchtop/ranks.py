@@ -18,9 +18,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from torchtop.feed import AgentFeed
+from torchtop.job_output import rank_prefix
 from torchtop.model import JobModel
 from torchtop.model.run import RunModel
-from torchtop.protocol import Message, encode
+from torchtop.protocol import LogLine, Message, encode
 from torchtop.recording import RecordingWriter, tag_frame
 from torchtop.transport import AgentInfo, list_agents, pid_alive
 
@@ -148,6 +149,10 @@ class RunFold:
     MAX_PENDING = 200_000
     #: What quitting the view does to the job, for the view to say.
     on_quit = "stops the job"
+    #: Where each rank's output comes from, so that no line shows twice: the launcher's output
+    #: (False: a launcher torchtop started, whose lines carry their rank's prefix), or each
+    #: rank's agent (True: what a rank's agent captured, if it captures, prefixed here).
+    rank_lines = True
 
     def __init__(self) -> None:
         self.model = RunModel()
@@ -203,9 +208,19 @@ class RunFold:
             if stream is None:
                 self.launcher.apply(message)
             else:
-                self.model.apply(stream, message)
+                job = self.model.apply(stream, message)
+                if self.rank_lines and isinstance(message, LogLine):
+                    self.launcher.apply(self._prefixed(job, message))
             changed = True
         return changed
+
+    @staticmethod
+    def _prefixed(job: JobModel, line: LogLine) -> LogLine:
+        """A rank's own line as the run's log shows it: with its rank's prefix."""
+        rank = job.hello.rank if job.hello is not None else None
+        if rank is None:
+            return line
+        return LogLine(t=line.t, stream=line.stream, text=rank_prefix(rank) + line.text)
 
     @property
     def started(self) -> bool:

@@ -166,8 +166,8 @@ class Job:
         }
         if spec.launcher:
             # No agent in the launcher: one in each rank it starts, from its sitecustomize.
-            env = rank_environment(os.environ, options)
             target = spec.target
+            env = rank_environment(os.environ, options, target)
             cmd = [sys.executable, *target] if target[0] == "-m" else list(target)
         else:
             env = dict(os.environ)
@@ -342,6 +342,9 @@ def run_headless(spec: RunSpec) -> int:
 class RankRun(RunFold):
     """A multi-rank job ``torchtop run`` starts under a viewer: the launcher, each rank's agent
     (:class:`RankFeeds`) and the job's output, folded for the view (:class:`RunFold`)."""
+
+    #: The ranks' lines come through the launcher's output, each with its rank's prefix.
+    rank_lines = False
 
     def __init__(self, spec: RunSpec) -> None:
         super().__init__()

@@ -9,13 +9,15 @@ To make one rank misbehave: ``--slow-rank R --slow-ms MS --slow-in data|forward`
 sleeps MS more per step in its batch collation or its forward); ``--sleep-ms MS`` (every rank
 sleeps MS in its forward: a step long enough that CPU noise is small beside it);
 ``--block-rank R --block-at N`` (rank R blocks forever before its Nth backward, whose
-all-reduce the others then wait in).
+all-reduce the others then wait in). ``--say N``: each rank first writes N lines of its own to
+stdout (``rank R says I``) and to stderr (``rank R warns I``).
 """
 
 import argparse
 import functools
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -63,12 +65,16 @@ def main() -> None:
     parser.add_argument("--sleep-ms", type=float, default=0.0)
     parser.add_argument("--block-rank", type=int, default=-1)
     parser.add_argument("--block-at", type=int, default=5)
+    parser.add_argument("--say", type=int, default=0)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     slow = rank == args.slow_rank
     note(args.pids, "rank", rank)
+    for i in range(args.say):
+        print(f"rank {rank} says {i}", flush=True)
+        print(f"rank {rank} warns {i}", file=sys.stderr, flush=True)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(args.steps * 4, 8), torch.randn(args.steps * 4, 1))
     loader = DataLoader(

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from torchtop.job_output import RANK_PREFIX_TEMPLATE
 
 #: The agent's options (JSON) for each rank; its presence turns rank start-up on.
 RANK_OPTIONS_ENV = "TORCHTOP_RANK_OPTIONS"
@@ -26,6 +28,9 @@ OWNER_ENV = "TORCHTOP_RANK_AGENT_PID"
 RANK_MARKS = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
 #: The folder ``torchtop run`` puts first on ``PYTHONPATH`` (holds ``sitecustomize.py``).
 SITE_DIR = Path(__file__).with_name("rank_site")
+#: torchrun's options (and their environment variables) that say where the ranks' output goes.
+OUTPUT_OPTIONS = ("--tee", "-t", "--redirects", "-r")
+OUTPUT_ENV = ("PET_TEE", "PET_REDIRECTS")
 
 
 def should_start(env: Mapping[str, str]) -> bool:
@@ -47,10 +52,33 @@ def start_if_rank() -> bool:
     return True
 
 
-def rank_environment(env: Mapping[str, str], options: Mapping[str, object]) -> dict[str, str]:
-    """``env`` for a launcher whose ranks each start an agent with ``options``."""
+def chooses_output(args: Sequence[str]) -> bool:
+    """The launcher's arguments (up to the script) say where the ranks' output goes."""
+    for arg in args:
+        if arg.endswith(".py"):
+            break
+        name = arg.split("=", 1)[0]
+        if name in OUTPUT_OPTIONS or (name[:2] in ("-t", "-r") and not name.startswith("--")):
+            return True
+    return False
+
+
+def rank_environment(
+    env: Mapping[str, str], options: Mapping[str, object], args: Sequence[str] = ()
+) -> dict[str, str]:
+    """``env`` for a launcher (run with ``args``) whose ranks each start an agent with
+    ``options``, and whose output shows each rank's lines with its rank's prefix.
+
+    The prefix is torchrun's own ``--tee``: each rank writes into a file in torchrun's log
+    folder and the launcher copies each line on with ``[rank<N>]:`` in front (the rank's
+    lines outlive a rank that is killed; the launcher's own lines have no prefix). Where the
+    user chose ``--tee`` or ``--redirects`` themselves, their choice stands.
+    """
     out = {k: v for k, v in env.items() if k != OWNER_ENV}
     out[RANK_OPTIONS_ENV] = json.dumps(dict(options))
     previous = out.get("PYTHONPATH")
     out["PYTHONPATH"] = str(SITE_DIR) + (os.pathsep + previous if previous else "")
+    if not chooses_output(args) and not any(name in out for name in OUTPUT_ENV):
+        out["PET_TEE"] = "3"
+    out.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX_TEMPLATE)
     return out

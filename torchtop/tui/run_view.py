@@ -2,13 +2,14 @@
 
 One table of ranks (step, recent step time, steps/s, data wait, time in backward, memory, last
 seen, state, and a trend: the last steps' times as bars on one scale for every rank; a node
-column once ranks of more than one node are shown, ``torchtop attach --node``), the
-run's findings (straggler, hang, dead ranks: :mod:`torchtop.model.ranks`)
-and the job's output. It reads the :class:`~torchtop.model.run.RunModel` that
-:class:`~torchtop.ranks.RunFold` folds, four times a second, and redraws only when something
-arrived. ``enter`` on a rank's row opens that rank's full screens (the single-process viewer
-attached to its agent; its ``q`` comes back here; a rank of another node says where to open it);
-``q`` stops the job (the launcher stops its
+column once ranks of more than one node are shown, ``torchtop attach --node``), the run's
+findings (straggler, hang, dead ranks: :mod:`torchtop.model.ranks`), a chart of each rank's
+step time over the last minute (:class:`RankStepChart`) and the job's output, each rank's lines
+behind its rank's prefix (``[rank2]:``, as ``torchrun --tee`` shows them). It reads the
+:class:`~torchtop.model.run.RunModel` that :class:`~torchtop.ranks.RunFold` folds, four times a
+second, and redraws only when something arrived. ``enter`` on a rank's row opens that rank's
+full screens (the single-process viewer attached to its agent; its ``q`` comes back here; a
+rank of another node says where to open it); ``q`` stops the job (the launcher stops its
 ranks) and quits.
 """
 
@@ -21,10 +22,15 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.coordinate import Coordinate
+from textual.widget import Widget
 from textual.widgets import DataTable, Footer, RichLog, Static
 
+from torchtop.job_output import rank_prefix, split_rank
 from torchtop.model.ranks import died
 from torchtop.sizes import format_bytes
+from torchtop.tui.format import format_span
+from torchtop.tui.widgets.chart import AXIS_WIDTH, ChartSeries, render_chart
+from torchtop.tui.widgets.steps import format_seconds_short, series_top
 
 if TYPE_CHECKING:
     from torchtop.model import JobModel
@@ -38,6 +44,137 @@ COLUMNS = ("rank", "pid", "state", "steps", "step", "/s", "wait", "bwd", "memory
 TREND_STEPS = 12
 BARS = "▁▂▃▄▅▆▇█"
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+#: Each rank's colour, in the chart and on its log lines' prefix (red is stderr's).
+RANK_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "bright_cyan", "bright_magenta",
+               "bright_green")  # fmt: skip
+STDERR_STYLE = "red"
+#: The chart's window while the job runs, and the most rows a rank's strip takes.
+CHART_WINDOW_S = 60.0
+CHART_MAX_ROWS = 4
+#: The share of the screen's height the chart takes at most (the table and log keep the rest).
+CHART_SHARE = 0.35
+
+
+def rank_style(rank: int) -> str:
+    return RANK_STYLES[rank % len(RANK_STYLES)]
+
+
+def log_line(stream: str, text: str) -> Text:
+    """A line of the run's log: a rank's prefix in the rank's colour, stderr in red."""
+    style = STDERR_STYLE if stream == "stderr" else ""
+    rank, rest = split_rank(text)
+    if rank is None:
+        return Text(text, style)
+    line = Text()
+    line.append(rank_prefix(rank), rank_style(rank))
+    line.append(rest, style)
+    return line
+
+
+def outside_backward(job: JobModel, start: float) -> list[tuple[float, float | None]]:
+    """The rank's steps since ``start`` as ``(t, seconds)``: each step's time less its time in
+    ``loss.backward()``. In a synchronous job every rank's whole step takes the same time (the
+    early ranks wait for the last inside backward's all-reduce); what is left differs, and is
+    highest on the rank the others wait for."""
+    out: list[tuple[float, float | None]] = []
+    for point in reversed(job.training.points):
+        if point.t < start:
+            break
+        if point.duration is not None:
+            out.append((point.t, max(0.0, point.duration - point.backward)))
+    out.reverse()
+    return out
+
+
+def render_rank_strips(
+    series: list[tuple[int, ChartSeries]],
+    *,
+    width: int,
+    rows: int,
+    t_start: float,
+    t_end: float,
+    y_max: float,
+) -> Text:
+    """One strip of ``rows`` lines per rank (a filled braille chart, :func:`render_chart`),
+    aligned in time and all on the scale ``[0, y_max]``, each labelled with its rank; then the
+    time axis."""
+    text = Text(no_wrap=True, overflow="crop")
+    if width <= AXIS_WIDTH + 4 or rows <= 0:
+        return text
+    for rank, one in series:
+        strip = render_chart(
+            [one], width=width, height=rows + 1, t_start=t_start, t_end=t_end, y_max=y_max
+        ).split("\n")
+        for row, line in enumerate(strip[:rows]):
+            label = f"r{rank}" if row == 0 else ""
+            text.append(f"{label:>{AXIS_WIDTH - 1}}", rank_style(rank) if label else "")
+            text.append("┤" if label else "│", "dim")
+            text.append_text(line[AXIS_WIDTH:])
+            text.append("\n")
+    plot = width - AXIS_WIDTH
+    window = t_end - t_start
+    middle = f"-{format_span(window / 2)}"
+    axis = "─" * plot
+    half = (plot - len(middle)) // 2
+    axis = axis[:half] + middle + axis[half + len(middle) : plot - 3] + "now"
+    text.append(f"{'-' + format_span(window):>{AXIS_WIDTH - 1}}└{axis[1:]}", "dim")
+    return text
+
+
+class RankStepChart(Widget):
+    """Each rank's step time (outside backward) over the last minute: a strip per rank on one
+    scale, so the rank the others wait for stands higher. Redrawn by :meth:`set_data` when
+    steps arrived, and at its own size when the layout changes it."""
+
+    DEFAULT_CSS = """
+    RankStepChart {
+        height: auto;
+    }
+    """
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.series: list[tuple[int, ChartSeries]] = []
+        self.t_start = 0.0
+        self.t_end = 0.0
+        self.y_max = 0.0
+        #: Lines each rank's strip takes (the app sets it from the screen's height).
+        self.rows = 1
+
+    def set_data(self, jobs: list[JobModel]) -> None:
+        """Each rank's steps over the window that ends at the latest message."""
+        ends = [j.now for j in jobs if j.now is not None]
+        self.t_end = max(ends) if ends else 0.0
+        self.t_start = self.t_end - CHART_WINDOW_S
+        series = []
+        for job in jobs:
+            rank = job.hello.rank if job.hello is not None else None
+            if rank is None:
+                continue
+            points = outside_backward(job, self.t_start)
+            series.append((rank, ChartSeries(f"rank {rank}", points, rank_style(rank), True)))
+        self.series = sorted(series, key=lambda item: item[0])
+        self.y_max = series_top([one for _, one in self.series])
+        self.border_title = (
+            f"step time per rank, outside backward · each row 0 to "
+            f"{format_seconds_short(self.y_max)} · last {format_span(CHART_WINDOW_S)}"
+        )
+        self.refresh(layout=True)
+
+    def get_content_height(self, container: object, viewport: object, width: int) -> int:
+        return len(self.series) * self.rows + 1 if self.series else 1
+
+    def render(self) -> Text:
+        if not self.series:
+            return Text("no steps yet", "dim")
+        return render_rank_strips(
+            self.series,
+            width=self.content_region.width,
+            rows=self.rows,
+            t_start=self.t_start,
+            t_end=self.t_end,
+            y_max=self.y_max,
+        )
 
 
 def _pct(value: float | None) -> str:
@@ -119,11 +256,14 @@ class RunView(App[int]):
         self._shown_findings: Text | None = None
         #: The table's columns: a node column first once ranks of several nodes are shown.
         self._columns: tuple[str, ...] = COLUMNS
+        #: Each rank's step count when the chart was last drawn.
+        self._charted: tuple[int, ...] = ()
 
     def compose(self) -> ComposeResult:
         yield Static("starting the launcher…", id="run-head")
         yield DataTable[str](id="ranks", cursor_type="row", zebra_stripes=True)
         yield Static("", id="run-findings")
+        yield RankStepChart(id="run-chart")
         yield RichLog(id="run-log", max_lines=2000, wrap=False)
         yield Footer()
 
@@ -144,7 +284,7 @@ class RunView(App[int]):
         if new > 0:
             log = self.query_one("#run-log", RichLog)
             for entry in logs[-min(new, len(logs)) :]:
-                log.write(Text(entry.text, style="red" if entry.stream == "stderr" else ""))
+                log.write(log_line(entry.stream, entry.text))
             self._logged = launcher.log_total
         version = run.model.version + launcher.version + int(run.running())
         if version == self._drawn:
@@ -195,6 +335,26 @@ class RunView(App[int]):
         if findings != self._shown_findings:
             self._shown_findings = findings
             self.query_one("#run-findings", Static).update(findings)
+        # The chart only when steps arrived (at the table's pace).
+        charted = tuple(job.training.total for job in jobs.values())
+        if charted != self._charted:
+            self._charted = charted
+            chart = self.query_one(RankStepChart)
+            chart.rows = self._chart_rows(len(jobs))
+            chart.set_data(list(jobs.values()))
+
+    def _chart_rows(self, ranks: int) -> int:
+        """Lines per rank's strip: as many as :data:`CHART_SHARE` of the screen holds (the
+        axis and the border take two), from one to :data:`CHART_MAX_ROWS`."""
+        room = int(self.size.height * CHART_SHARE) - 2
+        return max(1, min(CHART_MAX_ROWS, room // max(1, ranks)))
+
+    def on_resize(self) -> None:
+        chart = self.query_one(RankStepChart)
+        rows = self._chart_rows(len(self._charted))
+        if rows != chart.rows:
+            chart.rows = rows
+            chart.refresh(layout=True)
 
     def _head(self, jobs: list[JobModel]) -> Text:
         run = self.run_
