@@ -196,6 +196,23 @@ def test_eval_with_grad_from_a_loader_iterated_without_steps() -> None:
     assert fed(no_grad).advice.findings == []
 
 
+def test_a_loader_first_reported_after_its_steps_is_no_evaluation_when_steps_stop() -> None:
+    """A DDP rank stuck in a hang: its 5 steps arrive at one evaluation, the loader's first
+    report (its 6 batches, all fetched while those steps ran) at the next, and no step after.
+    The batches were not taken "without a step meanwhile": they are the loader's start."""
+    messages: list[Message] = [Sample(T0 + i / 10, None, []) for i in range(1, 80)]
+    messages += [steps(T0 + 0.6, 1, 1, 0.1, 0.0), steps(T0 + 1.0, 5, 4, 0.1, 0.0)]
+    messages += [LoaderInfo(T0 + 1.3 + s, [loader(6, 6)]) for s in range(6)]
+    messages.sort(key=lambda m: m.t)  # type: ignore[attr-defined]
+    model = fed(messages)
+    assert model.advice.all_findings == []
+    # A loader that goes on without steps after its first report is still found.
+    more = [LoaderInfo(T0 + 8 + s, [loader(6 + 4 * s, 6 + 4 * s)]) for s in range(1, 4)]
+    more += [Sample(T0 + 8 + i / 10, None, []) for i in range(1, 40)]
+    model.apply_all(sorted(more, key=lambda m: m.t))  # type: ignore[attr-defined]
+    assert names(model) == ["eval-with-grad"]
+
+
 def test_eval_with_grad_in_an_eval_phase_even_while_steps_go_on() -> None:
     messages: list[Message] = [PhaseBegan(T0 + 0.5, "validate", 1)]
     for s in range(4):

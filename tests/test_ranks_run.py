@@ -284,3 +284,5 @@ def test_a_rank_blocked_before_a_collective_is_named_with_its_line_and_a_killed_
     ranks = {r["rank"]: r for r in report["ranks"]}
     assert ranks[3]["state"] == "dead" and ranks[3]["exit_code"] == -9
     assert all(ranks[r]["exit_code"] not in (None, 0) for r in (0, 1, 2))
+    # The ranks waiting in the hang took their batches with their steps: no evaluation.
+    assert _named(report, "eval-with-grad") == []

@@ -511,7 +511,14 @@ def eval_with_grad(model: JobModel, now: float, advisor: Advisor) -> Check | Non
     stepped = training.total > advisor._steps_seen
     for state in training.loader_list:
         loader = state.stats
-        batches, grad = advisor._loader_seen.get(loader.index, (0, 0))
+        seen = advisor._loader_seen.get(loader.index)
+        if seen is None:
+            # Its first report: the batches it counts were fetched at times unknown, maybe
+            # while steps already counted went on (a loader reports less often than steps
+            # do; a DDP rank stuck in a hang then takes no step after). Its counts are where
+            # the next interval starts.
+            continue
+        batches, grad = seen
         new_grad = loader.grad_batches - grad
         if new_grad < EVAL_GRAD_MIN_BATCHES:
             continue
