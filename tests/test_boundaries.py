@@ -35,6 +35,8 @@ def _modules_after_import(module: str) -> set[str]:
         "torchtop.export.service",
         "torchtop.export.prometheus",
         "torchtop.export.otlp",
+        "torchtop.relay",
+        "torchtop.nodes",
     ],
 )
 def test_viewer_side_never_imports_torch(module: str) -> None:
@@ -50,6 +52,9 @@ def test_viewer_side_never_imports_torch(module: str) -> None:
         "torchtop.protocol",
         "torchtop.transport",
         "torchtop.model",
+        # A node's relay and the viewer's end of it: the UI only in the viewer's process.
+        "torchtop.relay",
+        "torchtop.nodes",
     ],
 )
 def test_agent_side_never_imports_the_ui(module: str) -> None:

@@ -32,9 +32,9 @@ PLACEHOLDERS = [
     ("DIR", "{tmp}"),
 ]
 
-#: Subcommands whose runs other tests make: the demos take seconds each, an export serves until
-#: stopped.
-RUN_ELSEWHERE = {"demo": "test_demos.py", "export": "test_export.py"}
+#: Subcommands whose runs other tests make: the demos take seconds each, an export and a relay
+#: serve until stopped.
+RUN_ELSEWHERE = {"demo": "test_demos.py", "export": "test_export.py", "relay": "test_nodes.py"}
 
 TRAIN = """\
 import argparse, time
@@ -116,6 +116,8 @@ def test_every_readme_command_parses_and_runs(
             cli.parse_args(argv)  # raises CliError for a line the CLI rejects
             if argv[0] in RUN_ELSEWHERE and argv[1:2] != ["--list"] and "--source" not in argv:
                 continue
+            if "--node" in argv:
+                continue  # other nodes' ranks, in the viewer only: test_nodes.py
             if is_viewer(argv):
                 if argv[0] == "replay":
                     out = torchtop(*argv, cwd=tmp_path)

@@ -31,6 +31,7 @@ examples:
   torchtop run --headless --record r.ttr train.py
   torchtop attach                        watch a job that called torchtop.start()
   torchtop attach PID                    watch a job started without torchtop
+  torchtop attach --node node2           the ranks of this node and of node2 (over ssh)
   torchtop report r.ttr --json           summarize a recording
   torchtop run --metrics 9481 train.py   serve Prometheus metrics while it runs
   torchtop export                        serve every running job's metrics on 127.0.0.1:9481
@@ -324,6 +325,69 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         type=_positive_float,
         help="with --headless: stop after S seconds (default: until the job ends)",
+    )
+    nodes = attach.add_argument_group(
+        "several nodes",
+        "Show the ranks of other nodes beside this machine's, each node's through its relay "
+        "(`torchtop relay`). See README, Several nodes.",
+    )
+    nodes.add_argument(
+        "--node",
+        action="append",
+        metavar="HOST | tcp://ADDR:PORT",
+        help="another node's ranks (repeatable): HOST is an ssh destination (the viewer runs "
+        "`ssh HOST torchtop relay`; nothing listens there), tcp://ADDR:PORT a `torchtop relay "
+        "--listen` there (needs --token-file)",
+    )
+    nodes.add_argument(
+        "--run",
+        metavar="ID",
+        help="only the ranks of this run (TORCHELASTIC_RUN_ID), here and on every node",
+    )
+    nodes.add_argument(
+        "--ssh-command",
+        metavar="CMD",
+        help="the command that reaches a node, the host and the remote command appended "
+        "(default: $TORCHTOP_SSH, else `ssh -T -o BatchMode=yes`)",
+    )
+    nodes.add_argument(
+        "--remote-torchtop",
+        metavar="CMD",
+        default="torchtop",
+        help="how the nodes' shell runs torchtop (default: torchtop; e.g. "
+        "`~/venv/bin/torchtop` or `python3 -m torchtop`)",
+    )
+    nodes.add_argument(
+        "--token-file",
+        metavar="FILE",
+        type=Path,
+        help="the token of the tcp:// nodes' relays (a copy of the file `torchtop relay "
+        "--listen` wrote)",
+    )
+
+    relay = sub.add_parser(
+        "relay",
+        help="serve this node's agents to a viewer on another machine",
+        description="Serve this node's agents to a viewer elsewhere (`torchtop attach --node`): "
+        "their frames, each tagged with its agent, new agents as they start. Without --listen "
+        "it speaks on stdin/stdout, as `ssh HOST torchtop relay` runs it, and ends when they "
+        "close; nothing listens. With --listen it serves TCP, only to viewers with its token.",
+    )
+    relay.add_argument(
+        "--run", metavar="ID", help="only the ranks of this run (default: every agent here)"
+    )
+    relay.add_argument(
+        "--listen",
+        metavar="[ADDR:]PORT",
+        help="serve over TCP on ADDR:PORT (default ADDR 127.0.0.1, this machine only; another "
+        "address, such as 0.0.0.0, only when named; PORT 0 takes a free one) until interrupted",
+    )
+    relay.add_argument(
+        "--token-file",
+        metavar="FILE",
+        type=Path,
+        help="with --listen: the token viewers must present, read from FILE (made there, "
+        "0600, if missing; default: a new one in the runtime directory, relay-PORT.token)",
     )
 
     export = sub.add_parser(
@@ -659,6 +723,8 @@ def _pick_agent(pid: int | None, interactive: bool) -> Any:
 
 def cmd_attach(args: argparse.Namespace) -> int:
     if args.headless:
+        if args.node:
+            raise CliError("--node works with the viewer: drop --headless (see `torchtop ps`)")
         if args.record is None:
             raise CliError("--headless records without a viewer: give --record FILE")
         info = _attach_target(args, ask=False)
@@ -667,6 +733,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
         return _record_headless(info, args.record, args.duration)
     if args.duration is not None:
         raise CliError("--duration applies to --headless recording")
+    if args.node:
+        return _attach_nodes(args)
     _require_terminal(f"torchtop attach {args.pid or 'PID'} --headless --record FILE")
     info = _attach_target(args, ask=not args.yes)
     from torchtop.recording import RecordingError, RecordingWriter
@@ -699,6 +767,69 @@ def cmd_attach(args: argparse.Namespace) -> int:
         _run_app(TorchtopApp(source, title=f"pid {info.pid} (from outside)"))
         return 1
     return _run_app(TorchtopApp(LiveSource(info.address, writer=writer), title=info.command))
+
+
+def _attach_nodes(args: argparse.Namespace) -> int:
+    """The ranks of this machine and of every ``--node`` in one run view; each node reached
+    (and checked) before the view opens, so a node that cannot be is one line here."""
+    if args.pid is not None or args.record is not None:
+        raise CliError("--node shows every rank of a run: drop the PID and --record")
+    _require_terminal("torchtop ps (on each node)")
+    from torchtop.nodes import NodeError, NodeFeed, NodeSpec, read_node_token, ssh_command
+    from torchtop.ranks import AttachedRun
+    from torchtop.transport import list_agents
+
+    local = [
+        a
+        for a in list_agents()
+        if a.identity.get("rank") is not None
+        and (args.run is None or str(a.identity.get("run_id")) == args.run)
+    ]
+    feeds: list[NodeFeed] = []
+    try:
+        token = read_node_token(args.token_file)
+        ssh = ssh_command(args.ssh_command)
+        for name in dict.fromkeys(args.node):
+            feed = NodeFeed(
+                NodeSpec(name),
+                run_id=args.run,
+                ssh=ssh,
+                remote_torchtop=args.remote_torchtop,
+                token=token,
+            )
+            print(f"torchtop: reaching node {feed.label}…", file=sys.stderr)
+            feed.connect()
+            feeds.append(feed)
+    except NodeError as exc:
+        for feed in feeds:
+            feed.close()
+        raise CliError(str(exc), code=1) from None
+    run = AttachedRun(local, feeds)
+    title = f"run {args.run}" if args.run else f"{len(feeds) + bool(local)} nodes"
+    try:
+        _view_run(run, title)
+    finally:
+        run.stop_job()  # detach: the job runs on
+    return 0
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    from torchtop.relay import RelayError, serve_stdio, serve_tcp
+
+    try:
+        if args.listen is not None:
+            return serve_tcp(args.listen, args.token_file, args.run)
+        if args.token_file is not None:
+            raise CliError("--token-file goes with --listen (over ssh, ssh authenticates)")
+        if sys.stdin.isatty():
+            raise CliError(
+                "`torchtop relay` speaks to a viewer on its stdin and stdout: run `torchtop "
+                "attach --node THIS_HOST` on the viewer's machine (it starts `ssh THIS_HOST "
+                "torchtop relay`), or serve TCP with `torchtop relay --listen PORT`"
+            )
+        return serve_stdio(args.run)
+    except RelayError as exc:
+        raise CliError(str(exc), code=1) from None
 
 
 def _attach_target(args: argparse.Namespace, ask: bool) -> Any:
@@ -982,6 +1113,7 @@ COMMANDS = {
     "run": cmd_run,
     "ps": cmd_ps,
     "attach": cmd_attach,
+    "relay": cmd_relay,
     "export": cmd_export,
     "replay": cmd_replay,
     "report": cmd_report,

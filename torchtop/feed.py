@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from torchtop.protocol import Hello, JobExited, Message, ProtocolError, decode
-from torchtop.recording import RecordingWriter
+from torchtop.recording import FrameSink
 from torchtop.transport import (
     AgentConnection,
     AgentInfo,
@@ -43,7 +43,7 @@ class AgentFeed:
         address: str | None = None,
         alive: Callable[[], bool] | None = None,
         wait_s: float = 120.0,
-        writer: RecordingWriter | None = None,
+        writer: FrameSink | None = None,
         on_message: Callable[[Message], None] | None = None,
         on_connect: Callable[[AgentInfo | str], None] | None = None,
         on_end: Callable[[str], None] | None = None,

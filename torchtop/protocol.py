@@ -422,6 +422,38 @@ MESSAGE_TYPES.update(
 
 
 # --------------------------------------------------------------------------------------------
+# Relays: the agents of another node, over ssh or TCP
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RelayHello(Message):
+    """First frame from a relay (``torchtop relay``), once the viewer's hello passed its checks:
+    which node and torchtop it is. Then come its agents' frames, each tagged with its source
+    (``"src"``: the agent's pid), as a recording of several agents holds them."""
+
+    KIND: ClassVar[str] = "relay_hello"
+    protocol: int
+    version: str
+    host: str
+    pid: int
+    #: The one run it follows (``--run``), or ``None`` for every agent of the node.
+    run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Refused(Message):
+    """A relay's only frame to a viewer it refuses (a bad token, another protocol version):
+    why, and what to do; then it closes."""
+
+    KIND: ClassVar[str] = "refused"
+    reason: str
+
+
+MESSAGE_TYPES.update({cls.KIND: cls for cls in (RelayHello, Refused)})
+
+
+# --------------------------------------------------------------------------------------------
 # Training steps and DataLoaders
 # --------------------------------------------------------------------------------------------
 

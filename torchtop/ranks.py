@@ -16,14 +16,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from torchtop.feed import AgentFeed
 from torchtop.job_output import rank_prefix
 from torchtop.model import JobModel
 from torchtop.model.run import RunModel
 from torchtop.protocol import LogLine, Message, encode
-from torchtop.recording import RecordingWriter, tag_frame
+from torchtop.recording import FrameSink, tag_frame
 from torchtop.transport import AgentInfo, list_agents, pid_alive
+
+if TYPE_CHECKING:
+    from torchtop.nodes import NodeFeed
 
 #: How often the runtime directory is scanned for new ranks.
 SCAN_INTERVAL_S = 0.2
@@ -32,7 +36,7 @@ SCAN_INTERVAL_S = 0.2
 class TaggedWriter:
     """Writes one source's frames into a shared recording, each tagged with the source."""
 
-    def __init__(self, writer: RecordingWriter, source: str) -> None:
+    def __init__(self, writer: FrameSink, source: str) -> None:
         self._writer = writer
         self.source = source
 
@@ -41,20 +45,21 @@ class TaggedWriter:
 
 
 class RankFeeds:
-    """Follows the agent of each rank below ``launcher_pid`` into ``writer`` until closed."""
+    """Follows each agent that ``follows(info)`` accepts (the ranks below a launcher, those of
+    one run) as it appears, into ``writer`` (a recording, a relay's output) until closed."""
 
     def __init__(
         self,
-        launcher_pid: int,
-        writer: RecordingWriter | None,
+        follows: Callable[[AgentInfo], bool],
+        writer: FrameSink | None,
         on_message: Callable[[Message], None] | None = None,
         on_rank: Callable[[str, Message], None] | None = None,
+        client: str = "recorder",
     ) -> None:
         """``on_message(message)`` and ``on_rank(stream, message)`` get every rank's messages,
         the second with the rank's stream (its pid, as the recording tags it)."""
-        from torchtop.export.service import descends_from
-
-        self._below = descends_from(launcher_pid)
+        self._follows = follows
+        self._client = client
         self._writer = writer
         self._on_message = on_message
         self._on_rank = on_rank
@@ -79,15 +84,17 @@ class RankFeeds:
     def scan(self) -> None:
         """Start following each new rank's agent."""
         for info in list_agents(clean_stale=False):
-            if info.pid in self.feeds or not self._below(info):
+            if self._closed.is_set():
+                return  # closed meanwhile: no new connection may outlive close()
+            if info.pid in self.feeds or not self._follows(info):
                 continue
             pid = info.pid
             writer = TaggedWriter(self._writer, str(pid)) if self._writer is not None else None
             feed = AgentFeed(
                 pid=pid,
                 alive=functools.partial(pid_alive, pid),
-                writer=writer,  # type: ignore[arg-type]
-                client="recorder",
+                writer=writer,
+                client=self._client,
                 on_message=functools.partial(self._received, str(pid)),
                 on_end=functools.partial(self._ended, pid, writer),
             )
@@ -122,7 +129,10 @@ class RankFeeds:
         return done
 
     def close(self) -> None:
+        """Stop following: every agent's connection is closed when this returns."""
         self._closed.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)
         for feed in list(self.feeds.values()):
             feed.close()
 
@@ -138,6 +148,13 @@ class RankFeeds:
                 "starts with RANK, LOCAL_RANK and TORCHELASTIC_RUN_ID set)"
             )
         return "; ".join(sorted({feed.end_reason for feed in self.feeds.values()}))
+
+
+def below(launcher_pid: int) -> Callable[[AgentInfo], bool]:
+    """The agents whose process descends from ``launcher_pid``: the ranks it started."""
+    from torchtop.export.service import descends_from
+
+    return descends_from(launcher_pid)
 
 
 class RunFold:
@@ -242,36 +259,74 @@ class RunFold:
 
 
 class AttachedRun(RunFold):
-    """The ranks of a run torchtop did not start (``torchtop attach`` with no PID), followed
-    live until their streams end; quitting detaches and leaves the job running."""
+    """The ranks of a run torchtop did not start (``torchtop attach`` with no PID): this
+    machine's agents, and those of other nodes through their relays (``--node``: connected
+    already, :class:`~torchtop.nodes.NodeFeed`), followed live until their streams end;
+    quitting detaches and leaves the job running."""
 
     on_quit = "detaches (the job runs on)"
 
-    def __init__(self, agents: Sequence[AgentInfo]) -> None:
+    def __init__(self, agents: Sequence[AgentInfo], nodes: Sequence[NodeFeed] = ()) -> None:
         super().__init__()
         self.agents = list(agents)
+        self.nodes = list(nodes)
         self.feeds: list[AgentFeed] = []
+        self._started = False
+        self._leaving = False
 
     @property
     def started(self) -> bool:
-        return bool(self.feeds)
+        return self._started
 
     def start(self) -> None:
+        self._started = True
         for info in self.agents:
             feed = AgentFeed(
                 address=info.address,
                 on_message=functools.partial(self.queue, str(info.pid)),
             )
             self.feeds.append(feed.start())
+        for node in self.nodes:
+            node.start(
+                on_message=functools.partial(self._remote_message, node.label),
+                on_end=functools.partial(self._node_ended, node.label),
+            )
+
+    def _remote_message(self, node: str, stream: str, message: Message) -> None:
+        self.remote[stream] = node
+        self.queue(stream, message)
+
+    def _node_ended(self, node: str, reason: str) -> None:
+        """A node's relay ended while the view ran: its ranks show as lost, the others go on."""
+        if self._leaving:
+            return
+        self.lost_nodes[node] = reason
+        text = f"torchtop: node {node} lost: {reason}"
+        self.queue(None, LogLine(t=time.time(), stream="stderr", text=text))
 
     def running(self) -> bool:
-        return any(not feed.ended.is_set() for feed in self.feeds)
+        return any(not feed.ended.is_set() for feed in self.feeds) or any(
+            not node.ended.is_set() for node in self.nodes
+        )
 
     def stop_job(self) -> None:
+        self._leaving = True
         for feed in self.feeds:
             feed.close()
+        for node in self.nodes:
+            node.close()
 
     def status(self) -> tuple[str, bool]:
-        if self.running():
-            return f"attached to {len(self.agents)} agents", True
-        return "every rank's stream has ended", False
+        going = self.running()
+        parts = []
+        if self.agents:
+            parts.append(f"attached to {len(self.agents)} agents")
+        for node in self.nodes:
+            if node.label in self.lost_nodes:
+                parts.append(f"node {node.label} lost")
+            else:
+                dropped = f", {node.dropped} frames dropped" if node.dropped else ""
+                parts.append(f"node {node.label}: {len(node.sources)} agents{dropped}")
+        if not going:
+            return "every rank's stream has ended", False
+        return " · ".join(parts), True

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from torchtop.private_files import open_private
 from torchtop.protocol import MAX_FRAME_BYTES, Message, decode, encode
@@ -37,6 +37,12 @@ def frame_source(frame: bytes) -> str | None:
     """The source a frame was tagged with by :func:`tag_frame`, or None (the run's own)."""
     match = _SRC.search(frame)
     return match.group(1).decode() if match else None
+
+
+class FrameSink(Protocol):
+    """Where raw frames go: a recording (:class:`RecordingWriter`), or a relay's output."""
+
+    def write_frame(self, frame: bytes) -> None: ...
 
 
 class RecordingError(Exception):

@@ -29,7 +29,7 @@ from torchtop.feed import AgentFeed
 from torchtop.job_output import JobOutput
 from torchtop.private_files import open_private
 from torchtop.protocol import JobExited, LogLine, Message, OutOfMemory
-from torchtop.ranks import RankFeeds, RunFold
+from torchtop.ranks import RankFeeds, RunFold, below
 from torchtop.recording import RecordingWriter
 from torchtop.transport import TransportError, ensure_runtime_dir
 
@@ -298,7 +298,7 @@ def run_headless(spec: RunSpec) -> int:
     try:
         if writer is not None and spec.launcher:
             # Every rank's agent, each tagged with its source in the one recording.
-            feed = RankFeeds(job.pid, writer, on_message=received).start()
+            feed = RankFeeds(below(job.pid), writer, on_message=received).start()
         elif writer is not None:
             feed = AgentFeed(
                 pid=job.pid,
@@ -361,7 +361,7 @@ class RankRun(RunFold):
     def start(self) -> None:
         self.job.start()
         self.feeds = RankFeeds(
-            self.job.pid,
+            below(self.job.pid),
             self.writer,
             on_message=lambda _m: self._log.agent_spoke(),
             on_rank=self.queue,

@@ -1,0 +1,538 @@
+"""Several nodes in one view: two simulated nodes on this machine (two ``torchrun --nnodes=2
+--node_rank=0/1`` on 127.0.0.1, each with its own runtime directory, so each node's torchtop
+sees only its own agents), node 0 read here and node 1 through its relay: over TCP with a
+token, over the ssh path with ssh replaced by a local command, and over a real sshd when one is
+installed. Then the relay's refusals, its end when its viewer goes, and each failure to reach a
+node as one line naming the fix.
+
+One two-node job serves every test of the module (it runs until the module ends)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import SCRIPTS
+from tests.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
+from torchtop.nodes import NodeError, NodeFeed, NodeSpec, read_node_token
+from torchtop.protocol import (
+    PROTOCOL_VERSION,
+    ClientHello,
+    FrameSplitter,
+    Refused,
+    RelayHello,
+    decode,
+    encode,
+)
+from torchtop.ranks import AttachedRun
+from torchtop.relay import RelayOutput
+from torchtop.transport import list_agents
+
+TORCHTOP = f"{sys.executable} -m torchtop"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Nodes:
+    """The two simulated nodes: each one's runtime directory and its `torchtop run`."""
+
+    dirs: list[Path]
+    jobs: list[subprocess.Popen[bytes]]
+
+    def env(self, node: int) -> dict[str, str]:
+        return {**os.environ, "TORCHTOP_RUNTIME_DIR": str(self.dirs[node])}
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """The process and everything it started (its own session)."""
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(process.pid).children(recursive=True):
+            child.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[Nodes]:
+    base = Path(tempfile.mkdtemp(prefix="tt-nodes-", dir="/tmp"))
+    dirs = [base / "n0", base / "n1"]
+    for d in dirs:
+        d.mkdir(mode=0o700)
+    port = _free_port()
+    jobs = []
+    try:
+        for rank, d in enumerate(dirs):
+            job = subprocess.Popen(
+                [sys.executable, "-m", "torchtop", "run", "--headless", "--no-ops",
+                 sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                 f"--node_rank={rank}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                 "--nproc_per_node=2", str(SCRIPTS / "ddp.py"), "--steps", "100000",
+                 "--sleep-ms", "50"],
+                env={**os.environ, "TORCHTOP_RUNTIME_DIR": str(d)},
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+            jobs.append(job)
+        found = Nodes(dirs, jobs)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            counts = [len(_agents(found, n)) for n in (0, 1)]
+            if counts == [2, 2]:
+                break
+            assert all(job.poll() is None for job in jobs), "a node's job ended early"
+            time.sleep(0.3)
+        else:
+            pytest.fail(f"the two nodes' agents did not start: {counts}")
+        yield found
+    finally:
+        for job in jobs:
+            _stop(job)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _agents(nodes: Nodes, node: int) -> list[object]:
+    out = subprocess.run(
+        [sys.executable, "-m", "torchtop", "ps", "--json"],
+        env=nodes.env(node), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    import json
+
+    return list(json.loads(out.stdout))
+
+
+@pytest.fixture
+def node0(nodes: Nodes, monkeypatch: pytest.MonkeyPatch) -> Nodes:
+    """This test's process is node 0's viewer: it sees node 0's agents only."""
+    monkeypatch.setenv("TORCHTOP_RUNTIME_DIR", str(nodes.dirs[0]))
+    return nodes
+
+
+def _until(check: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _steps(run: AttachedRun) -> dict[int, int]:
+    """Each rank's steps so far, by rank."""
+    run.drain()
+    return {
+        job.hello.rank: job.training.total
+        for job in run.model.jobs.values()
+        if job.hello is not None and job.hello.rank is not None
+    }
+
+
+def _every_rank_steps(run: AttachedRun) -> dict[int, int]:
+    """Wait until ranks 0-3 all stepped, then until each stepped again; their streams."""
+    _until(lambda: sorted(_steps(run)) == [0, 1, 2, 3] and min(_steps(run).values()) > 0,
+           what="ranks 0-3 to step")  # fmt: skip
+    first = _steps(run)
+    _until(lambda: all(_steps(run)[r] > first[r] for r in first), what="every rank to step on")
+    return _steps(run)
+
+
+def _by_rank(run: AttachedRun) -> dict[int, str]:
+    return {
+        job.hello.rank: stream
+        for stream, job in run.model.jobs.items()
+        if job.hello is not None and job.hello.rank is not None
+    }
+
+
+def _unix_connections(pid: int) -> int:
+    """The process's Unix sockets: a relay has one per agent it follows, and no other."""
+    with contextlib.suppress(psutil.Error):
+        return len(psutil.Process(pid).net_connections(kind="unix"))
+    return 0
+
+
+# -- over TCP, with a token ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def tcp_relay(nodes: Nodes) -> Iterator[tuple[subprocess.Popen[str], str, Path]]:
+    """`torchtop relay --listen 127.0.0.1:0` on node 1: the process, its address, its token."""
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "torchtop", "relay", "--listen", "127.0.0.1:0"],
+        env=nodes.env(1), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert relay.stderr is not None
+    line = relay.stderr.readline()
+    match = re.search(r"on (127\.0\.0\.1:\d+) .* token in (\S+):", line)
+    assert match, line
+    try:
+        yield relay, match.group(1), Path(match.group(2))
+    finally:
+        relay.terminate()
+        relay.wait(30)
+
+
+def test_two_nodes_in_one_view_over_tcp_with_a_token(
+    node0: Nodes, tcp_relay: tuple[subprocess.Popen[str], str, Path]
+) -> None:
+    relay, address, token_file = tcp_relay
+    # The token: random, private, in node 1's runtime directory.
+    assert token_file.parent == node0.dirs[1] and token_file.stat().st_mode & 0o777 == 0o600
+    feed = NodeFeed(NodeSpec(f"tcp://{address}"), token=read_node_token(token_file))
+    hello = feed.connect()
+    assert hello.protocol == PROTOCOL_VERSION and hello.pid == relay.pid
+    run = AttachedRun(list_agents(), [feed])
+    assert len(run.agents) == 2  # node 0's own, here
+    run.start()
+    try:
+        steps = _every_rank_steps(run)
+        assert sorted(steps) == [0, 1, 2, 3]
+        streams = _by_rank(run)
+        # Node 1's ranks come through its relay, under streams of their own.
+        assert {run.node_of(streams[r]) for r in (2, 3)} == {address}
+        assert all(run.opens_elsewhere(streams[r]) for r in (2, 3))
+        assert not any(run.opens_elsewhere(streams[r]) for r in (0, 1))
+        assert _unix_connections(relay.pid) == 2  # one per agent of node 1
+        # The relay goes (its node lost): its ranks are marked lost, node 0's go on.
+        relay.send_signal(signal.SIGKILL)
+        relay.wait(30)
+        _until(lambda: feed.ended.is_set(), what="the node to be lost")
+        run.drain()
+        assert address in run.lost_nodes
+        assert [run.is_lost(streams[r]) for r in range(4)] == [False, False, True, True]
+        before = _steps(run)
+        _until(lambda: all(_steps(run)[r] > before[r] for r in (0, 1)), what="node 0 to go on")
+        assert "lost" in run.status()[0] and run.running()
+    finally:
+        run.stop_job()
+
+
+def test_the_relay_refuses_a_bad_token_with_one_line_and_nothing_else(
+    nodes: Nodes, tcp_relay: tuple[subprocess.Popen[str], str, Path]
+) -> None:
+    relay, address, token_file = tcp_relay
+    host, port = address.split(":")
+    for hello in (
+        ClientHello(protocol=PROTOCOL_VERSION, token="not-the-token-at-all"),
+        ClientHello(protocol=PROTOCOL_VERSION),  # none
+    ):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(encode(hello))
+            received = b"".join(iter(lambda s=s: s.recv(65536), b""))  # type: ignore[misc]
+        # One frame, the refusal, naming the fix; not a hello, not one agent's frame.
+        (frame,) = received.splitlines()
+        refused = decode(frame)
+        assert isinstance(refused, Refused) and "bad token" in refused.reason
+        assert "--token-file" in refused.reason
+    # The right token, another protocol version: refused too, naming the fix.
+    token = token_file.read_text().strip()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(encode(ClientHello(protocol=PROTOCOL_VERSION + 1, token=token)))
+        received = b"".join(iter(lambda s=s: s.recv(65536), b""))  # type: ignore[misc]
+    (frame,) = received.splitlines()
+    refused = decode(frame)
+    assert isinstance(refused, Refused) and "same torchtop version" in refused.reason
+    # The viewer says the relay's reason in one line.
+    with pytest.raises(NodeError, match=r"^node tcp://\S+ refused this viewer: bad token"):
+        NodeFeed(NodeSpec(f"tcp://{address}"), token="x" * 32).connect()
+    relay.terminate()
+    _, err = relay.communicate(timeout=30)
+    # The relay's side, one line each.
+    assert len(re.findall(r"refused 127\.0\.0\.1:\d+: bad token", err)) == 3, err
+    assert "refused" in err and "Traceback" not in err
+    # Its token file made for this run is gone with it.
+    assert not token_file.exists()
+
+
+def test_a_viewer_without_a_token_is_told_to_give_one() -> None:
+    with pytest.raises(NodeError, match="needs the relay's token: give --token-file"):
+        NodeFeed(NodeSpec("tcp://127.0.0.1:1")).connect()
+
+
+# -- over the ssh path ---------------------------------------------------------------------------
+
+
+def _local_ssh(tmp_path: Path, env: dict[str, str]) -> Path:
+    """A stand-in for ssh that runs the remote command here, as node 1 (its runtime dir)."""
+    script = tmp_path / "ssh-to-node1"
+    script.write_text(
+        "#!/bin/sh\n# ssh HOST COMMAND: the host is this machine.\nshift\n"
+        f'exec env TORCHTOP_RUNTIME_DIR={env["TORCHTOP_RUNTIME_DIR"]} sh -c "$1"\n'
+    )
+    script.chmod(0o700)
+    return script
+
+
+def test_two_nodes_in_one_view_over_the_ssh_path(node0: Nodes, tmp_path: Path) -> None:
+    ssh = _local_ssh(tmp_path, node0.env(1))
+    feed = NodeFeed(NodeSpec("node1"), ssh=[str(ssh)], remote_torchtop=TORCHTOP)
+    feed.connect()
+    run = AttachedRun(list_agents(), [feed])
+    run.start()
+    try:
+        _every_rank_steps(run)
+        streams = _by_rank(run)
+        assert {run.node_of(streams[r]) for r in (2, 3)} == {"node1"}
+        link = feed._link
+        assert link is not None and hasattr(link, "process")
+        relay = psutil.Process(link.process.pid)
+        relay_pid = next(
+            (p.pid for p in [relay, *relay.children(recursive=True)] if "relay" in p.cmdline()),
+            None,
+        )
+        assert relay_pid is not None and _unix_connections(relay_pid) == 2
+    finally:
+        run.stop_job()
+    # Leaving closes the relay's stdin: it ends, cleanly, its agents' connections with it.
+    assert link.process.returncode == 0
+    assert not psutil.pid_exists(relay_pid)
+
+
+def _pilot_two_hosts(run: AttachedRun) -> list[list[str]]:
+    """The run view, driven by Pilot, until it shows ranks 0-3; its table's rows."""
+    from textual.widgets import DataTable
+
+    from torchtop.tui.run_view import RunView
+
+    async def drive() -> list[list[str]]:
+        app = RunView(run, title="two nodes")
+        async with app.run_test(size=(120, 30)) as pilot:
+            table: DataTable[str] = app.query_one("#ranks", DataTable)
+            deadline = time.monotonic() + 60
+            while True:
+                await pilot.pause(0.5)
+                rows = [list(map(str, table.get_row_at(i))) for i in range(table.row_count)]
+                if sorted(r[1] for r in rows) == ["0", "1", "2", "3"]:
+                    return [[str(c.label) for c in table.columns.values()], *rows]
+                assert time.monotonic() < deadline, rows
+
+    return asyncio.run(drive())
+
+
+def test_the_run_view_shows_both_nodes_ranks(node0: Nodes, tmp_path: Path) -> None:
+    ssh = _local_ssh(tmp_path, node0.env(1))
+    feed = NodeFeed(NodeSpec("node1"), ssh=[str(ssh)], remote_torchtop=TORCHTOP)
+    feed.connect()
+    run = AttachedRun(list_agents(), [feed])
+    try:
+        columns, *rows = _pilot_two_hosts(run)
+    finally:
+        run.stop_job()
+    assert columns[:3] == ["node", "rank", "pid"]
+    here = socket.gethostname()
+    assert sorted(((r[0], r[1]) for r in rows), key=lambda row: row[1]) == [
+        (here, "0"), (here, "1"), ("node1", "2"), ("node1", "3")
+    ]  # fmt: skip
+    assert all(r[3] == "running" for r in rows)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_attach_node_in_a_terminal_shows_both_nodes_and_q_leaves_them_running(
+    nodes: Nodes,
+    tmp_path: Path,
+    terminal: Terminal,  # noqa: F811
+) -> None:
+    ssh = _local_ssh(tmp_path, nodes.env(1))
+    terminal.keys(
+        f"TORCHTOP_RUNTIME_DIR={nodes.dirs[0]} {TORCHTOP} attach --node node1 "
+        f"--ssh-command {ssh} --remote-torchtop '{TORCHTOP}'; echo EXIT=$?",
+        "Enter",
+    )
+
+    def ranks(screen: str) -> dict[str, str]:
+        """rank -> node, from the table's rows: node, rank, pid, state, ..."""
+        found = {}
+        for line in screen.splitlines():
+            cells = line.split()
+            if len(cells) > 4 and cells[1].isdigit() and cells[2].isdigit():
+                found[cells[1]] = cells[0]
+        return found
+
+    screen = terminal.wait_for(lambda s: sorted(ranks(s)) == ["0", "1", "2", "3"], timeout=90)
+    assert "node node1: 2 agents" in screen
+    assert {ranks(screen)[r] for r in "23"} == {"node1"}
+    assert {ranks(screen)[r] for r in "01"} == {socket.gethostname()}
+    terminal.keys("q")
+    terminal.wait_for(lambda s: "EXIT=0" in s, timeout=60)
+    # Detached: both nodes' jobs run on.
+    assert all(job.poll() is None for job in nodes.jobs)
+
+
+def test_the_relay_ends_when_its_stdin_closes(nodes: Nodes) -> None:
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "torchtop", "relay"], env=nodes.env(1),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert relay.stdin is not None and relay.stdout is not None
+    try:
+        relay.stdin.write(encode(ClientHello(protocol=PROTOCOL_VERSION)))
+        relay.stdin.flush()
+        hello = decode(relay.stdout.readline())
+        assert isinstance(hello, RelayHello) and hello.pid == relay.pid
+        # Its agents' frames follow, each tagged with its agent.
+        splitter = FrameSplitter()
+        sources: set[bytes] = set()
+        while len(sources) < 2:
+            for frame in splitter.feed(relay.stdout.read1(65536)):
+                sources.update(re.findall(rb'"src":"(\d+)"\}$', frame))
+        _until(lambda: _unix_connections(relay.pid) == 2, what="the relay's connections")
+        relay.stdin.close()
+        assert relay.wait(30) == 0
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()
+    assert {int(s) for s in sources} == {a["pid"] for a in _agents(nodes, 1)}  # type: ignore[index]
+
+
+# -- over a real sshd ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sshd(tmp_path: Path) -> Iterator[tuple[list[str], str]]:
+    """An sshd on 127.0.0.1 for this user with a throwaway key: the ssh command and host."""
+    binary = shutil.which("sshd") or "/usr/sbin/sshd"
+    if not os.path.exists(binary) or shutil.which("ssh") is None:
+        pytest.skip("needs OpenSSH's sshd and ssh (apt-get install openssh-server)")
+    if os.getuid() == 0:
+        # As root sshd wants its privilege separation directory (its service would make it).
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+    keys = tmp_path / "ssh"
+    keys.mkdir(mode=0o700)
+    for name in ("host", "user"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)],
+                       check=True)  # fmt: skip
+    (keys / "authorized_keys").write_text((keys / "user.pub").read_text())
+    (keys / "authorized_keys").chmod(0o600)
+    port = _free_port()
+    config = keys / "sshd_config"
+    config.write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {keys / 'host'}\n"
+        f"AuthorizedKeysFile {keys / 'authorized_keys'}\nPasswordAuthentication no\n"
+        f"PidFile {keys / 'sshd.pid'}\nStrictModes no\nUsePAM no\nPermitRootLogin yes\n"
+        "AcceptEnv TORCHTOP_RUNTIME_DIR\n"
+    )
+    daemon = subprocess.Popen([binary, "-D", "-e", "-f", str(config)], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            assert daemon.poll() is None, daemon.stderr.read() if daemon.stderr else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        command = [
+            "ssh", "-T", "-o", "BatchMode=yes", "-p", str(port), "-i", str(keys / "user"),
+            "-o", "StrictHostKeyChecking=no", "-o", f"UserKnownHostsFile={keys / 'known'}",
+            "-o", "SendEnv=TORCHTOP_RUNTIME_DIR",
+        ]  # fmt: skip
+        yield command, "127.0.0.1"
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+
+
+def test_two_nodes_in_one_view_over_a_real_sshd(
+    node0: Nodes, sshd: tuple[list[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    command, host = sshd
+    # The remote shell runs as node 1: its runtime dir, set on the remote command line.
+    remote = f"env TORCHTOP_RUNTIME_DIR={node0.dirs[1]} {TORCHTOP}"
+    feed = NodeFeed(NodeSpec(host), ssh=command, remote_torchtop=remote)
+    feed.connect()
+    run = AttachedRun(list_agents(), [feed])
+    run.start()
+    try:
+        _every_rank_steps(run)
+        assert {run.node_of(_by_rank(run)[r]) for r in (2, 3)} == {host}
+    finally:
+        run.stop_job()
+
+
+# -- one line naming the fix for each failure ----------------------------------------------------
+
+
+def test_each_failure_to_reach_a_node_is_one_line_naming_the_fix(tmp_path: Path) -> None:
+    def fails(spec: str, **kwargs: object) -> str:
+        with pytest.raises(NodeError) as caught:
+            NodeFeed(NodeSpec(spec), **kwargs).connect(timeout=20)  # type: ignore[arg-type]
+        text = str(caught.value)
+        assert "\n" not in text and "Traceback" not in text
+        return text
+
+    # No ssh here.
+    text = fails("node1", ssh=[str(tmp_path / "no-ssh")])
+    assert "not installed here" in text and "--ssh-command" in text
+    # The host cannot be reached: the real ssh client, and nothing listens on the port.
+    if shutil.which("ssh"):
+        port = _free_port()
+        text = fails("127.0.0.1", ssh=["ssh", "-T", "-o", "BatchMode=yes", "-p", str(port)])
+        assert text.startswith("cannot reach node 127.0.0.1 over ssh")
+        assert "`ssh 127.0.0.1 true` works" in text
+    # No torchtop there.
+    ssh = _local_ssh(tmp_path, {"TORCHTOP_RUNTIME_DIR": str(tmp_path)})
+    text = fails("node1", ssh=[str(ssh)], remote_torchtop="/nonexistent/torchtop")
+    assert "has no `/nonexistent/torchtop`" in text and "--remote-torchtop" in text
+    # A torchtop there of another protocol version.
+    other = encode(RelayHello(protocol=PROTOCOL_VERSION + 1, version="9.0", host="h", pid=1))
+    speaker = tmp_path / "other-version"
+    speaker.write_bytes(b"#!/bin/sh\nprintf '%s\\n' '" + other.strip() + b"'\ncat >/dev/null\n")
+    speaker.chmod(0o700)
+    text = fails("node1", ssh=[str(ssh)], remote_torchtop=str(speaker))
+    assert "runs torchtop 9.0" in text and "install the same version on both" in text
+    # A shell startup file that prints to stdout.
+    text = fails("node1", ssh=[str(ssh)], remote_torchtop="echo Welcome to the cluster; true")
+    assert "is not torchtop's ('Welcome to the cluster')" in text
+    # Nothing listens at a TCP node.
+    text = fails(f"tcp://127.0.0.1:{_free_port()}", token="t" * 32)
+    assert "nothing listens at tcp://127.0.0.1:" in text and "torchtop relay --listen" in text
+
+
+# -- the relay's bound ---------------------------------------------------------------------------
+
+
+def test_a_stalled_viewer_costs_the_relay_a_bounded_queue_never_the_agents() -> None:
+    stalled = threading.Event()
+    sent: list[bytes] = []
+
+    def send(data: bytes) -> None:
+        stalled.wait()  # the viewer reads nothing until released
+        sent.append(data)
+
+    output = RelayOutput(send, cap_bytes=64 << 10).start()
+    hello = b'{"kind":"hello","pid":1,"src":"1"}'
+    output.write_frame(b'{"kind":"sample","t":0.0}')  # taken by the stalled send
+    time.sleep(0.2)
+    output.write_frame(hello)
+    frame = b'{"kind":"sample","t":1.0,"pad":"' + b"x" * 1000 + b'"}'
+    for _ in range(1000):
+        output.write_frame(frame)  # never blocks: the writer's thread is stuck, not us
+    assert output.queued_bytes <= (64 << 10) + len(hello)
+    assert output.dropped >= 1000 - (64 << 10) // len(frame) - 1
+    stalled.set()
+    _until(lambda: not output.queued_bytes, what="the queue to drain")
+    time.sleep(0.2)
+    out = b"".join(sent).splitlines()
+    messages = [decode(line) for line in out if line.startswith(b'{"kind":"dropped"')]
+    # The hello was kept, ahead of what followed it; the drops were counted to the viewer.
+    assert out[1] == hello
+    assert any(getattr(m, "count", None) == output.dropped for m in messages)
+    output.close()
