@@ -54,6 +54,10 @@ def tiny_ops() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, torch.randn(8, 16), torch.randint(0, 10, (8,))
 
 
+#: The models by name, for ``--model``.
+MODELS = {"mlp": mlp, "tiny-ops": tiny_ops}
+
+
 class Batches(Dataset):
     """``x`` and ``y`` repeated, indexed a whole batch at a time (no per-sample collation)."""
 
@@ -108,45 +112,46 @@ def attach_viewer(address: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def measure(
-    name: str,
-    build: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
+def alternating(
+    agent: core.Agent,
+    run_block: Callable[[], list[float]],
     rounds: int,
-    seconds: float,
     hooks_only: bool = False,
-    ops: bool = True,
-) -> dict[str, float]:
-    torch.manual_seed(0)
-    step = make_step(*build())
-    block(step, 1.0)  # warm up
-    # One agent and one viewer for the whole run; the "off" blocks pause the sampler and remove
-    # the hooks, so the arms differ only by the agent's work (hooks, sampling, encoding,
-    # serving), not by process start-up.
-    agent = core.start(ops=ops)
-    viewer = attach_viewer(agent.info.address)
-    time.sleep(1.0)  # the viewer connects and takes the history replay
+) -> tuple[list[float], list[float], list[float]]:
+    """``rounds`` pairs of blocks, agent off then on: the step times of each arm, and each
+    pair's ratio of medians. The "off" blocks pause the sampler and remove the hooks, so the
+    arms differ only by the agent's work (hooks, sampling, encoding, serving), not by process
+    start-up."""
     off: list[float] = []
     on: list[float] = []
     pair_ratios: list[float] = []
-    try:
-        for _ in range(rounds):
-            if not hooks_only:
-                agent.sampler.pause()
-            agent.training.uninstall()
-            paused = time.monotonic()
-            off_block = block(step, seconds)
-            agent.training.reinstall()
-            agent.sampler.resume()
-            if not hooks_only and agent.ops is not None:
-                agent.ops.resumed_after(time.monotonic() - paused)
-            on_block = block(step, seconds)
-            off += off_block
-            on += on_block
-            pair_ratios.append(statistics.median(on_block) / statistics.median(off_block))
-    finally:
-        viewer.kill()
-        viewer.wait()
-        torchtop.stop()
+    for _ in range(rounds):
+        if not hooks_only:
+            agent.sampler.pause()
+        agent.training.uninstall()
+        paused = time.monotonic()
+        off_block = run_block()
+        agent.training.reinstall()
+        agent.sampler.resume()
+        if not hooks_only and agent.ops is not None:
+            agent.ops.resumed_after(time.monotonic() - paused)
+        on_block = run_block()
+        off += off_block
+        on += on_block
+        pair_ratios.append(statistics.median(on_block) / statistics.median(off_block))
+    return off, on, pair_ratios
+
+
+def summarize(
+    name: str,
+    agent: core.Agent,
+    off: list[float],
+    on: list[float],
+    pair_ratios: list[float],
+    on_seconds: float,
+) -> dict[str, float]:
+    """The arms' figures (``on_seconds``: how long the agent ran), printed and returned."""
+    rounds = len(pair_ratios)
     ratio = statistics.median(on) / statistics.median(off)
     costs = list(agent.ops.costs) if agent.ops is not None else []
     result = {
@@ -165,7 +170,7 @@ def measure(
         # The windows' measured cost (on the job's own steps) against the time the agent ran
         # (the "on" blocks; paused time does not count toward the spacing): the budget (2%)
         # holds when this does.
-        "windows_share": sum(c[2] for c in costs) / (rounds * seconds),
+        "windows_share": sum(c[2] for c in costs) / on_seconds,
     }
     print(
         f"{name:10s} off {result['median_step_off_ms']:8.3f} ms"
@@ -179,6 +184,30 @@ def measure(
         flush=True,
     )
     return result
+
+
+def measure(
+    name: str,
+    build: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
+    rounds: int,
+    seconds: float,
+    hooks_only: bool = False,
+    ops: bool = True,
+) -> dict[str, float]:
+    torch.manual_seed(0)
+    step = make_step(*build())
+    block(step, 1.0)  # warm up
+    # One agent and one viewer for the whole run.
+    agent = core.start(ops=ops)
+    viewer = attach_viewer(agent.info.address)
+    time.sleep(1.0)  # the viewer connects and takes the history replay
+    try:
+        off, on, pair_ratios = alternating(agent, lambda: block(step, seconds), rounds, hooks_only)
+    finally:
+        viewer.kill()
+        viewer.wait()
+        torchtop.stop()
+    return summarize(name, agent, off, on, pair_ratios, rounds * seconds)
 
 
 def _median_ms(values: list[float]) -> float:
@@ -208,7 +237,7 @@ def main() -> None:
         rounds = args.rounds
     results = [
         measure(name, build, rounds, seconds, args.hooks_only, not args.no_ops)
-        for name, build in (("mlp", mlp), ("tiny-ops", tiny_ops))
+        for name, build in MODELS.items()
         if args.model in (None, name)
     ]
     if args.json:

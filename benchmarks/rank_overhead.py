@@ -1,0 +1,158 @@
+"""The per-rank agent's cost on a DDP job's step time, next to a single process's in one run.
+
+The ranks: ``--ranks`` (2) ranks of a DDP job (gloo, CPU) under ``torch.distributed.run``, each
+rank's agent started as ``torchtop run torchrun ...`` starts it (the launcher's environment from
+:func:`torchtop.agent.rank_start.rank_environment`: each rank's ``sitecustomize``), each with a
+viewer process reading it. Each rank trains the model of :mod:`benchmarks.agent_overhead`
+through alternating blocks, agent off (sampler paused, hooks out) then on, as that benchmark
+does in one process; the ranks switch arms at the same step (blocks are counted in steps, the
+count agreed at warm-up), so every all-reduce meets ranks in the same arm. Per rank: the ratio
+of the median step times (on / off), and of the means (the op windows' amortized cost).
+
+The single process: the same model, rounds and block length through
+:func:`benchmarks.agent_overhead.measure`, run just before in its own process, so the two
+ratios come from one invocation on one machine state.
+
+    python -m benchmarks.rank_overhead                 # 2 ranks, about 3 minutes
+    python -m benchmarks.rank_overhead --quick         # a smoke run
+    python -m benchmarks.rank_overhead --ranks 2 --model tiny-ops --rounds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import torchtop
+from benchmarks.agent_overhead import (
+    MODELS,
+    alternating,
+    attach_viewer,
+    block,
+    make_step,
+    measure,
+    summarize,
+)
+from torchtop.agent import core
+from torchtop.agent.rank_start import rank_environment
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def counted(step: Any, steps: int) -> list[float]:
+    """``steps`` steps' times: a block that ends at the same step on every rank."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def rank_worker(model: str, rounds: int, seconds: float, out: Path) -> None:
+    """One rank: its agent (started by its ``sitecustomize``) on against off."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    agent = core.current()
+    if agent is None:
+        raise SystemExit(
+            "no agent in this rank: run it through `python -m benchmarks.rank_overhead`"
+        )
+    torch.manual_seed(0)
+    net, x, y = MODELS[model]()
+    step = make_step(DistributedDataParallel(net), x, y)
+    # The block's length in steps: what the slowest rank takes in ``seconds`` at warm-up.
+    warm = len(block(step, 1.0))
+    steps = torch.tensor([max(1, int(warm * seconds))])
+    dist.all_reduce(steps, op=dist.ReduceOp.MIN)
+    n = int(steps.item())
+    viewer = attach_viewer(agent.info.address)
+    time.sleep(1.0)  # the viewer connects and takes the history replay
+    dist.barrier()
+    try:
+        off, on, pairs = alternating(agent, lambda: counted(step, n), rounds)
+    finally:
+        viewer.kill()
+        viewer.wait()
+    result = summarize(f"rank {rank}", agent, off, on, pairs, sum(on))
+    results: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    dist.destroy_process_group()
+    torchtop.stop()
+    if rank == 0:
+        out.write_text(json.dumps(results))
+
+
+def single_worker(model: str, rounds: int, seconds: float, out: Path) -> None:
+    torch.set_num_threads(1)
+    out.write_text(json.dumps(measure("single", MODELS[model], rounds, seconds)))
+
+
+def run(args: list[str], env: dict[str, str] | None = None) -> None:
+    subprocess.run([sys.executable, *args], env=env, cwd=REPO, check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--rounds", type=int, help="paired blocks (default 40)")
+    parser.add_argument("--seconds", type=float, help="length of a block (default 1.0)")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON at the end")
+    parser.add_argument("--worker", choices=("rank", "single"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    rounds = args.rounds or (3 if args.quick else 40)
+    seconds = args.seconds or (0.5 if args.quick else 1.0)
+    if args.worker == "rank":
+        rank_worker(args.model, rounds, seconds, args.out)
+        return
+    if args.worker == "single":
+        single_worker(args.model, rounds, seconds, args.out)
+        return
+    common = ["--model", args.model, "--rounds", str(rounds), "--seconds", str(seconds)]
+    with tempfile.TemporaryDirectory() as folder:
+        single_out, ranks_out = Path(folder, "single.json"), Path(folder, "ranks.json")
+        print(f"single process, {args.model}:", flush=True)
+        run(["-m", "benchmarks.rank_overhead", "--worker", "single", "--out", str(single_out),
+             *common])  # fmt: skip
+        print(f"{args.ranks} ranks (DDP, gloo), {args.model}:", flush=True)
+        target = ["-m", "torch.distributed.run", "--standalone",
+                  f"--nproc_per_node={args.ranks}", "-m", "benchmarks.rank_overhead",
+                  "--worker", "rank", "--out", str(ranks_out), *common]  # fmt: skip
+        env = rank_environment(os.environ, {"linger_s": 0.0, "capture_output": False}, target)
+        env["PYTHONPATH"] += os.pathsep + str(REPO)
+        run(target, env)
+        single = json.loads(single_out.read_text())
+        ranks = json.loads(ranks_out.read_text())
+    print(f"\nagent on / off, median step time ({args.model}, {rounds} paired blocks):")
+    print(f"  single process  {single['ratio']:.4f}  (mean {single['mean_ratio']:.4f})")
+    for rank, result in enumerate(ranks):
+        print(f"  rank {rank}          {result['ratio']:.4f}  (mean {result['mean_ratio']:.4f})")
+    print(
+        f"  ranks' median   {statistics.median(r['ratio'] for r in ranks):.4f}"
+        f"  (step {statistics.median(r['median_step_off_ms'] for r in ranks):.2f} ms off;"
+        f" single {single['median_step_off_ms']:.2f} ms)"
+    )
+    if args.json:
+        print(json.dumps({"single": single, "ranks": ranks}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
