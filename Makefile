@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # machines carry; on a GPU machine use e.g. `make TORCH=torch demo` for the CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup prometheus demo test lint check bench gpu-check clean
+.PHONY: setup prometheus sshd demo test lint check bench gpu-check clean
 
 # torch's wheel leaves numpy out; without it every job starts with "Failed to initialize NumPy".
 $(BIN)/torchtop: pyproject.toml tests/requirements-frameworks.txt Makefile
@@ -27,6 +27,15 @@ prometheus:
 	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus \
 	  >/dev/null; } || echo "prometheus not installed (needs root and apt-get): its tests skip"
+
+# OpenSSH's server, for the one test that reaches a simulated node through a real sshd (on
+# 127.0.0.1, its own config and a throwaway key; the system's service is not started here).
+# Opt-in, not part of setup: on a machine with systemd the package starts a system service.
+sshd:
+	@command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  openssh-server >/dev/null; } || echo "sshd not installed (needs root and apt-get): its test skips"
 
 demo: setup
 	$(BIN)/torchtop demo broadcasting
