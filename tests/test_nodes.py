@@ -45,6 +45,8 @@ from torchtop.relay import RelayOutput
 from torchtop.transport import list_agents
 
 TORCHTOP = f"{sys.executable} -m torchtop"
+#: The two nodes' run (TORCHELASTIC_RUN_ID).
+RUN_ID = "tt-nodes"
 
 
 def _free_port() -> int:
@@ -88,7 +90,8 @@ def nodes() -> Iterator[Nodes]:
                 [sys.executable, "-m", "torchtop", "run", "--headless", "--no-ops",
                  sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                  f"--node_rank={rank}", "--master_addr=127.0.0.1", f"--master_port={port}",
-                 "--nproc_per_node=2", str(SCRIPTS / "ddp.py"), "--steps", "100000",
+                 f"--rdzv_id={RUN_ID}", "--nproc_per_node=2", str(SCRIPTS / "ddp.py"),
+                 "--steps", "100000",
                  "--sleep-ms", "50"],
                 env={**os.environ, "TORCHTOP_RUNTIME_DIR": str(d)},
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -211,6 +214,13 @@ def test_two_nodes_in_one_view_over_tcp_with_a_token(
         assert all(run.opens_elsewhere(streams[r]) for r in (2, 3))
         assert not any(run.opens_elsewhere(streams[r]) for r in (0, 1))
         assert _unix_connections(relay.pid) == 2  # one per agent of node 1
+        # A second viewer gets its own; they close when it leaves, the first viewer's stay.
+        second = NodeFeed(NodeSpec(f"tcp://{address}"), token=read_node_token(token_file))
+        second.connect()
+        second.start()
+        _until(lambda: _unix_connections(relay.pid) == 4, what="the second viewer's")
+        second.close()
+        _until(lambda: _unix_connections(relay.pid) == 2, what="the second viewer's to close")
         # The relay goes (its node lost): its ranks are marked lost, node 0's go on.
         relay.send_signal(signal.SIGKILL)
         relay.wait(30)
@@ -376,31 +386,78 @@ def test_attach_node_in_a_terminal_shows_both_nodes_and_q_leaves_them_running(
     assert all(job.poll() is None for job in nodes.jobs)
 
 
-def test_the_relay_ends_when_its_stdin_closes(nodes: Nodes) -> None:
-    relay = subprocess.Popen(
-        [sys.executable, "-m", "torchtop", "relay"], env=nodes.env(1),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    assert relay.stdin is not None and relay.stdout is not None
-    try:
-        relay.stdin.write(encode(ClientHello(protocol=PROTOCOL_VERSION)))
-        relay.stdin.flush()
-        hello = decode(relay.stdout.readline())
-        assert isinstance(hello, RelayHello) and hello.pid == relay.pid
-        # Its agents' frames follow, each tagged with its agent.
+class StdioRelay:
+    """`torchtop relay` on node 1 as ssh runs it (stdin and stdout pipes), after the viewer's
+    hello: the agents it relays, as their frames' sources arrive."""
+
+    def __init__(self, nodes: Nodes, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "torchtop", "relay", *args], env=nodes.env(1),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(encode(ClientHello(protocol=PROTOCOL_VERSION)))
+        self.process.stdin.flush()
+        self.hello = decode(self.process.stdout.readline())
+        self.sources: set[int] = set()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
         splitter = FrameSplitter()
-        sources: set[bytes] = set()
-        while len(sources) < 2:
-            for frame in splitter.feed(relay.stdout.read1(65536)):
-                sources.update(re.findall(rb'"src":"(\d+)"\}$', frame))
-        _until(lambda: _unix_connections(relay.pid) == 2, what="the relay's connections")
-        relay.stdin.close()
-        assert relay.wait(30) == 0
+        while data := self.process.stdout.read1(65536):
+            for frame in splitter.feed(data):
+                self.sources.update(int(s) for s in re.findall(rb'"src":"(\d+)"\}$', frame))
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _ranks_pids(nodes: Nodes, node: int) -> set[int]:
+    return {a["pid"] for a in _agents(nodes, node)}  # type: ignore[index]
+
+
+def test_the_relay_ends_when_its_stdin_closes(nodes: Nodes) -> None:
+    relay = StdioRelay(nodes)
+    try:
+        assert isinstance(relay.hello, RelayHello) and relay.hello.pid == relay.process.pid
+        # Its agents' frames follow, each tagged with its agent.
+        ranks = _ranks_pids(nodes, 1)
+        _until(lambda: relay.sources == ranks, what="node 1's agents' frames")
+        _until(lambda: _unix_connections(relay.process.pid) == 2, what="its connections")
+        assert relay.process.stdin is not None
+        relay.process.stdin.close()
+        assert relay.process.wait(30) == 0
     finally:
-        if relay.poll() is None:
-            relay.kill()
-            relay.wait()
-    assert {int(s) for s in sources} == {a["pid"] for a in _agents(nodes, 1)}  # type: ignore[index]
+        relay.close()
+
+
+def test_the_relay_follows_agents_that_start_later_and_only_its_run(
+    nodes: Nodes, tmp_path: Path
+) -> None:
+    every, one_run = StdioRelay(nodes), StdioRelay(nodes, "--run", RUN_ID)
+    late = None
+    try:
+        assert isinstance(one_run.hello, RelayHello) and one_run.hello.run_id == RUN_ID
+        ranks = _ranks_pids(nodes, 1)
+        _until(lambda: every.sources == ranks == one_run.sources, what="the ranks' frames")
+        # A job of no run starts on node 1 after the relays: the one relay finds it.
+        (tmp_path / "late.py").write_text(
+            "import time, torchtop\ntorchtop.start(ops=False)\ntime.sleep(120)\n"
+        )
+        late = subprocess.Popen([sys.executable, str(tmp_path / "late.py")], env=nodes.env(1))
+        _until(lambda: late.pid in every.sources, what="the new agent's frames")
+        _until(lambda: _unix_connections(every.process.pid) == 3, what="its connection")
+        # The relay of one run left it out.
+        assert one_run.sources == ranks and _unix_connections(one_run.process.pid) == 2
+    finally:
+        if late is not None:
+            late.kill()
+            late.wait()
+        every.close()
+        one_run.close()
 
 
 # -- over a real sshd ----------------------------------------------------------------------------
