@@ -202,6 +202,10 @@ def test_two_nodes_in_one_view_over_tcp_with_a_token(
     feed = NodeFeed(NodeSpec(f"tcp://{address}"), token=read_node_token(token_file))
     hello = feed.connect()
     assert hello.protocol == PROTOCOL_VERSION and hello.pid == relay.pid
+    # A relay that vanishes without a word (a frozen node, a cut network) is given up on.
+    link = feed._link
+    assert link is not None and hasattr(link, "sock")
+    assert link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
     run = AttachedRun(list_agents(), [feed])
     assert len(run.agents) == 2  # node 0's own, here
     run.start()

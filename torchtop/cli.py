@@ -348,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--ssh-command",
         metavar="CMD",
         help="the command that reaches a node, the host and the remote command appended "
-        "(default: $TORCHTOP_SSH, else `ssh -T -o BatchMode=yes`)",
+        "(default: $TORCHTOP_SSH, else `ssh -T -o BatchMode=yes -o ServerAliveInterval=15 "
+        "-o ServerAliveCountMax=4`)",
     )
     nodes.add_argument(
         "--remote-torchtop",

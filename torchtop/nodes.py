@@ -38,12 +38,14 @@ from torchtop.protocol import (
     encode,
 )
 from torchtop.recording import frame_source
+from torchtop.transport import keep_alive
 
 #: The command that reaches a node (the host and the remote command are appended), unless
 #: ``--ssh-command`` or this variable names another. BatchMode: a password prompt would
-#: hang under the viewer; a key (or ssh-agent) is needed.
+#: hang under the viewer; a key (or ssh-agent) is needed. ServerAlive: a node that stops
+#: answering (frozen, cut off) ends ssh within a minute, and shows as lost.
 SSH_ENV = "TORCHTOP_SSH"
-DEFAULT_SSH = "ssh -T -o BatchMode=yes"
+DEFAULT_SSH = "ssh -T -o BatchMode=yes -o ServerAliveInterval=15 -o ServerAliveCountMax=4"
 #: How long a node may take to answer with its relay's hello.
 CONNECT_TIMEOUT_S = 30.0
 #: Lines of ssh's own stderr kept to explain a failure.
@@ -207,6 +209,7 @@ class _TcpLink:
                 f"cannot connect to {name} ({exc.strerror or exc}): check the address, and "
                 "that the network lets this machine reach that port"
             ) from None
+        keep_alive(self.sock)
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)

@@ -57,7 +57,7 @@ from torchtop.protocol import (
     encode,
 )
 from torchtop.ranks import RankFeeds
-from torchtop.transport import AgentInfo, runtime_dir
+from torchtop.transport import AgentInfo, keep_alive, runtime_dir
 
 #: Bytes of frames waiting for a slow viewer before the oldest are dropped.
 QUEUE_BYTES = 8 << 20
@@ -474,6 +474,7 @@ class TcpRelay:
         self._log(f"refused {who}: {reason}")
 
     def _serve_viewer(self, conn: socket.socket, who: str) -> None:
+        keep_alive(conn)
         conn.settimeout(HELLO_TIMEOUT_S)
 
         def recv() -> bytes:

@@ -397,6 +397,28 @@ class AgentConnection:
         self.sock.close()
 
 
+#: TCP keepalive of a relay's connection: a peer gone without a word (a node that froze, a
+#: network cut) is given up after about ``KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_EVERY_S``.
+KEEPALIVE_IDLE_S = 15
+KEEPALIVE_EVERY_S = 15
+KEEPALIVE_COUNT = 4
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """Probe an idle TCP connection, so that one whose peer vanished ends instead of waiting
+    forever (where the system has the options; elsewhere its defaults)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_EVERY_S),
+        ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
 def wait_for_agent(
     pid: int, timeout: float, alive: Callable[[], bool] | None = None
 ) -> AgentInfo | None:
@@ -421,6 +443,7 @@ __all__ = [
     "TransportError",
     "bind_server",
     "ensure_runtime_dir",
+    "keep_alive",
     "list_agents",
     "peer_uid",
     "pid_alive",
