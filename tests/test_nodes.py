@@ -597,3 +597,42 @@ def test_a_stalled_viewer_costs_the_relay_a_bounded_queue_never_the_agents() -> 
     assert out[1] == hello
     assert any(getattr(m, "count", None) == output.dropped for m in messages)
     output.close()
+
+
+# -- a recording of every node's ranks -------------------------------------------------------------
+
+
+def test_a_headless_recording_holds_every_nodes_ranks_and_its_report_lists_them(
+    node0: Nodes, tmp_path: Path
+) -> None:
+    nodes = node0
+    # Once the job steps (its ranks take a few seconds to start), a few seconds of it.
+    here = AttachedRun(list_agents())
+    here.start()
+    try:
+        _until(lambda: len(_steps(here)) == 2 and min(_steps(here).values()) > 0, what="steps")
+    finally:
+        here.stop_job()
+    ssh = _local_ssh(tmp_path, nodes.env(1))
+    record = tmp_path / "r.ttr"
+    out = subprocess.run(
+        [sys.executable, "-m", "torchtop", "attach", "--node", "node1", "--ssh-command", str(ssh),
+         "--remote-torchtop", TORCHTOP, "--run", RUN_ID, "--headless", "--record", str(record),
+         "--duration", "4"],
+        env=nodes.env(0), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "of 4 ranks on 2 nodes" in out.stderr
+    assert record.stat().st_mode & 0o777 == 0o600
+    report = subprocess.run(
+        [sys.executable, "-m", "torchtop", "report", str(record), "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    import json
+
+    ranks = json.loads(report.stdout)["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert all(r["steps"] > 0 for r in ranks), [(r["rank"], r["steps"]) for r in ranks]
+    # Node 1's ranks, tagged under its name: its pids stay apart from node 0's.
+    assert {r["pid"] for r in ranks[2:]} == _ranks_pids(nodes, 1)

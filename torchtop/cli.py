@@ -329,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     nodes = attach.add_argument_group(
         "several nodes",
         "Show the ranks of other nodes beside this machine's, each node's through its relay "
-        "(`torchtop relay`). See README, Several nodes.",
+        "(`torchtop relay`); with --headless --record FILE, record them all in one file. See "
+        "README, Several nodes.",
     )
     nodes.add_argument(
         "--node",
@@ -724,10 +725,10 @@ def _pick_agent(pid: int | None, interactive: bool) -> Any:
 
 def cmd_attach(args: argparse.Namespace) -> int:
     if args.headless:
-        if args.node:
-            raise CliError("--node works with the viewer: drop --headless (see `torchtop ps`)")
         if args.record is None:
             raise CliError("--headless records without a viewer: give --record FILE")
+        if args.node:
+            return _attach_nodes(args)
         info = _attach_target(args, ask=False)
         if isinstance(info, _Outside):
             return _record_outside(info, args.record, args.duration)
@@ -771,13 +772,17 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def _attach_nodes(args: argparse.Namespace) -> int:
-    """The ranks of this machine and of every ``--node`` in one run view; each node reached
-    (and checked) before the view opens, so a node that cannot be is one line here."""
-    if args.pid is not None or args.record is not None:
-        raise CliError("--node shows every rank of a run: drop the PID and --record")
-    _require_terminal("torchtop ps (on each node)")
+    """The ranks of this machine and of every ``--node`` in one run view (or, headless, one
+    recording); each node reached (and checked) first, so a node that cannot be is one line."""
+    if args.pid is not None:
+        raise CliError("--node follows every rank of a run: drop the PID (or use --run ID)")
+    if not args.headless:
+        if args.record is not None:
+            raise CliError("--node records with --headless (`--headless --record FILE`)")
+        _require_terminal("torchtop attach --node ... --headless --record FILE")
     from torchtop.nodes import NodeError, NodeFeed, NodeSpec, read_node_token, ssh_command
     from torchtop.ranks import AttachedRun
+    from torchtop.recording import RecordingError, RecordingWriter
     from torchtop.transport import list_agents
 
     local = [
@@ -787,8 +792,10 @@ def _attach_nodes(args: argparse.Namespace) -> int:
         and (args.run is None or str(a.identity.get("run_id")) == args.run)
     ]
     feeds: list[NodeFeed] = []
+    writer = None
     try:
         token = read_node_token(args.token_file)
+        writer = RecordingWriter(args.record) if args.headless else None
         ssh = ssh_command(args.ssh_command)
         for name in dict.fromkeys(args.node):
             feed = NodeFeed(
@@ -797,21 +804,52 @@ def _attach_nodes(args: argparse.Namespace) -> int:
                 ssh=ssh,
                 remote_torchtop=args.remote_torchtop,
                 token=token,
+                writer=writer,
             )
             print(f"torchtop: reaching node {feed.label}…", file=sys.stderr)
             feed.connect()
             feeds.append(feed)
-    except NodeError as exc:
+    except (NodeError, RecordingError) as exc:
         for feed in feeds:
             feed.close()
+        if writer is not None:
+            writer.close()
         raise CliError(str(exc), code=1) from None
-    run = AttachedRun(local, feeds)
+    run = AttachedRun(local, feeds, writer)
+    if writer is not None:
+        return _record_run(run, writer, args.duration)
     title = f"run {args.run}" if args.run else f"{len(feeds) + bool(local)} nodes"
     try:
         _view_run(run, title)
     finally:
         run.stop_job()  # detach: the job runs on
     return 0
+
+
+def _record_run(run: Any, writer: Any, duration: float | None) -> int:
+    """Record every rank of ``run`` (headless) until its streams end, ``duration`` passes or
+    Ctrl-C; exit code 1 if no rank was heard from."""
+    start = time.monotonic()
+    run.start()
+    try:
+        while run.running() and (duration is None or time.monotonic() - start < duration):
+            time.sleep(0.25)
+            run.drain()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        run.stop_job()
+        run.drain()
+        writer.close()
+    ranks = len(run.model)
+    nodes = len({run.node_of(stream) for stream in run.model.jobs})
+    line, _going = run.status()
+    print(
+        f"recorded {writer.frames} frames of {ranks} ranks on {nodes} nodes to {writer.path} "
+        f"({line})",
+        file=sys.stderr,
+    )
+    return 0 if ranks else 1
 
 
 def cmd_relay(args: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ from torchtop.protocol import (
     decode,
     encode,
 )
-from torchtop.recording import frame_source
+from torchtop.recording import FrameSink, frame_source, retag_frame
 from torchtop.transport import keep_alive
 
 #: The command that reaches a node (the host and the remote command are appended), unless
@@ -257,8 +257,11 @@ class NodeFeed:
         ssh: list[str] | None = None,
         remote_torchtop: str = "torchtop",
         token: str | None = None,
+        writer: FrameSink | None = None,
     ) -> None:
+        """``writer``: a recording that gets each agent's frames tagged ``NODE/PID``."""
         self.spec = spec
+        self.writer = writer
         self.run_id = run_id
         self._ssh = ssh if ssh is not None else ssh_command()
         self._remote = remote_torchtop
@@ -418,8 +421,11 @@ class NodeFeed:
                 self.dropped = message.count
             return
         self.sources.add(source)
+        stream = self.stream(source)
+        if self.writer is not None:
+            self.writer.write_frame(retag_frame(frame, stream))
         if self._on_message is not None:
-            self._on_message(self.stream(source), message)
+            self._on_message(stream, message)
 
     def close(self) -> None:
         """Leave the node: its relay ends (and closes its agents' connections)."""

@@ -266,10 +266,18 @@ class AttachedRun(RunFold):
 
     on_quit = "detaches (the job runs on)"
 
-    def __init__(self, agents: Sequence[AgentInfo], nodes: Sequence[NodeFeed] = ()) -> None:
+    def __init__(
+        self,
+        agents: Sequence[AgentInfo],
+        nodes: Sequence[NodeFeed] = (),
+        writer: FrameSink | None = None,
+    ) -> None:
+        """``writer``: a recording of every rank, each frame tagged with its stream (a local
+        rank's pid, a node's rank's ``NODE/PID``: the nodes' feeds were given it too)."""
         super().__init__()
         self.agents = list(agents)
         self.nodes = list(nodes)
+        self.writer = writer
         self.feeds: list[AgentFeed] = []
         self._started = False
         self._leaving = False
@@ -284,6 +292,7 @@ class AttachedRun(RunFold):
             feed = AgentFeed(
                 address=info.address,
                 on_message=functools.partial(self.queue, str(info.pid)),
+                writer=TaggedWriter(self.writer, str(info.pid)) if self.writer else None,
             )
             self.feeds.append(feed.start())
         for node in self.nodes:

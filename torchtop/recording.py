@@ -33,6 +33,13 @@ def tag_frame(frame: bytes, source: str) -> bytes:
     return body[:-1] + b',"src":"' + source.encode() + b'"}'
 
 
+def retag_frame(frame: bytes, source: str) -> bytes:
+    """``frame`` tagged with ``source`` in place of the source it was tagged with (a relay's
+    frame, tagged with its agent's pid, recorded under its node's name and that pid)."""
+    match = _SRC.search(frame)
+    return tag_frame(frame[: match.start()] + b"}" if match else frame, source)
+
+
 def frame_source(frame: bytes) -> str | None:
     """The source a frame was tagged with by :func:`tag_frame`, or None (the run's own)."""
     match = _SRC.search(frame)
