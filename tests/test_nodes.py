@@ -636,3 +636,35 @@ def test_a_headless_recording_holds_every_nodes_ranks_and_its_report_lists_them(
     assert all(r["steps"] > 0 for r in ranks), [(r["rank"], r["steps"]) for r in ranks]
     # Node 1's ranks, tagged under its name: its pids stay apart from node 0's.
     assert {r["pid"] for r in ranks[2:]} == _ranks_pids(nodes, 1)
+
+
+def test_attach_node_fails_with_one_line_naming_the_fix(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "torchtop", "attach", "--node", "node1", "--ssh-command",
+         str(tmp_path / "no-ssh"), "--headless", "--record", str(tmp_path / "r.ttr")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1
+    (line,) = [x for x in out.stderr.splitlines() if not x.startswith("torchtop: reaching")]
+    assert line.startswith("torchtop: cannot reach node node1") and "--ssh-command" in line
+
+
+def test_a_tcp_relay_listens_on_loopback_unless_told_and_tokens_stay_private(
+    tmp_path: Path,
+) -> None:
+    from torchtop.relay import RelayError, parse_listen, read_token, token_for
+
+    assert parse_listen("7000") == ("127.0.0.1", 7000)
+    assert parse_listen("0.0.0.0:7000") == ("0.0.0.0", 7000)
+    assert parse_listen("[::1]:7000") == ("::1", 7000)
+    # A new token: random, 0600; the same file gives it back.
+    path = tmp_path / "relay.token"
+    token, new = token_for(path)
+    assert new and len(token) >= 32 and path.stat().st_mode & 0o777 == 0o600
+    assert token_for(path) == (token, False) and token_for(tmp_path / "other")[0] != token
+    # One others can read is refused, naming the fix.
+    path.chmod(0o644)
+    with pytest.raises(RelayError, match=r"open to other users .*chmod 600"):
+        read_token(path)
+    with pytest.raises(NodeError, match="chmod 600"):
+        read_node_token(path)
