@@ -519,9 +519,7 @@ def default_token_file(port: int) -> Path:
     return runtime_dir() / f"relay-{port}.token"
 
 
-def serve_tcp(
-    listen: str, token_file: Path | None, run_id: str | None = None, *, announce: bool = True
-) -> int:
+def serve_tcp(listen: str, token_file: Path | None, run_id: str | None = None) -> int:
     """``torchtop relay --listen``: until SIGINT or SIGTERM. The token comes from
     ``token_file`` (made there if missing) or is new, written 0600 under the runtime
     directory and removed at the end."""
@@ -542,17 +540,16 @@ def serve_tcp(
         server.close()
         raise RelayError(str(exc)) from None
     where = f"{relay.address[0]}:{relay.address[1]}"
-    scope = "this machine only" if is_loopback(host) else "the network: anyone who can reach it"
-    if announce:
-        print(
-            f"torchtop relay: serving this node's agents on {where} ({scope}) to viewers with "
-            f"the token in {path}: `torchtop attach --node tcp://HOST:{relay.address[1]} "
-            "--token-file FILE` with a copy of that file",
-            file=sys.stderr,
-            flush=True,
-        )
-        if sys.stderr.isatty():
-            print(f"torchtop relay: token {token}", file=sys.stderr, flush=True)
+    scope = "this machine only" if is_loopback(host) else "reachable from other machines"
+    print(
+        f"torchtop relay: serving this node's agents on {where} ({scope}) to viewers with "
+        f"the token in {path}: `torchtop attach --node tcp://HOST:{relay.address[1]} "
+        "--token-file FILE` with a copy of that file",
+        file=sys.stderr,
+        flush=True,
+    )
+    if sys.stderr.isatty():
+        print(f"torchtop relay: token {token}", file=sys.stderr, flush=True)
 
     def stop(_signum: int, _frame: FrameType | None) -> None:
         relay.close()
