@@ -209,8 +209,9 @@ def test_the_trend_draws_every_rank_on_one_scale() -> None:
 
 
 RANK_JOB = """\
-import time, torchtop
-torchtop.start(ops=False)
+import os, time, torchtop
+torchtop.start(ops=False, capture_output=True)
+print(f"rank {os.environ['RANK']} ready", flush=True)
 for _ in range(1200):
     time.sleep(0.1)
 """
@@ -236,6 +237,13 @@ def test_attach_with_no_pid_opens_the_run_and_q_leaves_it_running(
         screen = terminal.wait_for(lambda s: sorted(_rows(s)) == [0, 1], timeout=60)
         assert "2 ranks of 2" in screen and "attached to 2 agents" in screen
         assert {int(r[1]) for r in _rows(screen).values()} == set(ranks.values())
+        # Each rank's lines, from its agent (the launcher's output is not ours), behind its
+        # rank's prefix, once.
+        screen = terminal.wait_for(lambda s: "rank 1 ready" in s and "rank 0 ready" in s)
+        assert re.findall(r"\S*rank \d ready", screen) in (
+            ["[rank0]:rank 0 ready", "[rank1]:rank 1 ready"],
+            ["[rank1]:rank 1 ready", "[rank0]:rank 0 ready"],
+        ), screen
         terminal.keys("q")
         terminal.wait_for(lambda s: "EXIT=0" in s, timeout=60)
         # Detached: the job runs on.
