@@ -29,7 +29,7 @@ def plot_cells(rendered: str) -> str:
     return "".join(line[AXIS_WIDTH:] for line in lines(rendered)[:-1])
 
 
-@pytest.mark.parametrize(("width", "height"), [(60, 8), (80, 12), (20, 3), (11, 2)])
+@pytest.mark.parametrize(("width", "height"), [(60, 8), (80, 12), (20, 3), (11, 2), (40, 1)])
 def test_exact_dimensions(width: int, height: int) -> None:
     series = [ChartSeries("allocated", ramp(), "cyan", fill=True)]
     text = render_chart(series, width=width, height=height, t_start=0, t_end=99).plain

@@ -20,6 +20,10 @@ from torchtop.tui.format import format_bytes_short, format_span, nice_ceiling
 #: Bits of a braille character for dot (column, row), rows counted from the top of the cell.
 _DOT_BITS = ((0x01, 0x02, 0x04, 0x40), (0x08, 0x10, 0x20, 0x80))
 _BRAILLE_BASE = 0x2800
+#: Per dot column, the bits of a cell's lowest ``n`` dots (``n`` from 0 to 4).
+_FILL_BITS = tuple(
+    tuple(sum(column[3 - k] for k in range(n)) for n in range(5)) for column in _DOT_BITS
+)
 #: Cells on the left for the y axis labels ("12.3G") and the axis line.
 AXIS_WIDTH = 6
 _PHASE_STYLES = ("bold green", "bold blue", "bold magenta", "bold cyan")
@@ -61,17 +65,24 @@ def _column_values(
     span = t_end - t_start
     if columns <= 0 or span <= 0:
         return values
+    # Drawn every second for each chart, over minutes of samples: kept to plain arithmetic.
+    last = columns - 1
     first_col: int | None = None
-    last_col: int | None = None
+    last_col = -1
     for t, v in points:
         if v is None or t < t_start or t > t_end:
             continue
-        col = min(columns - 1, int((t - t_start) / span * columns))
+        col = int((t - t_start) / span * columns)
+        if col > last:
+            col = last
         current = values[col]
-        values[col] = v if current is None else max(current, v)
-        first_col = col if first_col is None else min(first_col, col)
-        last_col = col if last_col is None else max(last_col, col)
-    if first_col is not None and last_col is not None:
+        if current is None or v > current:
+            values[col] = v
+        if first_col is None or col < first_col:
+            first_col = col
+        if col > last_col:
+            last_col = col
+    if first_col is not None:
         held: float | None = None
         for col in range(first_col, last_col + 1):
             if values[col] is None:
@@ -82,7 +93,7 @@ def _column_values(
 
 def _dot_level(value: float, y_max: float, dot_rows: int) -> int:
     """How many dots from the bottom reach ``value``; a value above zero shows at least one."""
-    if y_max <= 0 or value <= 0:
+    if y_max <= 0 or value <= 0 or dot_rows <= 0:  # no plot row: a chart one line high
         return 0
     level = round(value / y_max * dot_rows)
     return max(1, min(dot_rows, level))
@@ -207,8 +218,16 @@ def render_chart(
                 continue
             level = _dot_level(value, y_max, dot_rows)
             if s.fill:
-                for y in range(level):
-                    set_dot(x, y, index)
+                # Whole cells at once: the dots from the bottom up to ``level``.
+                cx, dx = divmod(x, 2)
+                full, part = divmod(level, 4)
+                for row in range(plot_height - full, plot_height):
+                    bits[row][cx] |= _FILL_BITS[dx][4]
+                    owner[row][cx] = index
+                if part:
+                    row = plot_height - 1 - full
+                    bits[row][cx] |= _FILL_BITS[dx][part]
+                    owner[row][cx] = index
             elif level > 0:
                 # Join to the previous column so a step up or down reads as one line.
                 low, high = (level, level) if previous is None else sorted((previous, level))
