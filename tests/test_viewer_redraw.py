@@ -7,18 +7,34 @@ and data the source delivers from its own thread reaches the screen without the 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import pytest
 from fakes.source import FakeSource
+from rich.style import Style
 from test_steps_tui import training_job
-from test_tui_app import HOST, SIZE, T0, cuda_job, drained, log_text, memory_text, pilot_test
+from test_steps_view import steps_frame
+from test_tui_app import (
+    HOST,
+    SIZE,
+    T0,
+    cuda_job,
+    drained,
+    log_text,
+    memory_text,
+    pilot_test,
+    static_text,
+)
 from textual.pilot import Pilot
+from textual.strip import Strip
 from textual.widget import Widget
+from textual.widgets import Static
 
 import torchtop.tui.app as app_module
+from torchtop.model.job import LogEntry
 from torchtop.protocol import LogLine, MemoryStats, Message, Sample
 from torchtop.tui.app import TorchtopApp
 from torchtop.tui.wake import WakeFilter
@@ -26,9 +42,10 @@ from torchtop.tui.widgets.chart import TimeSeriesChart
 from torchtop.tui.widgets.device import DevicePanel
 from torchtop.tui.widgets.header import JobHeader
 from torchtop.tui.widgets.host import HostPanel
+from torchtop.tui.widgets.log import LogPanel, log_line
 from torchtop.tui.widgets.memory import MemoryPanel
 from torchtop.tui.widgets.ops import OpsPanel
-from torchtop.tui.widgets.steps import StepBars
+from torchtop.tui.widgets.steps import StepBars, StepPanel
 
 GiB = 1 << 30
 
@@ -212,6 +229,7 @@ def test_the_wake_filter_wakes_for_changed_figures_events_and_each_second() -> N
 def no_gap(monkeypatch: pytest.MonkeyPatch) -> None:
     """Frames as soon as data comes: the counts do not depend on the gap between frames."""
     monkeypatch.setattr(app_module, "MIN_FRAME_GAP_S", 0.0, raising=False)
+    monkeypatch.setattr(app_module, "MAX_FRAME_GAP_S", 0.0, raising=False)
 
 
 @pilot_test
@@ -225,3 +243,71 @@ async def test_step_bars_fill_their_width_once_the_row_appears() -> None:
         bars = app.query_one(StepBars)
         assert bars.size.width > 1
         assert len(bars.points) == bars.size.width
+
+
+def _cells(strip: Strip) -> list[tuple[str, Style]]:
+    """A strip as what it shows: each cell's character and style (None drawn as no style)."""
+    return [(char, seg.style or Style()) for seg in strip for char in seg.text]
+
+
+@pilot_test
+async def test_plain_log_lines_are_drawn_without_rich_and_look_the_same() -> None:
+    app = TorchtopApp(FakeSource(cuda_job()))
+    async with app.run_test(size=SIZE) as pilot:
+        await drained(pilot)
+        log = app.query_one(LogPanel)
+        width = log.scrollable_content_region.width
+        plain = [LogLine(T0 + 31, "stdout", f"step {i} loss 0.{i:04d}") for i in range(40)]
+        plain.append(LogLine(T0 + 31, "stderr", "UserWarning: in yellow"))
+        plain.append(LogLine(T0 + 31, "stdout", ""))
+        with counting_calls("write", log) as writes, counting_calls("_rendered", log) as rich:
+            await fed_one_by_one(pilot, plain)
+        # A plain line is one strip, made without Rich's rendering (RichLog.write's).
+        assert writes[log] == 0 and rich[log] == 0
+        odd = [
+            LogLine(T0 + 32, "stdout", "x" * (width + 7)),  # wraps
+            LogLine(T0 + 32, "stdout", "tab\there"),
+            LogLine(T0 + 32, "stderr", "naïve ✓ 日本"),
+        ]
+        await fed_one_by_one(pilot, odd)
+        # What Rich draws for each line at the panel's width, as RichLog.write does.
+        expected = [
+            strip
+            for line in [*plain, *odd]
+            for strip in log._rendered(log_line(LogEntry(line.t, line.stream, line.text)), width)
+        ]
+        shown = log.lines[-len(expected) :]
+        assert [_cells(s) for s in shown] == [_cells(s) for s in expected]
+
+
+@pilot_test
+async def test_the_steps_row_is_redrawn_once_a_second_of_the_job_s_time() -> None:
+    # A fast job's counter and rates move at every step: drawn as often, they cost a chatty
+    # job's viewer a frame's worth of drawing each time for a figure the eye cannot follow.
+    app = TorchtopApp(FakeSource(training_job(wait=0.01)))
+    async with app.run_test(size=SIZE) as pilot:
+        await drained(pilot)
+        steps = app.query_one(StepPanel)
+        total = app.state.training.total
+        frames = [
+            steps_frame(T0 + 30 + (i + 1) / 20, total + 5 * (i + 1), [0.01] * 5) for i in range(40)
+        ]
+        with counting_calls("show_state", steps) as shown:
+            await fed_one_by_one(pilot, frames)  # 2 s of the job's time, a frame each
+        assert app.frames >= 40
+        assert 1 <= shown[steps] <= 3
+        await fed_one_by_one(pilot, [sample(T0 + 33, 9 * GiB)])  # a second later: drawn
+        assert f"{total + 200:,}" in static_text(steps.query_one("#step-figures", Static))
+
+
+def test_a_costly_frame_makes_the_next_one_wait_for_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(app_module, "MIN_FRAME_GAP_S", 0.1)
+    monkeypatch.setattr(app_module, "MAX_FRAME_GAP_S", 0.16)
+    monkeypatch.setattr(app_module, "FRAME_BUDGET", 0.04)
+    app = TorchtopApp(FakeSource([]))
+    for spent, gap in ((0.0, 0.1), (0.005, 0.005 / 0.04), (0.004, 0.1), (1.0, 0.16)):
+        app._last_frame_cpu = time.thread_time() - spent
+        app._pace()
+        assert gap <= app.frame_gap_s < gap + 0.01, (spent, app.frame_gap_s)

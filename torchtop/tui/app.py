@@ -56,9 +56,17 @@ from torchtop.tui.widgets.steps import StepPanel
 #: The shortest time between two frames: new data is drawn as soon as it comes, but a job that
 #: speaks all the time is drawn at most this often (10 frames a second is smooth to the eye).
 MIN_FRAME_GAP_S = 0.1
+#: The share of one core that drawing may take while a job speaks all the time: after a frame
+#: that cost X seconds of the app's thread, the next waits X / FRAME_BUDGET (at least
+#: MIN_FRAME_GAP_S, at most MAX_FRAME_GAP_S), so a costly screen is drawn less often.
+FRAME_BUDGET = 0.04
+#: The longest a frame waits for the budget: new data still reaches the screen within a
+#: quarter second (the time to the screen is this wait plus the way from the job, tens of ms).
+MAX_FRAME_GAP_S = 0.16
 #: Seconds of the job's time between two redraws of what moves without meaning more to the
-#: eye when redrawn more often: the charts, the step bars, and the host and GPU figures (which
-#: change at every sample). The memory and step figures and the log show every frame's data.
+#: eye when redrawn more often: the charts, the steps row (its counter and rates move at every
+#: step, a hundred times a second for a fast job), and the host and GPU figures (which change
+#: at every sample). The memory figures and the log show every frame's data.
 SLOW_REDRAW_S = 1.0
 #: The most messages applied in one frame, so a burst (a replay's jump to the end) cannot
 #: freeze the screen; the rest wait for the next frame.
@@ -307,8 +315,12 @@ class TorchtopApp(App[int]):
         self._awake = False
         #: A frame is already asked for: messages that come meanwhile need no other wake-up.
         self._frame_asked = False
-        #: When the last frame was drawn (``time.monotonic()``), for the gap between frames.
+        #: When the last frame was drawn (``time.monotonic()``), for the gap between frames, and
+        #: the app thread's CPU time then (``time.thread_time()``), for what the frame cost.
         self._last_frame = 0.0
+        self._last_frame_cpu = time.thread_time()
+        #: The gap before the next frame (:data:`FRAME_BUDGET`).
+        self.frame_gap_s = MIN_FRAME_GAP_S
         self._leaving = False
         #: The timer of a frame asked for before the gap was over.
         self._frame_timer: Timer | None = None
@@ -377,10 +389,10 @@ class TorchtopApp(App[int]):
         self.post_message(FrameWanted())  # Textual hands it to the app's loop, thread-safely
 
     def on_frame_wanted(self, _message: FrameWanted) -> None:
-        """On the app's loop: draw now, or once the last frame is MIN_FRAME_GAP_S old."""
+        """On the app's loop: draw now, or once the last frame is ``frame_gap_s`` old."""
         if self._leaving:
             return
-        wait = self._last_frame + MIN_FRAME_GAP_S - time.monotonic()
+        wait = self._last_frame + self.frame_gap_s - time.monotonic()
         if wait <= 0:
             self.drain()
         else:
@@ -393,6 +405,7 @@ class TorchtopApp(App[int]):
         # Cleared first: a message that comes while this frame is drawn asks for the next one.
         self._frame_asked = False
         self._last_frame = time.monotonic()
+        self._pace()
         pending = self._pending
         for _ in range(min(len(pending), MAX_MESSAGES_PER_FRAME)):
             message = pending.popleft()
@@ -406,6 +419,14 @@ class TorchtopApp(App[int]):
             self._show()
         if pending and not self._frame_asked:  # a burst longer than one frame takes: go on
             self._ask_frame()
+
+    def _pace(self) -> None:
+        """Set the gap before the next frame from what the app's thread spent since the last
+        one began: that frame's drawing and Textual's compositing of it (and whatever else the
+        thread did, which a frame a second dwarfs)."""
+        cpu = time.thread_time()
+        spent, self._last_frame_cpu = cpu - self._last_frame_cpu, cpu
+        self.frame_gap_s = min(MAX_FRAME_GAP_S, max(MIN_FRAME_GAP_S, spent / FRAME_BUDGET))
 
     @property
     def playback(self) -> Playback | None:
@@ -454,8 +475,8 @@ class TorchtopApp(App[int]):
             self.screen.refresh_from(state)
 
     def _show_training(self, state: JobModel, slow: bool = True) -> None:
-        """The step and loader row appears once the job has taken a step or iterated a loader;
-        its bars and chart are redrawn when ``slow`` ones are."""
+        """The step and loader row appears once the job has taken a step or iterated a loader,
+        and is redrawn when ``slow`` figures are."""
         training = state.training
         if not training.has_data:
             return
@@ -463,8 +484,9 @@ class TorchtopApp(App[int]):
         if not body.has_class("has-training"):
             body.add_class("has-training")
             slow = True
-        self.query_one(StepPanel).show_state(state, charts=slow)
-        self.query_one(LoaderPanel).show_state(state)
+        if slow:
+            self.query_one(StepPanel).show_state(state)
+            self.query_one(LoaderPanel).show_state(state)
 
     def _show_phase_info(self, state: JobModel) -> None:
         """The phase panel appears beside the memory chart once a phase has a description."""

@@ -4,22 +4,85 @@ from __future__ import annotations
 
 from itertools import islice
 
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
 from textual import on
 from textual.events import Resize
-from textual.geometry import Size
+from textual.geometry import Region, Size
 from textual.reactive import Reactive
+from textual.scrollbar import ScrollBar, ScrollBarRender
+from textual.strip import Strip
 from textual.widgets import RichLog
+from typing_extensions import Self
 
 from torchtop.model.job import DEFAULT_LOG_LINES, JobModel, LogEntry
 from torchtop.tui.widgets.quiet import set_titles
 
 STDERR_STYLE = "yellow"
+_STDERR = Style.parse(STDERR_STYLE)
+_PLAIN = Style()
 
 
 def log_line(entry: LogEntry) -> Text:
     """One line as shown: stderr in its own colour so warnings and tracebacks stand out."""
     return Text(entry.text, STDERR_STYLE if entry.stream == "stderr" else "")
+
+
+class LogScrollBar(ScrollBar):
+    """The log's scrollbar, repainted only when it would look different.
+
+    Each frame of a chatty job makes the log longer and moves its end: Textual repaints the
+    scrollbar for each (a tenth of a frame's cost), though a thumb of a few thousand lines is
+    one cell at the bottom however many lines come."""
+
+    _drawn: object = None
+    #: A repaint was asked for and is checked once the log's size and scroll have settled.
+    _check_asked = False
+
+    def _look(self) -> object:
+        """What the bar shows: its cells and its colours; ``None`` when it cannot be told."""
+        if not self.is_mounted or self.parent is None:
+            return None
+        renderable = self.render()
+        if not isinstance(renderable, ScrollBarRender):
+            return None
+        length, thickness = self.size.height, self.size.width
+        if not self.vertical:
+            length, thickness = thickness, length
+        bar = renderable.render_bar(
+            size=length,
+            window_size=renderable.window_size,
+            virtual_size=renderable.virtual_size,
+            position=renderable.position,
+            thickness=thickness,
+            vertical=renderable.vertical,
+        )
+        return self.size, renderable.style, tuple(bar.segments)
+
+    def refresh(
+        self,
+        *regions: Region,
+        repaint: bool = True,
+        layout: bool = False,
+        recompose: bool = False,
+    ) -> Self:
+        if regions or layout or recompose or not self.is_mounted:
+            self._drawn = None
+            return super().refresh(*regions, repaint=repaint, layout=layout, recompose=recompose)
+        # New lines move the end, then the view follows it: the bar is compared once both
+        # are done (in between, its thumb stood a fraction higher).
+        if not self._check_asked:
+            self._check_asked = True
+            self.call_next(self._repaint_if_changed)
+        return self
+
+    def _repaint_if_changed(self) -> None:
+        self._check_asked = False
+        look = self._look()
+        if look is None or look != self._drawn:
+            self._drawn = look
+            super().refresh()
 
 
 class LogPanel(RichLog):
@@ -63,6 +126,18 @@ class LogPanel(RichLog):
         self.following = True
         self.border_title = " Log "
 
+    @property
+    def vertical_scrollbar(self) -> ScrollBar:
+        """Textual's vertical scrollbar, made a :class:`LogScrollBar`."""
+        if self._vertical_scrollbar is None:
+            bar = LogScrollBar(
+                vertical=True, name="vertical", thickness=self.scrollbar_size_vertical
+            )
+            bar.display = False
+            self._vertical_scrollbar = bar
+            self.app._start_widget(self, bar)
+        return self._vertical_scrollbar
+
     def watch_scroll_y(self, old_value: float, new_value: float) -> None:
         super().watch_scroll_y(old_value, new_value)
         # Only a move of the view itself says where the reader is: up, they read back; at the
@@ -85,6 +160,40 @@ class LogPanel(RichLog):
         if self.following:
             self.scroll_end(animate=False, immediate=False)
 
+    def _append(self, entries: list[LogEntry], width: int) -> None:
+        """Add ``entries`` at the end, as :meth:`RichLog.write` would draw them at ``width``.
+
+        A line of printable ASCII that fits the width is one strip of one segment, made here:
+        Rich's wrapping and rendering (what ``write`` does for every line) was most of a chatty
+        job's drawing. Any other line (wider, tabs, wide or combining characters) goes through
+        Rich as before."""
+        strips: list[Strip] = []
+        for entry in entries:
+            text = entry.text
+            style = _STDERR if entry.stream == "stderr" else _PLAIN
+            if len(text) <= width and text.isascii() and text.isprintable():
+                strips.append(Strip([Segment(text, style)] if text else [], len(text)))
+            else:
+                strips.extend(self._rendered(log_line(entry), width))
+        lines = self.lines
+        lines.extend(strips)
+        excess = len(lines) - self.max_lines if self.max_lines is not None else 0
+        if excess > 0:
+            self._start_line += excess
+            del lines[:excess]
+            self.refresh()
+        widest = max(strip.cell_length for strip in strips) if strips else 0
+        self._widest_line_width = max(self._widest_line_width, widest)
+        self.virtual_size = Size(self._widest_line_width, len(lines))
+
+    def _rendered(self, line: Text, width: int) -> list[Strip]:
+        """``line`` wrapped at ``width`` by Rich, as :meth:`RichLog.write` does it."""
+        console = self.app.console
+        options = console.options.update_width(width)
+        segments = console.render(line, options)
+        rendered = list(Segment.split_lines(segments))
+        return Strip.from_lines(rendered) if rendered else [Strip.blank(width)]
+
     def show_state(self, state: JobModel) -> None:
         """Write the lines that arrived since the last call."""
         new = state.log_total - self.shown_total
@@ -96,10 +205,14 @@ class LogPanel(RichLog):
         # One write for all of them (a write each cost a chatty job's viewer a millisecond a
         # frame), and the view moved to the end at once rather than after the next refresh,
         # which drew every frame twice.
-        lines = [log_line(entry) for entry in islice(state.logs, max(0, kept - new), kept)]
+        entries = list(islice(state.logs, max(0, kept - new), kept))
         # At the panel's width: RichLog need not measure the lines first to find it.
-        width = self.scrollable_content_region.width or None
-        self.write(Text("\n").join(lines), width=width, scroll_end=False)
+        width = self.scrollable_content_region.width
+        if self._size_known and width > 0:
+            self._append(entries, width)
+        else:  # before the panel has a size RichLog keeps the lines for later
+            lines = [log_line(entry) for entry in entries]
+            self.write(Text("\n").join(lines), width=width or None, scroll_end=False)
         if follow:
             self.scroll_end(animate=False, immediate=True, x_axis=False)
         self.shown_total = state.log_total
