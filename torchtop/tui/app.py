@@ -23,6 +23,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message as TMessage
+from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen
 from textual.theme import Theme
 from textual.timer import Timer
@@ -509,6 +510,20 @@ class TorchtopApp(App[int]):
             )
         elif state.connection == "disconnected" and state.mode != "replay":
             self.notify("Connection lost, no exit status: data kept.", severity="error", timeout=6)
+
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = True,
+    ) -> None:
+        """Show ``message`` in the one-line notification over the footer, in place of the one
+        shown before (two at once would stack over the log's rows)."""
+        self.clear_notifications()
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
 
     # -- actions -------------------------------------------------------------------------------
 
