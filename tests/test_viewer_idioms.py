@@ -4,11 +4,13 @@ generated from the key bindings."""
 
 from __future__ import annotations
 
+import re
 import stat
 
 from fakes.source import FakeSource
 from test_ops_tui import ops_job, table_of, window
-from test_tui_app import SIZE, T0, cuda_job, drained, pilot_test, static_text
+from test_tui_app import SIZE, T0, GiB, cuda_job, drained, hello, pilot_test, static_text
+from test_viewer_redraw import sample
 from textual.command import CommandPalette
 from textual.events import MouseScrollUp
 from textual.pilot import Pilot
@@ -16,6 +18,7 @@ from textual.pilot import Pilot
 from torchtop.protocol import LogLine, Message
 from torchtop.tui.app import HIGH_CONTRAST, HelpScreen, TorchtopApp
 from torchtop.tui.settings import load_settings, settings_path
+from torchtop.tui.widgets.chart import AXIS_WIDTH, TimeSeriesChart
 from torchtop.tui.widgets.host import HostPanel
 from torchtop.tui.widgets.log import LogPanel
 from torchtop.tui.widgets.memory import MemoryPanel
@@ -163,6 +166,40 @@ async def test_a_click_focuses_a_panel() -> None:
         assert isinstance(app.focused, HostPanel)
         await pilot.click(MemoryPanel, offset=(30, 5))  # on its chart
         assert isinstance(app.focused, MemoryPanel)
+
+
+def _top_line(chart: TimeSeriesChart) -> str:
+    return chart.render_text().plain.splitlines()[0]
+
+
+@pilot_test
+async def test_a_click_on_the_memory_chart_reads_the_values_at_that_time() -> None:
+    # 1 GiB allocated for 15 s, then 3 GiB; 6 GiB reserved throughout.
+    job = [
+        hello(cuda=True),
+        *(sample(T0 + i / 10, (1 if i < 150 else 3) * GiB) for i in range(300)),
+    ]
+    app = TorchtopApp(FakeSource(job))
+    async with app.run_test(size=SIZE) as pilot:
+        await drained(pilot)
+        chart = app.query_one(MemoryPanel).query_one(TimeSeriesChart)
+        plot_width = chart.content_region.width - AXIS_WIDTH
+        span = chart.t_end - chart.t_start
+        assert "allocated" not in _top_line(chart)
+        for cell, allocated in ((10, "1.0G"), (plot_width - 8, "3.0G")):
+            await pilot.click(chart, offset=(AXIS_WIDTH + cell, 1))
+            line = _top_line(chart)
+            found = re.search(rf"-(\d+)s allocated {allocated} reserved 6\.0G", line)
+            assert found, line
+            # The time read is the clicked column's, counted back from the window's end.
+            assert abs(int(found[1]) - span * (1 - (cell + 0.5) / plot_width)) <= 1, line
+            if allocated == "1.0G":
+                await pilot.click(chart, offset=(AXIS_WIDTH + cell, 1))  # a second click
+            else:
+                await pilot.press("escape")
+            await pilot.pause()
+            assert "allocated" not in _top_line(chart)
+        assert isinstance(app.focused, MemoryPanel)  # the click focused the panel as well
 
 
 # -- the help --------------------------------------------------------------------------------------

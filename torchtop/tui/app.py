@@ -44,6 +44,7 @@ from torchtop.tui.oom_screen import OomScreen
 from torchtop.tui.settings import load_settings, save_setting
 from torchtop.tui.source import Source, SourceDisconnected
 from torchtop.tui.wake import WakeFilter
+from torchtop.tui.widgets.chart import TimeSeriesChart
 from torchtop.tui.widgets.device import DevicePanel
 from torchtop.tui.widgets.header import JobHeader, Playback
 from torchtop.tui.widgets.host import HostPanel
@@ -94,7 +95,8 @@ HELP_PANELS = (
         "tensors; [magenta]reserved[/]: the caching allocator's hold; cache: reserved minus "
         "allocated; fragmented: free pieces of split segments; OOMs: failures the job saw "
         "(+ those torch handled). CPU: heap (or RSS) and RSS. The chart: the last 2 minutes "
-        "(all once the job ends), phases and ◆ marks beneath.",
+        "(all once the job ends), phases and ◆ marks beneath; a click on it reads the values "
+        "at that time (a second click or Esc takes them off).",
     ),
     (
         "Phase",
@@ -292,6 +294,13 @@ class TorchtopApp(App[int]):
             "advice",
             "Advice",
             tooltip="advice: what the rules found, with evidence, the fix and its demo",
+        ),
+        Binding(
+            "escape",
+            "clear_readings",
+            "Clear chart readings",
+            show=False,
+            tooltip="take a chart's reading off (a click on a chart reads its values there)",
         ),
     ]
 
@@ -637,6 +646,11 @@ class TorchtopApp(App[int]):
         """The advice rules' findings, with evidence, fix and demo."""
         if not isinstance(self.screen, AdviceScreen):
             self.push_screen(AdviceScreen(self.state))
+
+    def action_clear_readings(self) -> None:
+        """Esc: the values a click read off a chart are taken off it."""
+        for chart in self.query(TimeSeriesChart):
+            chart.clear_reading()
 
     def action_toggle_log(self) -> None:
         self._set_ops_shown(False)

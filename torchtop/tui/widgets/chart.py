@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rich.text import Text
+from textual.events import Click
 from textual.geometry import Size
 from textual.widget import Widget
 
@@ -165,6 +166,39 @@ def _append_runs(text: Text, chars: Sequence[str], styles: Sequence[str]) -> Non
             start = index
 
 
+def _reading(
+    series: Sequence[ChartSeries],
+    columns: Sequence[Sequence[float | None]],
+    cell: int,
+    before_end: float,
+    format_value: Callable[[float], str],
+) -> str:
+    """``-42s allocated 2.0G reserved 6.0G``: each series' value in plot cell ``cell`` (the
+    larger of its two dot columns), ``before_end`` seconds before the window's end."""
+    parts = [f"-{format_span(before_end)}"]
+    for s, values in zip(series, columns, strict=True):
+        present = [v for v in values[2 * cell : 2 * cell + 2] if v is not None]
+        parts.append(f"{s.label} {format_value(max(present)) if present else '—'}")
+    return " ".join(parts)
+
+
+def _overlay(chars: list[str], styles: list[str], reading: str, at: int) -> None:
+    """Write ``reading`` into a plot row beside column ``at``: to its right when it fits there,
+    else to its left, else from the left edge, cut to the width."""
+    width = len(chars)
+    if at + 1 + len(reading) <= width:
+        start = at + 1
+    elif len(reading) <= at:
+        start = at - len(reading)
+    else:
+        start = 0
+    for offset, char in enumerate(reading[: width - start]):
+        if start + offset == at:
+            continue  # the marked column stays as drawn
+        chars[start + offset] = char
+        styles[start + offset] = "bold"
+
+
 def render_chart(
     series: Sequence[ChartSeries],
     *,
@@ -176,13 +210,16 @@ def render_chart(
     marks: Sequence[ChartMark] = (),
     y_max: float | None = None,
     format_value: Callable[[float], str] = format_bytes_short,
+    cursor: float | None = None,
 ) -> Text:
     """Draw ``series`` over ``[t_start, t_end]`` in exactly ``height`` lines of ``width`` cells.
 
     The last line is the phase row (with the window's length in the axis column); the lines above
     it are the plot, with the y axis's top and zero labelled on the left. Series are drawn in
     order: where two share a cell the later one's colour wins, so put a filled series first and a
-    line over it second.
+    line over it second. A ``cursor`` (a time in the window) marks its column and writes, on the
+    plot's top line, how long before the window's end it is and each series' value there (the
+    largest in the column, as drawn): ``-42s allocated 2.0G reserved 6.0G``.
     """
     width = max(0, width)
     height = max(0, height)
@@ -235,6 +272,12 @@ def render_chart(
                     set_dot(x, y - 1, index)
             previous = level
 
+    read_at: int | None = None
+    reading = ""
+    if cursor is not None and plot_width > 0 and t_start <= cursor <= t_end and t_end > t_start:
+        read_at = min(plot_width - 1, int((cursor - t_start) / (t_end - t_start) * plot_width))
+        reading = _reading(series, columns, read_at, t_end - cursor, format_value)
+
     # A tall chart also labels the middle of the axis: the value at the top of that row.
     middle = plot_height // 2 if plot_height >= 7 else -1
     text = Text(no_wrap=True, overflow="crop")
@@ -252,6 +295,10 @@ def render_chart(
             text.append(f"{label:>{axis_width - 1}}{tick}", "dim")
         chars = [chr(_BRAILLE_BASE + b) if b else " " for b in bits[row]]
         styles = [series[o].style if o >= 0 else "" for o in owner[row]]
+        if read_at is not None:
+            styles[read_at] = f"{styles[read_at]} reverse".strip()
+            if row == 0:
+                _overlay(chars, styles, reading, read_at)
         _append_runs(text, chars, styles)
         text.append("\n")
     if axis_width:
@@ -280,6 +327,9 @@ class TimeSeriesChart(Widget):
         self.marks: list[ChartMark] = []
         self.t_start = 0.0
         self.t_end = 0.0
+        #: The time a click read (its value is written on the chart), until a second click
+        #: or Esc clears it, or the window moves past it.
+        self.cursor: float | None = None
         #: The text last drawn and the size it was drawn at: new data that draws the same
         #: (a flat series a fraction of a column later) does not redraw the widget.
         self._drawn: Text | None = None
@@ -300,6 +350,12 @@ class TimeSeriesChart(Widget):
         self.marks = list(marks)
         self.t_start = t_start
         self.t_end = t_end
+        if self.cursor is not None and self.cursor < t_start:
+            self.cursor = None  # the time read has left the window
+        self._redraw()
+
+    def _redraw(self) -> None:
+        """Draw the chart again if it then looks different."""
         size = self.content_region.size
         text = self.render_text()
         if text == self._drawn and size == self._drawn_size:
@@ -307,9 +363,14 @@ class TimeSeriesChart(Widget):
         self._drawn, self._drawn_size = text, size
         self.refresh()
 
+    def scale(self) -> tuple[float | None, Callable[[float], str]]:
+        """The y axis's top (``None``: from the data) and how its values are written."""
+        return None, format_bytes_short
+
     def render_text(self) -> Text:
         """The chart as Rich text at the widget's current size."""
         size = self.content_region.size
+        y_max, format_value = self.scale()
         return render_chart(
             self.series,
             width=size.width,
@@ -318,7 +379,33 @@ class TimeSeriesChart(Widget):
             t_end=self.t_end,
             spans=self.spans,
             marks=self.marks,
+            y_max=y_max,
+            format_value=format_value,
+            cursor=self.cursor,
         )
+
+    def on_click(self, event: Click) -> None:
+        """A click on the plot reads the values at that time; a second click clears them."""
+        if self.cursor is not None:
+            self.clear_reading()
+            return
+        offset = event.get_content_offset(self)
+        size = self.content_region.size
+        axis = AXIS_WIDTH if size.width > AXIS_WIDTH + 4 else 0
+        plot_width = size.width - axis
+        if offset is None or self.t_end <= self.t_start:
+            return
+        column = offset.x - axis
+        if not (0 <= column < plot_width and 0 <= offset.y < size.height - 1):
+            return  # the axis or the phase row
+        self.cursor = self.t_start + (column + 0.5) / plot_width * (self.t_end - self.t_start)
+        self._redraw()
+
+    def clear_reading(self) -> None:
+        """Take the values read by a click off the chart."""
+        if self.cursor is not None:
+            self.cursor = None
+            self._redraw()
 
     def render(self) -> Text:
         size = self.content_region.size

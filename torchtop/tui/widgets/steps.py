@@ -10,7 +10,7 @@ fraction stays high.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rich.text import Text
 from textual import on
@@ -28,7 +28,6 @@ from torchtop.tui.widgets.chart import (
     ChartSeries,
     ChartSpan,
     TimeSeriesChart,
-    render_chart,
 )
 from torchtop.tui.widgets.quiet import set_titles, update_if_changed
 
@@ -284,19 +283,8 @@ class StepBars(Widget):
 class StepTimeChart(TimeSeriesChart):
     """Step time over time, with the data wait filled beneath it; the axis in seconds."""
 
-    def render_text(self) -> Text:
-        size = self.content_region.size
-        return render_chart(
-            self.series,
-            width=size.width,
-            height=size.height,
-            t_start=self.t_start,
-            t_end=self.t_end,
-            spans=self.spans,
-            marks=self.marks,
-            y_max=series_top(self.series),
-            format_value=lambda v: format_seconds_short(v),
-        )
+    def scale(self) -> tuple[float | None, Callable[[float], str]]:
+        return series_top(self.series), format_seconds_short
 
 
 def history_data(
