@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import io
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -190,6 +191,18 @@ async def drained(pilot: Pilot[int]) -> None:
     assert isinstance(app, TorchtopApp)
     app.drain()
     await pilot.pause()
+
+
+@asynccontextmanager
+async def running(
+    source: FakeSource | list[Message], *, size: tuple[int, int] = SIZE, notifications: bool = False
+) -> AsyncIterator[tuple[TorchtopApp, Pilot[int]]]:
+    """The viewer on ``source`` (or a fake source of these messages) at ``size``, with what
+    the source delivered on start drawn."""
+    app = TorchtopApp(source if isinstance(source, FakeSource) else FakeSource(source))
+    async with app.run_test(size=size, notifications=notifications) as pilot:
+        await drained(pilot)
+        yield app, pilot
 
 
 # -- what the panels show ------------------------------------------------------------------------

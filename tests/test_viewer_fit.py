@@ -4,12 +4,15 @@ time chart scales each series to fit, and every screen fits 80x24 (issue 11: 2, 
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from fakes.source import FakeSource
 from rich.text import Text
 from test_steps_tui import training_job
 from test_steps_view import steps_frame
-from test_tui_app import HOST, SIZE, T0, cuda_job, drained, hello, pilot_test, static_text
+from test_tui_app import HOST, T0, cuda_job, drained, hello, pilot_test, running, static_text
+from test_viewer_idioms import open_help
 from textual.content import Content
 from textual.geometry import Region, Size
 from textual.pilot import Pilot
@@ -18,7 +21,7 @@ from textual.widgets._toast import Toast
 
 from torchtop.model.events import SourceDisconnected
 from torchtop.protocol import JobExited, LogLine, MemoryStats, Message, PhaseBegan, Sample
-from torchtop.tui.app import HelpScreen, TorchtopApp
+from torchtop.tui.app import TorchtopApp
 from torchtop.tui.widgets.chart import AXIS_WIDTH
 from torchtop.tui.widgets.device import DevicePanel
 from torchtop.tui.widgets.header import JobHeader
@@ -42,16 +45,21 @@ async def _at_end(pilot: Pilot[int], log: LogPanel) -> bool:
     return log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
 
 
-@pilot_test
-async def test_the_log_keeps_following_after_l_twice() -> None:
+@asynccontextmanager
+async def _following_log() -> AsyncIterator[tuple[Pilot[int], FakeSource, LogPanel]]:
+    """The viewer with 60 lines in its log, following its end."""
     source = FakeSource(cuda_job())
-    app = TorchtopApp(source)
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(source) as (app, pilot):
         log = app.query_one(LogPanel)
         source.deliver(_lines(0, 60))
         await drained(pilot)
         assert await _at_end(pilot, log)
+        yield pilot, source, log
+
+
+@pilot_test
+async def test_the_log_keeps_following_after_l_twice() -> None:
+    async with _following_log() as (pilot, source, log):
         for n, key in enumerate("ll"):
             await pilot.press(key)
             await pilot.pause()
@@ -62,14 +70,7 @@ async def test_the_log_keeps_following_after_l_twice() -> None:
 
 @pilot_test
 async def test_the_log_keeps_following_when_the_steps_panel_appears() -> None:
-    source = FakeSource(cuda_job())
-    app = TorchtopApp(source)
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
-        log = app.query_one(LogPanel)
-        source.deliver(_lines(0, 60))
-        await drained(pilot)
-        assert await _at_end(pilot, log)
+    async with _following_log() as (pilot, source, log):
         source.deliver([steps_frame(T0 + 41, 5, [0.1] * 5)])
         await drained(pilot)
         source.deliver(_lines(100, 30))
@@ -79,13 +80,7 @@ async def test_the_log_keeps_following_when_the_steps_panel_appears() -> None:
 
 @pilot_test
 async def test_a_reader_who_scrolled_up_stays_put() -> None:
-    source = FakeSource(cuda_job())
-    app = TorchtopApp(source)
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
-        log = app.query_one(LogPanel)
-        source.deliver(_lines(0, 60))
-        await drained(pilot)
+    async with _following_log() as (pilot, source, log):
         log.scroll_to(y=3, animate=False)
         await pilot.pause()
         source.deliver(_lines(100, 30))
@@ -108,9 +103,7 @@ async def test_the_step_time_chart_fits_seconds_long_steps_with_millisecond_wait
         durations = [0.8 + 0.1 * (i % 5) for i in range(5)]
         total += 5
         frames.append(steps_frame(T0 + 5 * (k + 1), total, list(durations), wait=0.002))
-    app = TorchtopApp(FakeSource([*cuda_job(), *frames]))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await drained(pilot)
+    async with running([*cuda_job(), *frames], size=(120, 40)) as (app, _pilot):
         chart = app.query_one(StepTimeChart)
         rows = chart.render_text().plain.splitlines()
         top = rows[0][: AXIS_WIDTH - 1].strip()
@@ -134,19 +127,15 @@ def _inside(region: Region, screen: Size) -> bool:
 
 @pilot_test
 async def test_the_help_scrolls_to_its_last_line_at_80x24() -> None:
-    app = TorchtopApp(FakeSource(cuda_job()))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
-        await pilot.press("question_mark")
-        await pilot.pause()
-        assert isinstance(app.screen, HelpScreen)
-        dialog = app.screen.query_one("#help-dialog")
+    async with running(cuda_job()) as (app, pilot):
+        help_screen = await open_help(pilot)
+        dialog = help_screen.query_one("#help-dialog")
         assert _inside(dialog.region, app.size)
         for _ in range(6):
             await pilot.press("pagedown")
         await pilot.pause()
         assert dialog.max_scroll_y > 0 and dialog.scroll_y == dialog.max_scroll_y
-        text = app.screen.query_one("#help-text")
+        text = help_screen.query_one("#help-text")
         # The last row, the log's, is on screen inside the box.
         assert text.region.y + text.region.height - dialog.scroll_y <= dialog.region.bottom
 
@@ -178,9 +167,7 @@ async def _toasts_cover_no_data(pilot: Pilot[int]) -> list[Region]:
 async def test_notifications_cover_no_panel_s_rows_at_80x24() -> None:
     source = FakeSource(training_job(wait=0.01))
     source.reachable = False
-    app = TorchtopApp(source)
-    async with app.run_test(size=SIZE, notifications=True) as pilot:
-        await drained(pilot)
+    async with running(source, notifications=True) as (app, pilot):
         await pilot.pause()
         await pilot.press("p")  # a long warning: no agent to take an op window
         assert len(await _toasts_cover_no_data(pilot)) == 1
@@ -210,9 +197,7 @@ async def test_the_memory_figures_fit_beside_the_phase_panel() -> None:
     cpu = [hello(cuda=False), *(Sample(T0 + i / 10, HOST, [heap]) for i in range(20))]
     for job in (cpu, cuda_job()):
         described = PhaseBegan(T0 + 1, "repeat", 7, description="Repeats a tensor. " * 8)
-        app = TorchtopApp(FakeSource([*job, described]))
-        async with app.run_test(size=SIZE) as pilot:
-            await drained(pilot)
+        async with running([*job, described]) as (app, pilot):
             await pilot.pause()
             lines, width = _figure_lines(app)
             assert 30 < width < 60  # beside the phase panel
@@ -225,9 +210,7 @@ async def test_the_memory_figures_fit_beside_the_phase_panel() -> None:
 @pilot_test
 async def test_rss_below_the_heap_is_explained_not_shown_negative() -> None:
     stats = MemoryStats("cpu", "cpu-heap", 620 * MiB, 564 * MiB)
-    app = TorchtopApp(FakeSource([hello(cuda=False), Sample(T0, HOST, [stats])]))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running([hello(cuda=False), Sample(T0, HOST, [stats])]) as (app, _pilot):
         figures = _figures(app)
         assert "-56" not in figures and "\u221256" not in figures, figures
         assert "heap > RSS" in figures, figures

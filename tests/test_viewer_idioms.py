@@ -9,7 +9,7 @@ import stat
 
 from fakes.source import FakeSource
 from test_ops_tui import ops_job, table_of, window
-from test_tui_app import SIZE, T0, GiB, cuda_job, drained, hello, pilot_test, static_text
+from test_tui_app import SIZE, T0, GiB, cuda_job, drained, hello, pilot_test, running, static_text
 from test_viewer_redraw import sample
 from textual.command import CommandPalette
 from textual.events import MouseScrollUp
@@ -23,6 +23,15 @@ from torchtop.tui.widgets.host import HostPanel
 from torchtop.tui.widgets.log import LogPanel
 from torchtop.tui.widgets.memory import MemoryPanel
 from torchtop.tui.widgets.ops import OpsPanel
+
+
+async def open_help(pilot: Pilot[int]) -> HelpScreen:
+    """Press ``?``, as a user would; the help shown."""
+    await pilot.press("question_mark")
+    await pilot.pause()
+    screen = pilot.app.screen
+    assert isinstance(screen, HelpScreen)
+    return screen
 
 
 async def palette_choose(pilot: Pilot[int], query: str) -> None:
@@ -44,9 +53,7 @@ async def palette_choose(pilot: Pilot[int], query: str) -> None:
 
 @pilot_test
 async def test_the_palette_offers_every_key_s_action_and_runs_one() -> None:
-    app = TorchtopApp(FakeSource(ops_job(window())))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(ops_job(window())) as (app, pilot):
         titles = {action.title for action, _run in app.palette_commands()}
         for action in app.actions():
             if app.check_action(action.action, ()):
@@ -62,9 +69,7 @@ async def test_the_palette_offers_every_key_s_action_and_runs_one() -> None:
 
 @pilot_test
 async def test_letters_typed_into_the_palette_are_not_keys() -> None:
-    app = TorchtopApp(FakeSource(cuda_job()))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(cuda_job()) as (app, pilot):
         await pilot.press("ctrl+p")
         await pilot.pause()
         await pilot.press(*"quit l e")
@@ -114,9 +119,7 @@ async def test_an_unreadable_settings_file_starts_with_the_default_theme() -> No
 
 @pilot_test
 async def test_a_click_on_an_ops_heading_sorts_by_it() -> None:
-    app = TorchtopApp(FakeSource(ops_job(window())))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(ops_job(window())) as (app, pilot):
         await pilot.press("t")
         await pilot.pause()
         panel = app.query_one(OpsPanel)
@@ -139,9 +142,7 @@ def log_lines(count: int) -> list[Message]:
 
 @pilot_test
 async def test_the_wheel_scrolls_the_log_back_and_it_stops_following() -> None:
-    app = TorchtopApp(FakeSource([*cuda_job(), *log_lines(60)]))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running([*cuda_job(), *log_lines(60)]) as (app, pilot):
         log = app.query_one(LogPanel)
         assert log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
         x, y = log.region.x + 2, log.region.y + 1
@@ -158,9 +159,7 @@ async def test_the_wheel_scrolls_the_log_back_and_it_stops_following() -> None:
 
 @pilot_test
 async def test_a_click_focuses_a_panel() -> None:
-    app = TorchtopApp(FakeSource(cuda_job()))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(cuda_job()) as (app, pilot):
         assert isinstance(app.focused, LogPanel)  # the arrow keys scroll the log at first
         await pilot.click(HostPanel)
         assert isinstance(app.focused, HostPanel)
@@ -179,9 +178,7 @@ async def test_a_click_on_the_memory_chart_reads_the_values_at_that_time() -> No
         hello(cuda=True),
         *(sample(T0 + i / 10, (1 if i < 150 else 3) * GiB) for i in range(300)),
     ]
-    app = TorchtopApp(FakeSource(job))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(job) as (app, pilot):
         chart = app.query_one(MemoryPanel).query_one(TimeSeriesChart)
         plot_width = chart.content_region.width - AXIS_WIDTH
         span = chart.t_end - chart.t_start
@@ -207,13 +204,9 @@ async def test_a_click_on_the_memory_chart_reads_the_values_at_that_time() -> No
 
 @pilot_test
 async def test_the_help_lists_every_key_binding_from_the_bindings() -> None:
-    app = TorchtopApp(FakeSource(cuda_job()))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
-        await pilot.press("question_mark")
-        await pilot.pause()
-        assert isinstance(app.screen, HelpScreen)
-        text = " ".join(static_text(app.screen.query_one("#help-text")).split())
+    async with running(cuda_job()) as (_app, pilot):
+        help_screen = await open_help(pilot)
+        text = " ".join(static_text(help_screen.query_one("#help-text")).split())
         for binding in [*TorchtopApp.BINDINGS, *OpsPanel.BINDINGS]:
             tooltip = getattr(binding, "tooltip", "")
             if tooltip:

@@ -19,13 +19,13 @@ from test_steps_tui import training_job
 from test_steps_view import steps_frame
 from test_tui_app import (
     HOST,
-    SIZE,
     T0,
     cuda_job,
     drained,
     log_text,
     memory_text,
     pilot_test,
+    running,
     static_text,
 )
 from textual.pilot import Pilot
@@ -81,9 +81,7 @@ def sample(t: float, allocated: int) -> Sample:
 @pilot_test
 async def test_a_panel_whose_data_did_not_change_is_not_redrawn() -> None:
     source = FakeSource(cuda_job(), deliver_on_start=True)
-    app = TorchtopApp(source)
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(source) as (app, pilot):
         host = app.query_one(HostPanel)
         device = app.query_one(DevicePanel)
         figures = app.query_one(MemoryPanel).query_one("#memory-figures")
@@ -100,9 +98,7 @@ async def test_a_panel_whose_data_did_not_change_is_not_redrawn() -> None:
 
 @pilot_test
 async def test_a_flat_series_a_moment_later_does_not_redraw_the_chart() -> None:
-    app = TorchtopApp(FakeSource(cuda_job()))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(cuda_job()) as (app, pilot):
         chart = app.query_one(MemoryPanel).query_one(TimeSeriesChart)
         last = app.state.primary_memory
         assert last is not None
@@ -117,9 +113,7 @@ async def test_a_flat_series_a_moment_later_does_not_redraw_the_chart() -> None:
 @pilot_test
 async def test_data_from_the_source_thread_reaches_the_screen_without_a_tick() -> None:
     source = FakeSource(cuda_job(), deliver_on_start=True)
-    app = TorchtopApp(source)
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(source) as (app, pilot):
         frames = getattr(app, "frames", 0)
         line = LogLine(T0 + 31, "stdout", "new line from the job")
         feeder = threading.Thread(target=app.sink, args=(line,))
@@ -152,9 +146,7 @@ def idle_samples(start: float, count: int, allocated: int = 9 * GiB) -> list[Mes
 
 @pilot_test
 async def test_an_idle_job_draws_about_one_frame_a_second() -> None:
-    app = TorchtopApp(FakeSource(cuda_job()))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(cuda_job()) as (app, pilot):
         start = T0 + 31
         await fed_one_by_one(pilot, [sample(start - 0.1, 9 * GiB)])
         frames, applied = app.frames, app.state.samples
@@ -172,9 +164,7 @@ async def test_an_idle_job_draws_about_one_frame_a_second() -> None:
 
 @pilot_test
 async def test_a_sample_that_changes_a_figure_is_drawn_at_once() -> None:
-    app = TorchtopApp(FakeSource(cuda_job()))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(cuda_job()) as (app, pilot):
         start = T0 + 31
         await fed_one_by_one(pilot, idle_samples(start, 3))
         frames = app.frames
@@ -185,9 +175,7 @@ async def test_a_sample_that_changes_a_figure_is_drawn_at_once() -> None:
 
 @pilot_test
 async def test_new_figures_and_log_lines_do_not_lay_the_screen_out_again() -> None:
-    app = TorchtopApp(FakeSource(cuda_job()))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(cuda_job()) as (app, pilot):
         await pilot.pause()
         messages: list[Message] = []
         for i in range(10):
@@ -202,9 +190,7 @@ async def test_new_figures_and_log_lines_do_not_lay_the_screen_out_again() -> No
 
 @pilot_test
 async def test_the_hidden_ops_panel_is_not_redrawn() -> None:
-    app = TorchtopApp(FakeSource(cuda_job()))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(cuda_job()) as (app, pilot):
         panel = app.query_one(OpsPanel)
         with counting_calls("show_state", panel) as shown:
             samples = [sample(T0 + 31 + i, 9 * GiB + i * GiB) for i in range(3)]
@@ -236,9 +222,7 @@ def no_gap(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_step_bars_fill_their_width_once_the_row_appears() -> None:
     # The row appears with the first steps, before its size is known; the bars are paced to
     # a second of the job's time, but a new size draws them at once.
-    app = TorchtopApp(FakeSource(training_job(wait=0.05)))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(training_job(wait=0.05)) as (app, pilot):
         await pilot.pause()
         bars = app.query_one(StepBars)
         assert bars.size.width > 1
@@ -252,9 +236,7 @@ def _cells(strip: Strip) -> list[tuple[str, Style]]:
 
 @pilot_test
 async def test_plain_log_lines_are_drawn_without_rich_and_look_the_same() -> None:
-    app = TorchtopApp(FakeSource(cuda_job()))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(cuda_job()) as (app, pilot):
         log = app.query_one(LogPanel)
         width = log.scrollable_content_region.width
         plain = [LogLine(T0 + 31, "stdout", f"step {i} loss 0.{i:04d}") for i in range(40)]
@@ -284,9 +266,7 @@ async def test_plain_log_lines_are_drawn_without_rich_and_look_the_same() -> Non
 async def test_the_steps_row_is_redrawn_once_a_second_of_the_job_s_time() -> None:
     # A fast job's counter and rates move at every step: drawn as often, they cost a chatty
     # job's viewer a frame's worth of drawing each time for a figure the eye cannot follow.
-    app = TorchtopApp(FakeSource(training_job(wait=0.01)))
-    async with app.run_test(size=SIZE) as pilot:
-        await drained(pilot)
+    async with running(training_job(wait=0.01)) as (app, pilot):
         steps = app.query_one(StepPanel)
         total = app.state.training.total
         frames = [
