@@ -34,6 +34,7 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 import torchtop.tui.app as app_module
+import torchtop.tui.widgets.memory as memory_module
 from torchtop.model.job import LogEntry
 from torchtop.protocol import LogLine, MemoryStats, Message, Sample
 from torchtop.tui.app import TorchtopApp
@@ -291,3 +292,24 @@ def test_a_costly_frame_makes_the_next_one_wait_for_the_budget(
         app._last_frame_cpu = time.thread_time() - spent
         app._pace()
         assert gap <= app.frame_gap_s < gap + 0.01, (spent, app.frame_gap_s)
+
+
+@pilot_test
+async def test_frames_without_a_sample_do_not_build_the_memory_figures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built: list[int] = []
+    original = memory_module.memory_figures
+
+    def counted(state: Any, width: int | None = None) -> Any:
+        built.append(state.samples)
+        return original(state, width)
+
+    monkeypatch.setattr(memory_module, "memory_figures", counted)
+    async with running(cuda_job()) as (app, pilot):
+        built.clear()
+        lines = [LogLine(T0 + 31 + i / 10, "stdout", f"line {i}") for i in range(10)]
+        await fed_one_by_one(pilot, lines)
+        assert app.frames >= 10 and built == []
+        await fed_one_by_one(pilot, [sample(T0 + 32, 11 * GiB)])
+        assert len(built) == 1 and "11.0 GiB" in memory_text(app)

@@ -223,10 +223,22 @@ class MemoryPanel(Vertical):
         yield Static(id="memory-figures")
         yield TimeSeriesChart(id="memory-chart")
 
+    #: What the figures were last built from: a frame that brings no sample (a chatty job's
+    #: log lines, its steps) need not build them again to find they are the same.
+    _figures_from: tuple[object, ...] | None = None
+
     def _show_figures(self) -> None:
-        if self._state is not None:
-            figures = self.query_one("#memory-figures", Static)
-            update_if_changed(figures, memory_figures(self._state, figures.content_region.width))
+        state = self._state
+        if state is None:
+            return
+        figures = self.query_one("#memory-figures", Static)
+        width = figures.content_region.width
+        device = state.primary_device
+        built_from = (state.samples, device, state.lost, state.device_ooms(device), width)
+        if built_from == self._figures_from:
+            return
+        self._figures_from = built_from
+        update_if_changed(figures, memory_figures(state, width))
 
     @on(Resize)
     def _fit_figures(self) -> None:
