@@ -40,7 +40,6 @@ from benchmarks.agent_overhead import (
     MODELS,
     alternating,
     attach_viewer,
-    block,
     make_step,
     measure,
     summarize,
@@ -49,6 +48,8 @@ from torchtop.agent import core
 from torchtop.agent.rank_start import rank_environment
 
 REPO = Path(__file__).resolve().parent.parent
+#: Steps each rank takes before the block length is agreed.
+WARM_STEPS = 30
 
 
 def counted(step: Any, steps: int) -> list[float]:
@@ -74,9 +75,11 @@ def rank_worker(model: str, rounds: int, seconds: float, out: Path) -> None:
     torch.manual_seed(0)
     net, x, y = MODELS[model]()
     step = make_step(DistributedDataParallel(net), x, y)
-    # The block's length in steps: what the slowest rank takes in ``seconds`` at warm-up.
-    warm = len(block(step, 1.0))
-    steps = torch.tensor([max(1, int(warm * seconds))])
+    # The block's length in steps: what the slowest rank takes in ``seconds`` at warm-up. The
+    # warm-up is counted in steps too: a timed one ends at a different step on each rank, and
+    # the count's all-reduce would then meet the other rank's gradient all-reduce.
+    warm = statistics.median(counted(step, WARM_STEPS))
+    steps = torch.tensor([max(1, int(seconds / warm))])
     dist.all_reduce(steps, op=dist.ReduceOp.MIN)
     n = int(steps.item())
     viewer = attach_viewer(agent.info.address)
