@@ -28,6 +28,7 @@ from torchtop.agent.output import OutputCapture
 from torchtop.agent.sampler import Sampler, SamplerStats, torch_imported
 from torchtop.agent.server import ANSWERS, EVENTS, LOGS, OPS, SAMPLES, AgentServer, RingLimit
 from torchtop.agent.stall import StallWatch
+from torchtop.agent.threads import agent_thread
 from torchtop.agent.training import TrainingMonitor
 from torchtop.protocol import (
     PROTOCOL_VERSION,
@@ -496,11 +497,10 @@ def _on_sigterm(signum: int, _frame: Any) -> None:
     if agent is not None and agent.pid == os.getpid():
         # In a thread of its own, waited for a bounded time: the handler runs in the main
         # thread between two bytecodes, perhaps while that thread holds a lock the agent needs.
-        closing = threading.Thread(
-            target=agent.finish,
+        closing = agent_thread(
+            agent.finish,
+            "torchtop-sigterm",
             args=(-signum, "killed by SIGTERM", SIGTERM_DRAIN_S, SIGTERM_DRAIN_S),
-            name="torchtop-sigterm",
-            daemon=True,
         )
         closing.start()
         closing.join(SIGTERM_WAIT_S)

@@ -54,6 +54,7 @@ from torchtop.agent.memory_snapshot import (
     totals,
     verdict,
 )
+from torchtop.agent.threads import agent_thread
 from torchtop.protocol import (
     MAX_FRAME_BYTES,
     REQUEST_RESUME,
@@ -125,7 +126,7 @@ class OomController:
         self._last_failure: tuple[str, int, float] | None = None
         self._resume = threading.Event()
         self._requests: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
-        self._worker = threading.Thread(target=self._work, name="torchtop-oom", daemon=True)
+        self._worker = agent_thread(self._work, "torchtop-oom")
         self._stopping = False
 
     # -- life cycle ---------------------------------------------------------------------------

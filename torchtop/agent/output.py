@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from torchtop.agent.threads import agent_thread
 from torchtop.job_output import LineSplitter, write_all
 
 
@@ -43,7 +44,7 @@ class OutputCapture:
                 lambda text, stream=name: self._emit(stream, text)  # type: ignore[misc]
             )
             self._passthrough[read_end] = True
-        self._thread = threading.Thread(target=self._run, name="torchtop-output", daemon=True)
+        self._thread = agent_thread(self._run, "torchtop-output")
         self._thread.start()
 
     def stop(self, timeout: float = 1.0) -> None:

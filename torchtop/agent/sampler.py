@@ -17,6 +17,7 @@ from typing import Any
 
 from torchtop.agent import events
 from torchtop.agent.probes.base import ProbeUnavailable
+from torchtop.agent.threads import agent_thread
 from torchtop.protocol import (
     GpuSample,
     Marked,
@@ -119,7 +120,7 @@ class Sampler:
         self._stop = threading.Event()
         self._resumed = threading.Event()
         self._resumed.set()
-        self._thread = threading.Thread(target=self._run, name="torchtop-sampler", daemon=True)
+        self._thread = agent_thread(self._run, "torchtop-sampler")
         self._next_nvml = 0.0
         self.stats = SamplerStats()
 

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from torchtop.agent.threads import agent_thread
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
@@ -203,7 +204,7 @@ class AgentServer:
         self.on_request: Callable[[Request], None] = lambda _request: None
 
     def _new_thread(self) -> threading.Thread:
-        return threading.Thread(target=self._run, name="torchtop-server", daemon=True)
+        return agent_thread(self._run, "torchtop-server")
 
     # -- producers ----------------------------------------------------------------------------
 
