@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,15 @@ ABRUPT_ENDS = {
 }
 
 
+def started(tmp_path: Path, on_line: Callable[[str, str], None]) -> Job:
+    """``tmp_path/job.py`` started as ``torchtop run`` starts a job for its viewer."""
+    job = Job(
+        RunSpec(target=[str(tmp_path / "job.py")], agent_options={"ops": False}), on_line=on_line
+    )
+    job.start()
+    return job
+
+
 @pytest.mark.parametrize("end", sorted(ABRUPT_ENDS))
 def test_output_before_an_abrupt_end_reaches_the_terminal_and_the_recording(
     tmp_path: Path, end: str
@@ -57,11 +68,7 @@ def test_output_before_an_abrupt_end_reaches_the_terminal_and_the_recording(
 def test_a_live_runs_output_reaches_its_log_and_the_viewer(tmp_path: Path) -> None:
     (tmp_path / "job.py").write_text(ABRUPT_ENDS["os_exit"][0])
     lines: list[tuple[str, str]] = []
-    job = Job(
-        RunSpec(target=[str(tmp_path / "job.py")], agent_options={"ops": False}),
-        on_line=lambda stream, text: lines.append((stream, text)),
-    )
-    job.start()
+    job = started(tmp_path, lambda stream, text: lines.append((stream, text)))
     assert job.wait(60) == 7
     assert ("stdout", "last words before os._exit") in lines
     assert job.log_path is not None
@@ -77,11 +84,7 @@ def test_a_detached_jobs_output_goes_on_into_its_log(tmp_path: Path) -> None:
         "sys.stderr.write('and on stderr\\n')\n"
     )
     lines: list[tuple[str, str]] = []
-    job = Job(
-        RunSpec(target=[str(tmp_path / "job.py")], agent_options={"ops": False}),
-        on_line=lambda stream, text: lines.append((stream, text)),
-    )
-    job.start()
+    job = started(tmp_path, lambda stream, text: lines.append((stream, text)))
     while ("stdout", "first") not in lines:
         time.sleep(0.05)
     job.detach()
@@ -93,3 +96,27 @@ def test_a_detached_jobs_output_goes_on_into_its_log(tmp_path: Path) -> None:
     # Two pipes: the last two lines may reach the log in either order.
     first, *rest = job.log_path.read_text().splitlines()
     assert first == "first" and sorted(rest) == ["after the viewer left", "and on stderr"]
+
+
+def test_a_chatty_jobs_lines_are_copied_in_batches_and_a_burst_fits_its_pipe(
+    tmp_path: Path,
+) -> None:
+    """A job printing a line every 2 ms wakes the copy a few dozen times a second, not once a
+    line (each wake-up is most of what copying costs); its pipe holds a 1 MiB burst, so the
+    copy's pause between reads never blocks the job; and every line arrives, in order."""
+    (tmp_path / "job.py").write_text(
+        "import fcntl, sys, time\n"
+        "print('pipe', fcntl.fcntl(1, getattr(fcntl, 'F_GETPIPE_SZ', 1032)), flush=True)\n"
+        "for i in range(300):\n"
+        "    print(f'line {i}', flush=True)\n"
+        "    time.sleep(0.002)\n"
+    )
+    arrivals: list[tuple[float, str]] = []
+    job = started(tmp_path, lambda _stream, text: arrivals.append((time.monotonic(), text)))
+    assert job.wait(60) == 0
+    texts = [text for _t, text in arrivals]
+    assert texts[0] == f"pipe {1 << 20}"
+    assert texts[1:] == [f"line {i}" for i in range(300)]
+    # Lines handed on together (one read) arrive within a fraction of a millisecond.
+    batches = 1 + sum(1 for (a, _), (b, _) in itertools.pairwise(arrivals) if b - a > 0.001)
+    assert batches < 300 / 3, batches
