@@ -258,3 +258,46 @@ def test_an_older_loader_reading_never_replaces_a_newer_one() -> None:
     training = TrainingState()
     assert training.apply(newer) and not training.apply(older)
     assert len(training.loaders) == 2
+
+
+def test_the_step_chart_draws_a_fast_jobs_folded_steps_as_it_would_draw_every_step() -> None:
+    """A job stepping every 5 ms: the chart's series hold one point per tenth of a second (the
+    longest step and the longest wait, each at its own time), a twentieth of the steps, and
+    the chart drawn from them is the chart drawn from every step."""
+    import math
+    import random
+
+    from torchtop.tui.widgets.chart import ChartSeries, render_chart
+    from torchtop.tui.widgets.steps import history_data
+
+    rng = random.Random(7)
+    job = JobModel()
+    t, total = T0, 0
+    raw_steps: list[tuple[float, float | None]] = []
+    raw_waits: list[tuple[float, float | None]] = []
+    for _frame in range(300):  # 30 s: a frame every 0.1 s, 20 steps each
+        spread = [rng.uniform(0.5, 1.5) ** 3 for _ in range(20)]
+        durations: list[float | None] = [0.1 * x / sum(spread) for x in spread]
+        waits = [0.002 * rng.random() ** 4 for _ in range(20)]
+        t += 0.1
+        total += 20
+        frame = steps_frame(t, total, durations)
+        frame = StepStats(**{**frame.__dict__, "waits": waits})
+        job.apply(frame)
+        raw_steps += zip(frame.ends, durations, strict=True)
+        raw_waits += zip(frame.ends, waits, strict=True)
+    job.now = t
+    series, _spans, first, _end = history_data(job)
+    assert len(series[1].points) <= 301 and len(raw_steps) == 6000
+    # Columns half a second wide from a whole second on: each tenth of a second is in one.
+    t_start = math.ceil(first) + 1.0
+    t_end = t_start + 24.0
+    width = 6 + 24  # 48 dot columns
+
+    def drawn(chart: list[ChartSeries]) -> str:
+        text = render_chart(chart, width=width, height=5, t_start=t_start, t_end=t_end, y_max=0.05)
+        return text.plain
+
+    raw = [ChartSeries("wait", raw_waits, "blue", fill=True), ChartSeries("step", raw_steps, "red")]
+    assert drawn(series) == drawn(raw)
+    assert drawn(series) != drawn([raw[0], ChartSeries("step", raw_steps[::20], "red")])

@@ -35,6 +35,10 @@ D = TypeVar("D")
 
 #: Steps kept for the charts (each may stand for several when the agent sampled them).
 DEFAULT_STEP_POINTS = 6000
+#: Seconds of steps the step-time chart's series folds into one point: the longest step and
+#: the longest wait among them, each at its own time. A chart column spans a second or more,
+#: so it draws the same curve from a fast job's few points a column as from its hundreds.
+CHART_BUCKET_S = 0.1
 #: Steps kept for the whole run's percentiles before the sample is halved.
 DEFAULT_HISTORY_STEPS = 16384
 #: Worker pids remembered per loader to count the workers seen (new pids beyond are counted).
@@ -250,6 +254,17 @@ class LoaderState:
         self.peak_workers_rss = max(self.peak_workers_rss, rss)
 
 
+@dataclass(slots=True)
+class ChartBucket:
+    """The steps of one :data:`CHART_BUCKET_S` as the step-time chart draws them."""
+
+    bucket: int
+    step_t: float
+    step: float
+    wait_t: float
+    wait: float
+
+
 @dataclass
 class TrainingState:
     """Steps and DataLoaders. Bounded: the chart's recent points, the run's even sample."""
@@ -261,6 +276,9 @@ class TrainingState:
     skipped_total: int = 0
     run: StepTotals = field(default_factory=StepTotals)
     points: deque[StepPoint] = field(init=False)
+    #: The step-time chart's series: per :data:`CHART_BUCKET_S` of timed steps, the longest
+    #: step and the longest wait for data (start-up included), each with its step's end.
+    chart: deque[ChartBucket] = field(init=False)
     #: Per ``steps`` message: its time and its sums, for the recent window.
     frames: deque[tuple[float, StepTotals]] = field(init=False)
     #: The whole run's steps (an even sample once long), for percentiles over any time range.
@@ -274,6 +292,7 @@ class TrainingState:
 
     def __post_init__(self) -> None:
         self.points = deque(maxlen=self.max_points)
+        self.chart = deque(maxlen=self.max_points)
         self.frames = deque(maxlen=self.max_points)
         self.history = StepHistory(self.history_steps)
 
@@ -352,6 +371,30 @@ class TrainingState:
             )
         )
         self.history.extend(m.ends, durations, weights)
+        self._fold_chart(m.ends, durations, waits, startups)
+
+    def _fold_chart(
+        self,
+        ends: list[float],
+        durations: list[float | None],
+        waits: list[float],
+        startups: list[float],
+    ) -> None:
+        chart = self.chart
+        last = chart[-1] if chart else None
+        for t, duration, wait, startup in zip(ends, durations, waits, startups, strict=True):
+            if duration is None:  # the first step: no time to chart
+                continue
+            waited = wait + startup
+            bucket = int(t // CHART_BUCKET_S)
+            if last is None or bucket != last.bucket:
+                last = ChartBucket(bucket, t, duration, t, waited)
+                chart.append(last)
+                continue
+            if duration > last.step:
+                last.step_t, last.step = t, duration
+            if waited > last.wait:
+                last.wait_t, last.wait = t, waited
 
     # -- queries -----------------------------------------------------------------------------
 

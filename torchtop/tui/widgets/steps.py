@@ -304,13 +304,14 @@ def history_data(
     start = min(start, end - MIN_WINDOW_S)
     durations: list[tuple[float, float | None]] = []
     waits: list[tuple[float, float | None]] = []
-    for point in reversed(points):
-        if point.t < start:
+    # The model's folded series: a fast job's thousands of steps as a few points per column.
+    for bucket in reversed(training.chart):
+        if bucket.step_t < start and bucket.wait_t < start:
             break
-        if point.duration is None:
-            continue
-        durations.append((point.t, point.duration))
-        waits.append((point.t, point.wait + point.startup))
+        if bucket.step_t >= start:
+            durations.append((bucket.step_t, bucket.step))
+        if bucket.wait_t >= start:
+            waits.append((bucket.wait_t, bucket.wait))
     durations.reverse()
     waits.reverse()
     series = [
