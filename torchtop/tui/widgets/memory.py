@@ -79,6 +79,29 @@ def fit_lines(lines: list[tuple[list[Figure], str]], width: int | None) -> Text:
     return Text("\n", no_wrap=True, overflow="ellipsis").join(out)
 
 
+def figures_key(state: JobModel) -> tuple[object, ...] | None:
+    """What the figures show of the primary device's memory, as written (a byte count to its
+    shown digits, a count whole): two states with the same key show the same figures."""
+    memory = state.primary_memory
+    if memory is None:
+        return None
+    stats = memory.latest
+    return (
+        stats.source,
+        memory.allocated_label,
+        memory.reserved_label,
+        *(
+            format_bytes(value) if name.endswith("_bytes") else value
+            for name, value in stats.__dict__.items()
+            if name not in ("device", "source")
+        ),
+        format_bytes(memory.peak_allocated),
+        format_bytes(memory.peak_reserved),
+        format_bytes(memory.cache),
+        format_bytes(memory.fragmented),
+    )
+
+
 def memory_figures(state: JobModel, width: int | None = None) -> Text:
     """Two lines of figures for the primary device, fitted to ``width`` cells when given; its
     colour squares are the chart's legend."""
@@ -223,8 +246,8 @@ class MemoryPanel(Vertical):
         yield Static(id="memory-figures")
         yield TimeSeriesChart(id="memory-chart")
 
-    #: What the figures were last built from: a frame that brings no sample (a chatty job's
-    #: log lines, its steps) need not build them again to find they are the same.
+    #: What the figures were last built from: a frame whose samples show the same figures (a
+    #: chatty job's frames of log lines and steps) need not build them again to find so.
     _figures_from: tuple[object, ...] | None = None
 
     def _show_figures(self) -> None:
@@ -234,7 +257,7 @@ class MemoryPanel(Vertical):
         figures = self.query_one("#memory-figures", Static)
         width = figures.content_region.width
         device = state.primary_device
-        built_from = (state.samples, device, state.lost, state.device_ooms(device), width)
+        built_from = (figures_key(state), device, state.lost, state.device_ooms(device), width)
         if built_from == self._figures_from:
             return
         self._figures_from = built_from
