@@ -10,6 +10,7 @@ frames a second, and a job with nothing new costs the viewer nothing. Never impo
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,7 +27,6 @@ from textual.message import Message as TMessage
 from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen
 from textual.theme import Theme
-from textual.timer import Timer
 from textual.widgets import Footer, Static
 
 from torchtop.model.captures import CaptureEntry
@@ -40,6 +40,7 @@ from torchtop.protocol import (
 )
 from torchtop.tui.advice_screen import AdviceScreen
 from torchtop.tui.commands import Action, ViewerCommands, actions, help_rows
+from torchtop.tui.heap import SettledHeap
 from torchtop.tui.oom_screen import OomScreen
 from torchtop.tui.settings import load_settings, save_setting
 from torchtop.tui.source import Source, SourceDisconnected
@@ -58,17 +59,21 @@ from torchtop.tui.widgets.steps import StepPanel
 #: The shortest time between two frames: new data is drawn as soon as it comes, but a job that
 #: speaks all the time is drawn at most this often (10 frames a second is smooth to the eye).
 MIN_FRAME_GAP_S = 0.1
-#: The share of one core that drawing may take while a job speaks all the time: after a frame
-#: that cost X seconds of the app's thread, the next waits X / FRAME_BUDGET (at least
-#: MIN_FRAME_GAP_S, at most MAX_FRAME_GAP_S), so a costly screen is drawn less often.
-FRAME_BUDGET = 0.04
+#: The share of one core that drawing may take while a job speaks all the time: when frames
+#: cost the app's thread X seconds each (a running average), each waits X / FRAME_BUDGET after
+#: the last (at least MIN_FRAME_GAP_S, at most MAX_FRAME_GAP_S), so a costly screen is drawn
+#: less often.
+FRAME_BUDGET = 0.03
+#: How much of the last frame's cost goes into the running average that sets the gap.
+FRAME_COST_WEIGHT = 0.2
 #: The longest a frame waits for the budget: new data still reaches the screen within a
 #: quarter second (the time to the screen is this wait plus the way from the job, tens of ms).
-MAX_FRAME_GAP_S = 0.16
+MAX_FRAME_GAP_S = 0.2
 #: Seconds of the job's time between two redraws of what moves without meaning more to the
 #: eye when redrawn more often: the charts, the steps row (its counter and rates move at every
-#: step, a hundred times a second for a fast job), and the host and GPU figures (which change
-#: at every sample). The memory figures and the log show every frame's data.
+#: step, a hundred times a second for a fast job), the host and GPU figures (which change at
+#: every sample) and the header (its uptime, advice and drop counts). The memory figures and
+#: the log show every frame's data.
 SLOW_REDRAW_S = 1.0
 #: The most messages applied in one frame, so a burst (a replay's jump to the end) cannot
 #: freeze the screen; the rest wait for the next frame.
@@ -321,6 +326,7 @@ class TorchtopApp(App[int]):
         #: ``None``: redraw them at the next frame.
         self._slow_shown_at: float | None = None
         self._shown_connection = self.state.connection
+        self._shown_silent_s: float | None = None
         #: Mounted: the source's thread may wake the app (before, on_mount drains what came).
         self._awake = False
         #: A frame is already asked for: messages that come meanwhile need no other wake-up.
@@ -329,11 +335,15 @@ class TorchtopApp(App[int]):
         #: the app thread's CPU time then (``time.thread_time()``), for what the frame cost.
         self._last_frame = 0.0
         self._last_frame_cpu = time.thread_time()
-        #: The gap before the next frame (:data:`FRAME_BUDGET`).
+        #: The gap before the next frame (:data:`FRAME_BUDGET`), from what the last frames
+        #: cost the app's thread on average (seconds of CPU; ``None`` before the first).
         self.frame_gap_s = MIN_FRAME_GAP_S
+        self._frame_cost: float | None = None
         self._leaving = False
-        #: The timer of a frame asked for before the gap was over.
-        self._frame_timer: Timer | None = None
+        #: The garbage collector set for drawing, while the app runs (:mod:`.heap`).
+        self._heap = SettledHeap()
+        #: The frame asked for before the gap was over, due on the event loop's own clock.
+        self._frame_due: asyncio.TimerHandle | None = None
         #: Frames drawn (drains that applied something or changed the playback), for tests and
         #: the benchmark.
         self.frames = 0
@@ -372,6 +382,7 @@ class TorchtopApp(App[int]):
         # The log has the focus at first, so the arrow keys scroll it; a click focuses a panel.
         self.query_one(LogPanel).focus()
         self._awake = True
+        self._heap.settle()
         self._show()
         try:
             self.source.start(self.sink)
@@ -379,6 +390,9 @@ class TorchtopApp(App[int]):
             self.sink(SourceDisconnected(time.time(), f"could not start: {exc}"))
         if self._pending:
             self._ask_frame()
+
+    def on_unmount(self) -> None:
+        self._heap.release()
 
     # -- feeding -------------------------------------------------------------------------------
 
@@ -405,8 +419,19 @@ class TorchtopApp(App[int]):
         wait = self._last_frame + self.frame_gap_s - time.monotonic()
         if wait <= 0:
             self.drain()
-        else:
-            self._frame_timer = self.set_timer(wait, self.drain)
+        elif self._frame_due is None:
+            # A bare asyncio timer: a Textual one is a task and a message more per frame, each
+            # a wake-up of the loop (a chatty job's frames are most of what the viewer costs).
+            self._frame_due = asyncio.get_running_loop().call_later(wait, self._due_drain)
+
+    def _due_drain(self) -> None:
+        self._frame_due = None
+        if self._closing or self._closed:
+            return
+        try:
+            self.drain()
+        except Exception as error:  # shown and ended as Textual would for its own timer
+            self._handle_exception(error)
 
     def drain(self) -> None:
         """Apply what arrived since the last frame and redraw what changed."""
@@ -414,8 +439,6 @@ class TorchtopApp(App[int]):
             return
         # Cleared first: a message that comes while this frame is drawn asks for the next one.
         self._frame_asked = False
-        self._last_frame = time.monotonic()
-        self._pace()
         pending = self._pending
         for _ in range(min(len(pending), MAX_MESSAGES_PER_FRAME)):
             message = pending.popleft()
@@ -425,6 +448,10 @@ class TorchtopApp(App[int]):
                 log.error(f"skipped {type(message).__name__}: {exc!r}")
         playback = self.playback
         if self.state.version != self._shown_version or playback != self._shown_playback:
+            # Only a drawn frame sets the pace: a drain that changed nothing (a wake-up that
+            # raced another) would otherwise start the gap again from its own small cost.
+            self._last_frame = time.monotonic()
+            self._pace()
             self.frames += 1
             self._show()
         if pending and not self._frame_asked:  # a burst longer than one frame takes: go on
@@ -432,11 +459,18 @@ class TorchtopApp(App[int]):
 
     def _pace(self) -> None:
         """Set the gap before the next frame from what the app's thread spent since the last
-        one began: that frame's drawing and Textual's compositing of it (and whatever else the
-        thread did, which a frame a second dwarfs)."""
+        one began: that frame's drawing, Textual's compositing of it and whatever else the
+        thread did meanwhile (drains that found nothing to draw, keys, the loop's wake-ups),
+        so that a job that speaks all the time costs the thread :data:`FRAME_BUDGET` of a
+        core."""
         cpu = time.thread_time()
         spent, self._last_frame_cpu = cpu - self._last_frame_cpu, cpu
-        self.frame_gap_s = min(MAX_FRAME_GAP_S, max(MIN_FRAME_GAP_S, spent / FRAME_BUDGET))
+        # Averaged over the last frames: the frame that redraws the charts once a second costs
+        # a few others' worth, and its cost is spread over the gaps that follow it.
+        cost = self._frame_cost
+        cost = spent if cost is None else cost + FRAME_COST_WEIGHT * (spent - cost)
+        self._frame_cost = cost
+        self.frame_gap_s = min(MAX_FRAME_GAP_S, max(MIN_FRAME_GAP_S, cost / FRAME_BUDGET))
 
     @property
     def playback(self) -> Playback | None:
@@ -466,7 +500,11 @@ class TorchtopApp(App[int]):
         state = self.state
         playback = self.playback
         slow = self._slow_due(state, playback)
-        self.query_one(JobHeader).show_state(state, playback)
+        if slow or state.silent_s != self._shown_silent_s:
+            # Its uptime moves once a second; a change of connection or playback is a slow
+            # frame, and so is the news that data flows again.
+            self._shown_silent_s = state.silent_s
+            self.query_one(JobHeader).show_state(state, playback)
         self.query_one(MemoryPanel).show_state(state, chart=slow)
         self._show_phase_info(state)
         self._show_training(state, slow)

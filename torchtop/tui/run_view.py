@@ -29,6 +29,7 @@ from torchtop.job_output import rank_prefix, split_rank
 from torchtop.model.ranks import died
 from torchtop.sizes import format_bytes
 from torchtop.tui.format import format_span
+from torchtop.tui.heap import SettledHeap
 from torchtop.tui.widgets.chart import AXIS_WIDTH, ChartSeries, render_chart
 from torchtop.tui.widgets.steps import format_seconds_short, series_top
 
@@ -258,6 +259,8 @@ class RunView(App[int]):
         self._columns: tuple[str, ...] = COLUMNS
         #: Each rank's step count when the chart was last drawn.
         self._charted: tuple[int, ...] = ()
+        #: The garbage collector set for drawing, while the view runs (:mod:`.heap`).
+        self._heap = SettledHeap()
 
     def compose(self) -> ComposeResult:
         yield Static("starting the launcher…", id="run-head")
@@ -274,6 +277,10 @@ class RunView(App[int]):
         if not self.run_.started:
             self.run_.start()
         self.set_interval(REFRESH_S, self.refresh_run)
+        self._heap.settle()
+
+    def on_unmount(self) -> None:
+        self._heap.release()
 
     def refresh_run(self) -> None:
         run = self.run_

@@ -2,8 +2,8 @@
 
 The agent samples ten times a second, also when the job does nothing. A sample whose figures
 look the same on screen as the last one's need not wake the app: it waits in the queue and is
-applied with the next frame, which comes at the latest a second of the job's time later (when
-the uptime, the charts and the host figures move anyway). Everything else (log lines, steps,
+applied with the next frame, which comes at the latest two seconds of the job's time later
+(when the uptime, the charts and the host figures move anyway). Everything else (log lines, steps,
 events, the connection) wakes the app at once. Decided in the source's thread, so it is cheap:
 a few comparisons per sample, no folding and no formatting.
 """
@@ -15,8 +15,10 @@ from dataclasses import fields
 from torchtop.protocol import AgentStats, GpuSample, MemoryStats, Message, Sample
 
 #: Seconds of the job's time after which a routine sample wakes the app even when its figures
-#: look the same: the uptime, the charts and the host figures move once a second.
-ROUTINE_WAKE_S = 1.0
+#: look the same: the uptime, the charts and the host figures move. Every two seconds, as
+#: nvitop refreshes by default: a job with nothing new costs the viewer a frame each time (the
+#: uptime then moves two seconds at a time; anything new is drawn at once).
+ROUTINE_WAKE_S = 2.0
 #: Significant digits the memory figures are shown with (``12.3 GiB``): a change below them is
 #: not seen.
 SHOWN_DIGITS = 3
