@@ -14,6 +14,7 @@ from test_viewer_redraw import sample
 from textual.command import CommandPalette
 from textual.events import MouseScrollUp
 from textual.pilot import Pilot
+from textual.widgets import Input
 
 from torchtop.protocol import LogLine, Message
 from torchtop.tui.app import HIGH_CONTRAST, HelpScreen, TorchtopApp
@@ -34,11 +35,21 @@ async def open_help(pilot: Pilot[int]) -> HelpScreen:
     return screen
 
 
+async def open_palette(pilot: Pilot[int]) -> None:
+    """ctrl+p, and the palette ready for typing: its input focused (on a busy machine a
+    moment after the screen is there; a letter typed before that is a key of the app's)."""
+    await pilot.press("ctrl+p")
+    for _ in range(100):
+        await pilot.pause(0.01)
+        screen = pilot.app.screen
+        if isinstance(screen, CommandPalette) and isinstance(screen.focused, Input):
+            return
+    raise AssertionError(f"the palette did not take the keyboard: {pilot.app.screen!r}")
+
+
 async def palette_choose(pilot: Pilot[int], query: str) -> None:
     """Open the palette, type ``query`` and take the best match, as a user would."""
-    await pilot.press("ctrl+p")
-    await pilot.pause()
-    assert isinstance(pilot.app.screen, CommandPalette)
+    await open_palette(pilot)
     await pilot.press(*query)
     for _ in range(50):  # the palette searches in a worker
         await pilot.pause(0.02)
@@ -70,8 +81,7 @@ async def test_the_palette_offers_every_key_s_action_and_runs_one() -> None:
 @pilot_test
 async def test_letters_typed_into_the_palette_are_not_keys() -> None:
     async with running(cuda_job()) as (app, pilot):
-        await pilot.press("ctrl+p")
-        await pilot.pause()
+        await open_palette(pilot)
         await pilot.press(*"quit l e")
         await pilot.pause()
         assert app.is_running and isinstance(app.screen, CommandPalette)
