@@ -59,6 +59,7 @@ bench: setup
 	$(BIN)/python -m benchmarks.stalled_viewer
 	$(BIN)/python -m benchmarks.tracker_overhead
 	$(BIN)/python -m benchmarks.export_overhead
+	$(BIN)/python -m benchmarks.viewer_cost
 
 # On a GPU machine, with the system's PyTorch (CUDA), nvidia-ml-py, psutil and rich: no venv,
 # no install, nothing fetched. See README "Checking on a GPU".

@@ -5,7 +5,7 @@ process with the agent), headless at 80x24, in its own process. Measured inside 
 
 - latency: from the job's timestamp to the screen refresh that first shows it, for samples that
   change a figure on screen (the agent's sample time; a sample that looks like the last waits
-  for the next frame, a second at most, and counts in ``any_sample`` of ``--json``) and for log
+  for the next frame, two seconds at most, and counts in ``any_sample`` of ``--json``) and for log
   lines (the time the job printed, carried in the line);
 - CPU: the viewer process's own CPU time (all its threads, not the job's) over ``--seconds``,
   as a share of one core (psutil).
@@ -15,8 +15,12 @@ a line every 10 ms and steps every 5 ms with op windows on. The baseline, measur
 run on the same (possibly loaded) machine: a bare Textual app with one static widget, and with
 ``--baseline REV`` the viewer of an older commit (``git archive``) against the same jobs.
 
-    python -m benchmarks.viewer_cost                   # about 4 x 30 s
+    python -m benchmarks.viewer_cost                   # about 5 x 25 s
     python -m benchmarks.viewer_cost --seconds 60 --baseline 2f43635 --profile
+
+End to end: ``torchtop run`` of a job printing a timestamped line every 50 ms in a real
+terminal (tmux, 120x40), its screen read every 10 ms; from each line's timestamp to the first
+read that shows it (``--no-end-to-end`` leaves it out; skipped without tmux).
 
 ``--profile`` adds, per job, the CPU time of each thread and of each widget's drawing (what
 each frame costs and where); ``--json`` prints every figure.
@@ -298,6 +302,71 @@ def viewer(kind: str, seconds: float, out: Path, profiled: bool = False) -> None
     out.write_text(json.dumps(result))
 
 
+# -- end to end, in a terminal ---------------------------------------------------------------------
+
+#: The terminal of the end-to-end measurement, and how often its screen is read.
+TMUX_SIZE = (120, 40)
+TMUX_POLL_S = 0.01
+#: The job of the end-to-end measurement: a timestamped line every 50 ms.
+TICKER = (
+    "import os, time\n"
+    "parent, end = os.getppid(), time.monotonic() + 600\n"
+    "while os.getppid() == parent and time.monotonic() < end:  # never outlives the viewer\n"
+    f"    print('tick {STAMP}%.6f' % time.time(), flush=True)\n"
+    "    time.sleep(0.05)\n"
+)
+
+
+def end_to_end(seconds: float) -> dict[str, Any]:
+    """``torchtop run`` of a job printing a timestamped line every 50 ms, in a real terminal
+    (tmux, 120x40), its screen read every 10 ms: from each line's timestamp to the first read
+    of the screen that shows it (what a user sees, the terminal's drawing included)."""
+    if shutil.which("tmux") is None:
+        return {"skipped": "tmux not found"}
+    session = f"torchtop-viewer-cost-{os.getpid()}"
+    width, height = TMUX_SIZE
+    latencies: list[float] = []
+    with tempfile.TemporaryDirectory() as folder:
+        job = Path(folder) / "ticker.py"
+        job.write_text(TICKER)
+        command = f"{sys.executable} -m torchtop run --no-ops {job}"
+        size = ["-x", str(width), "-y", str(height)]
+        subprocess.run(
+            ["tmux", "new-session", "-d", "-s", session, *size, "-c", str(REPO), command],
+            check=True,
+        )
+        try:
+            seen: set[str] = set()
+            start = time.monotonic()
+            while time.monotonic() - start < WARMUP_S + seconds:
+                screen = subprocess.run(
+                    ["tmux", "capture-pane", "-p", "-t", session],
+                    capture_output=True,
+                    text=True,
+                ).stdout
+                now = time.time()
+                measuring = time.monotonic() - start >= WARMUP_S
+                for stamp in screen.split(STAMP)[1:]:
+                    value = stamp.split()[0] if stamp.split() else ""
+                    if value in seen or not value.replace(".", "").isdigit():
+                        continue
+                    seen.add(value)
+                    if measuring:
+                        latencies.append(now - float(value))
+                time.sleep(TMUX_POLL_S)
+        finally:
+            subprocess.run(["tmux", "send-keys", "-t", session, "q"], capture_output=True)
+            time.sleep(0.5)
+            subprocess.run(["tmux", "send-keys", "-t", session, "s"], capture_output=True)
+            time.sleep(1.0)
+            subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+    result: dict[str, Any] = {"log_n": len(latencies)}
+    for q, key in ((0.5, "p50"), (0.95, "p95"), (1.0, "max")):
+        value = percentile(latencies, q)
+        result[f"log_{key}_ms"] = None if value is None else value * 1e3
+    return result
+
+
 # -- the driver ------------------------------------------------------------------------------------
 
 
@@ -389,6 +458,12 @@ def main() -> None:
     parser.add_argument("--baseline", metavar="REV", help="also measure this commit's viewer")
     parser.add_argument("--profile", action="store_true", help="where each frame's time goes")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--no-end-to-end",
+        dest="end_to_end",
+        action="store_false",
+        help="leave out the measurement in a real terminal (tmux)",
+    )
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--viewer", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -408,10 +483,22 @@ def main() -> None:
             rows[kind] = measure(kind, args.seconds, REPO, args.profile)
             if old is not None:
                 rows[f"{kind} ({args.baseline})"] = measure(kind, args.seconds, old, False)
+    terminal = end_to_end(args.seconds) if args.end_to_end else None
     if args.json:
-        print(json.dumps({"load": load, "cores": os.cpu_count(), "rows": rows}, indent=2))
+        report = {"load": load, "cores": os.cpu_count(), "rows": rows, "end_to_end": terminal}
+        print(json.dumps(report, indent=2))
         return
     print_table(rows, args.seconds, load, args.baseline)
+    if terminal is not None:
+        if "skipped" in terminal:
+            print(f"end to end: skipped ({terminal['skipped']})")
+        else:
+            figures = "/".join(fmt(terminal[f"log_{q}_ms"], 0) for q in ("p50", "p95", "max"))
+            print(
+                f"end to end in tmux {TMUX_SIZE[0]}x{TMUX_SIZE[1]}, a line every 50 ms, the "
+                f"screen read every {TMUX_POLL_S * 1e3:.0f} ms: log p50/p95/max {figures} ms "
+                f"({terminal['log_n']} lines)"
+            )
     if args.profile:
         for name, row in rows.items():
             if "profile" in row:
