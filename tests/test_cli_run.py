@@ -81,7 +81,10 @@ def test_module_mode_and_phases(tmp_path: Path) -> None:
     assert "args ['a', '-b']" in out.stdout
     phases = _report(rec)["phases"]
     assert [p["name"] for p in phases] == ["warmup", "train"]
-    assert all(0.35 < p["duration_s"] < 2 for p in phases)
+    # Each phase slept 0.4 s; on a loaded machine its end may be seen late (the job's thread
+    # waits for the CPU or the GIL), never early, and never by the job's whole length.
+    durations = [p["duration_s"] for p in phases]
+    assert all(0.35 < d < 10 for d in durations), durations
     assert phases[1]["peak_rss_bytes"] - phases[0]["peak_rss_bytes"] > 32 << 20
 
 
