@@ -347,7 +347,7 @@ def end_to_end(seconds: float) -> dict[str, Any]:
                 now = time.time()
                 measuring = time.monotonic() - start >= WARMUP_S
                 for stamp in screen.split(STAMP)[1:]:
-                    value = stamp.split()[0] if stamp.split() else ""
+                    value = stamp.split(maxsplit=1)[0] if stamp.strip() else ""
                     if value in seen or not value.replace(".", "").isdigit():
                         continue
                     seen.add(value)

@@ -1,11 +1,12 @@
 """The torchtop viewer: a Textual app that shows a :class:`Source`'s messages as they arrive.
 
 The source feeds a thread-safe queue from its own thread and wakes the app for a message that
-may change the screen (a sample whose figures look the same waits, at most a second); the app
-then drains the queue into a :class:`JobModel` as soon as the last frame is
-:data:`MIN_FRAME_GAP_S` old, and each widget redraws only when what it shows changed. So new
+may change the screen (a sample whose figures look the same waits, two seconds at most); the
+app then drains the queue into a :class:`JobModel` as soon as the last frame is the frame gap
+old (:data:`FRAME_BUDGET`), and each widget redraws only when what it shows changed. So new
 data reaches the screen without waiting for a fixed tick, a chatty job costs at most a few
-frames a second, and a job with nothing new costs the viewer nothing. Never imports torch.
+frames a second, and a job with nothing new costs the viewer a frame every two seconds.
+Never imports torch.
 """
 
 from __future__ import annotations
@@ -480,9 +481,10 @@ class TorchtopApp(App[int]):
         return Playback(self.source.paused, self.source.speed)
 
     def _slow_due(self, state: JobModel, playback: Playback | None) -> bool:
-        """Whether the charts and noisy figures are redrawn in this frame: once a second of
-        the job's time, and at once when the connection or the playback changed (the last
-        data before a pause or an end is always drawn)."""
+        """Whether the charts, the header and the noisy figures are redrawn in this frame:
+        once a second of the job's time, and at once when the connection, the playback or the
+        job's silence changed (the last data before a pause or an end is always drawn, and the
+        news that data flows again)."""
         now = state.now
         shown = self._slow_shown_at
         due = (
@@ -491,19 +493,18 @@ class TorchtopApp(App[int]):
             or not 0 <= now - shown < SLOW_REDRAW_S
             or state.connection != self._shown_connection
             or playback != self._shown_playback
+            or state.silent_s != self._shown_silent_s
         )
         if due:
             self._slow_shown_at = now
+            self._shown_silent_s = state.silent_s
         return due
 
     def _show(self) -> None:
         state = self.state
         playback = self.playback
         slow = self._slow_due(state, playback)
-        if slow or state.silent_s != self._shown_silent_s:
-            # Its uptime moves once a second; a change of connection or playback is a slow
-            # frame, and so is the news that data flows again.
-            self._shown_silent_s = state.silent_s
+        if slow:  # the header's uptime moves once a second
             self.query_one(JobHeader).show_state(state, playback)
         self.query_one(MemoryPanel).show_state(state, chart=slow)
         self._show_phase_info(state)
