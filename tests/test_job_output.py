@@ -120,3 +120,30 @@ def test_a_chatty_jobs_lines_are_copied_in_batches_and_a_burst_fits_its_pipe(
     # Lines handed on together (one read) arrive within a fraction of a millisecond.
     batches = 1 + sum(1 for (a, _), (b, _) in itertools.pairwise(arrivals) if b - a > 0.001)
     assert batches < 300 / 3, batches
+
+
+def test_the_detached_copy_writes_whole_lines_when_the_streams_interleave(tmp_path: Path) -> None:
+    """A line written in two pieces (``print``: its text, then the newline) while the other
+    stream writes a line of its own: the log has both lines whole."""
+    import os
+    import threading
+
+    from torchtop.job_output import relay
+
+    log = tmp_path / "job.log"
+    log_fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    copying = threading.Thread(target=relay, args=(log_fd, [out_r, err_r]))
+    copying.start()
+    os.write(out_w, b"after the viewer left")
+    time.sleep(0.2)  # copied alone, before its newline comes
+    os.write(err_w, b"and on stderr\n")
+    time.sleep(0.2)
+    os.write(out_w, b"\nno newline at the end")
+    for fd in (out_w, err_w):
+        os.close(fd)
+    copying.join(10)
+    os.close(log_fd)
+    lines = log.read_text().splitlines()
+    assert sorted(lines) == ["after the viewer left", "and on stderr", "no newline at the end"]

@@ -259,8 +259,12 @@ def _enlarge(fd: int) -> None:
 
 
 def relay(log_fd: int, read_fds: list[int]) -> None:
-    """Copy ``read_fds`` into ``log_fd`` until every writer has closed them."""
+    """Copy ``read_fds`` into ``log_fd`` until every writer has closed them, a whole line at a
+    time: the streams share the file, and a line one of them wrote in two pieces (``print``
+    writes its text, then the newline) must not take in the other's between them. A piece
+    without its newline waits for it (or for the end, or :data:`MAX_LINE_CHARS` of it)."""
     open_fds = set(read_fds)
+    partial = dict.fromkeys(read_fds, b"")
     while open_fds:
         ready, _, _ = select.select(list(open_fds), [], [])
         for fd in ready:
@@ -268,10 +272,16 @@ def relay(log_fd: int, read_fds: list[int]) -> None:
                 data = os.read(fd, 65536)
             except OSError:
                 data = b""
-            if data:
-                write_all(log_fd, data)
-            else:
+            if not data:
                 open_fds.discard(fd)
+                data, partial[fd] = partial[fd], b""
+                write_all(log_fd, data)
+                continue
+            lines, newline, rest = (partial[fd] + data).rpartition(b"\n")
+            if len(rest) > MAX_LINE_CHARS:
+                lines, newline, rest = lines + newline + rest, b"", b""
+            partial[fd] = rest
+            write_all(log_fd, lines + newline)
 
 
 if __name__ == "__main__":
