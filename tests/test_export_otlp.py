@@ -3,6 +3,7 @@ that decodes them with OpenTelemetry's own protobuf classes, checked against the
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import threading
 from collections.abc import Iterator
@@ -58,14 +59,22 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    server = Receiver()
+@contextlib.contextmanager
+def serving(server: Receiver) -> Iterator[Receiver]:
+    """The receiver answering on its own thread for the block's length."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    with serving(Receiver()) as server:
+        yield server
 
 
 def points(request: Any) -> dict[str, list[tuple[float, dict[str, str]]]]:

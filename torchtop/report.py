@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from torchtop import __version__
 from torchtop.model import CaptureEntry, JobModel, OpTimings, TrainingState
 from torchtop.model.oom_advice import verdict_text
 from torchtop.model.ops import op_avg_s
@@ -72,6 +73,7 @@ def report_json(model: JobModel) -> dict[str, Any]:
     hello = model.hello
     exit_ = model.exit
     return {
+        "torchtop_version": __version__,
         "job": {
             "argv": hello.argv if hello else None,
             "pid": hello.pid if hello else None,

@@ -30,6 +30,7 @@ from textual.screen import ModalScreen
 from textual.theme import Theme
 from textual.widgets import Footer, Static
 
+from torchtop import __version__
 from torchtop.model.captures import CaptureEntry
 from torchtop.model.job import JobModel
 from torchtop.protocol import (
@@ -166,7 +167,7 @@ class HelpScreen(ModalScreen[None]):
         # At 80x24 the help is twice the screen's height: the box scrolls, and has the focus
         # so the arrow and page keys scroll it.
         with VerticalScroll(id="help-dialog", can_focus=True) as dialog:
-            dialog.border_title = "torchtop help"
+            dialog.border_title = f"torchtop {__version__} help"
             dialog.border_subtitle = "↑↓ PgUp PgDn scroll · esc, ? or q close"
             yield Static(help_table(cast(TorchtopApp, self.app)), id="help-text")
 
