@@ -37,6 +37,7 @@ def _modules_after_import(module: str) -> set[str]:
         "torchtop.export.otlp",
         "torchtop.relay",
         "torchtop.nodes",
+        "torchtop.commands.doctor",
     ],
 )
 def test_viewer_side_never_imports_torch(module: str) -> None:

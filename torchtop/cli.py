@@ -421,6 +421,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--speed", type=_positive_float, default=1.0, help="playback speed (default 1)"
     )
 
+    doctor = sub.add_parser(
+        "doctor",
+        help="what torchtop can and cannot see on this machine",
+        description="Check this machine for torchtop: Python, torch and its CUDA devices, NVML, "
+        "the runtime directory, attach (gdb, ptrace), the exporters, the terminal and "
+        "torch.distributed. One line each, with the fix for what is missing.",
+    )
+    doctor.add_argument(
+        "--json", action="store_true", help="print JSON (for scripts and bug reports)"
+    )
+    doctor.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long `import torch` may take in the check (default 30)",
+    )
+
     report = sub.add_parser(
         "report",
         help="summarize a recording",
@@ -1078,6 +1096,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from torchtop.commands import doctor
+
+    return doctor.main(json_output=args.json, timeout_s=args.timeout)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from torchtop.demo_catalog import DemoNotFound, find_demo, list_demos
 
@@ -1157,6 +1181,7 @@ COMMANDS = {
     "replay": cmd_replay,
     "report": cmd_report,
     "demo": cmd_demo,
+    "doctor": cmd_doctor,
 }
 
 

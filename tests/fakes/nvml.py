@@ -63,6 +63,7 @@ class FakeNvmlBackend:
             for slot, instance in enumerate(gpu.mig):
                 instance.uuid = instance.uuid or uuid_of(100 * (index + 1) + slot, "MIG")
         self.init_error = init_error
+        self.driver = "580.95.05"
         #: Calls per ``(method, gpu index)``; ``gpu index`` is -1 for calls not about a GPU.
         self.calls: Counter[tuple[str, int]] = Counter()
         self.initialized = False
@@ -206,6 +207,10 @@ class FakeNvmlBackend:
 
     def uuid(self, handle: object) -> str:
         return self._gpu("uuid", handle).uuid
+
+    def driver_version(self) -> str:
+        self.calls[("driver_version", -1)] += 1
+        return self.driver
 
     def mig_instances(self, handle: object) -> list[object]:
         gpu = self._gpu("mig_instances", handle)

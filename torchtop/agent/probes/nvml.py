@@ -85,6 +85,10 @@ class NvmlBackend(Protocol):
         """Handles of the GPU's MIG instances; empty when MIG mode is off or unsupported."""
         ...
 
+    def driver_version(self) -> str:
+        """The NVIDIA driver's version, e.g. ``580.95.05``."""
+        ...
+
 
 # --------------------------------------------------------------------------------------------
 # The real backend
@@ -187,6 +191,10 @@ class PynvmlBackend:
 
     def uuid(self, handle: object) -> str:
         value = self._call(self._nvml.nvmlDeviceGetUUID, handle)
+        return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+    def driver_version(self) -> str:
+        value = self._call(self._nvml.nvmlSystemGetDriverVersion)
         return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
     def mig_instances(self, handle: object) -> list[object]:

@@ -1,0 +1,1 @@
+"""The verbs of the ``torchtop`` command, one module each (see ``torchtop.cli`` for the rest)."""
