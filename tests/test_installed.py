@@ -281,3 +281,99 @@ def test_the_otel_extra_installs_and_pushes(installed: Installed) -> None:
         assert receiver.requests, run.stderr[-2000:]
         ((steps, _),) = points(receiver.requests[-1])["torchtop_steps"]
         assert steps == 10
+
+
+def test_doctor_from_the_installed_wheel(installed: Installed) -> None:
+    out = installed.torchtop("doctor", "--json")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    checks = {c["name"]: c for c in json.loads(out.stdout)["checks"]}
+    torch = installed.run(installed.python, "-c", "import torch; print(torch.__version__)")
+    assert checks["torch"]["status"] == "ok"
+    assert checks["torch"]["detail"].startswith(torch.stdout.strip() + ",")
+    assert checks["torchtop"]["detail"].startswith(
+        installed.torchtop("--version").stdout.split()[-1]
+    )
+
+
+#: Pythons other than the one the suite runs on. torch wheels for them are not on this machine's
+#: disk (the registry's are multi-GB CUDA builds), so there the wheel is installed with every
+#: requirement but torch and the commands that need no torch are run.
+OTHER_PYTHONS = ("3.10", "3.12", "3.13")
+
+
+def _find_python(version: str) -> str | None:
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    candidates = sorted(pyenv.glob(f"{version}.*/bin/python{version}"))
+    if candidates:
+        return str(candidates[-1])
+    found = shutil.which(f"python{version}")
+    # pyenv's shims answer for every version and fail for those not selected.
+    return found if found and "/shims/" not in found else None
+
+
+@pytest.mark.parametrize("version", OTHER_PYTHONS)
+def test_the_wheel_on_another_python_without_torch(
+    version: str, installed: Installed, tmp_path: Path
+) -> None:
+    if f"{sys.version_info[0]}.{sys.version_info[1]}" == version:
+        pytest.skip(f"the suite itself runs on {version}")
+    python = _find_python(version)
+    if python is None:
+        pytest.skip(f"no Python {version} on this machine (looked on PATH and in pyenv)")
+    venv = tmp_path / "venv"
+    subprocess.run([python, "-m", "venv", str(venv)], check=True, timeout=120)
+    with zipfile.ZipFile(installed.wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        requires = [
+            line.split(":", 1)[1].strip()
+            for line in z.read(meta).decode().splitlines()
+            if line.startswith("Requires-Dist:") and "extra ==" not in line
+        ]
+    others = [r for r in requires if not re.match(r"torch\b", r)]
+    assert len(others) == len(requires) - 1, requires
+    pip = str(venv / "bin" / "pip")
+    install = installed.run(pip, "install", "-q", "--no-deps", str(installed.wheel), timeout=300)
+    assert install.returncode == 0, install.stderr[-3000:]
+    install = installed.run(pip, "install", "-q", *others, timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        out = installed.run(*args)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
+        return out
+
+    py = str(venv / "bin" / "python")
+    # Every module is valid for this Python, and every module that needs no torch imports.
+    run(py, "-m", "compileall", "-q", str(Path(run(py, "-c", _WHERE).stdout.strip()).parent))
+    run(py, "-c", "import " + ", ".join(TORCH_FREE_MODULES))
+    tt = str(venv / "bin" / "torchtop")
+    assert run(tt, "--version").stdout == installed.torchtop("--version").stdout
+    checks = {c["name"]: c for c in json.loads(run(tt, "doctor", "--json").stdout)["checks"]}
+    assert checks["python"]["detail"].startswith(version + ".")
+    assert checks["torch"]["status"] == "missing"
+    # A recording made by a job on the suite's Python reads the same here.
+    shutil.copy(SCRIPTS / "train_mlp.py", installed.work / "other.py")
+    recorded = installed.torchtop(
+        "run", "--headless", "--record", f"other-{version}.ttr", "other.py", "--steps", "5"
+    )
+    assert recorded.returncode == 0, recorded.stderr[-2000:]
+    here = json.loads(installed.torchtop("report", f"other-{version}.ttr", "--json").stdout)
+    there = json.loads(run(tt, "report", f"other-{version}.ttr", "--json").stdout)
+    assert there == here and there["steps"] == 5
+
+
+_WHERE = "import torchtop; print(torchtop.__file__)"
+
+#: What runs without torch: the command line, the viewer, the model, reports and exporters.
+TORCH_FREE_MODULES = (
+    "torchtop.cli",
+    "torchtop.tui.app",
+    "torchtop.tui.run_view",
+    "torchtop.model",
+    "torchtop.report",
+    "torchtop.export.service",
+    "torchtop.export.prometheus",
+    "torchtop.relay",
+    "torchtop.nodes",
+    "torchtop.commands.doctor",
+)
