@@ -6,44 +6,60 @@ BIN    := $(VENV)/bin
 # machines carry; on a GPU machine use e.g. `make TORCH=torch demo` for the CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup prometheus sshd demo test lint check bench gpu-check clean
+.PHONY: setup system-deps sshd demo test lint docs check bench gpu-check clean
 
-# torch's wheel leaves numpy out; without it every job starts with "Failed to initialize NumPy".
-$(BIN)/torchtop: pyproject.toml tests/requirements-frameworks.txt Makefile
+# The demo's venv: torch (the CPU file on a CPU machine), numpy (torch's wheel leaves it out, and
+# every job would start with "Failed to initialize NumPy"), and torchtop with its own requirements.
+# Nothing else, and nothing outside .venv.
+$(VENV)/.demo: pyproject.toml setup.py Makefile
+	@echo "make: setting up $(VENV) for the demo: $(TORCH) (if the venv has no torch), numpy, torchtop"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/python -c "import numpy" 2>/dev/null || $(BIN)/pip install -q numpy
+	$(BIN)/pip install -q -e .
+	@touch $@
+
+# The tests' venv: the demo's, plus test tools, the exporters' pinned versions, the docs' builder
+# and the real frameworks some tests run under torchtop (Lightning, the HF Trainer).
+$(BIN)/torchtop: $(VENV)/.demo tests/requirements-frameworks.txt
+	@echo "make: adding the test tools and tests/requirements-frameworks.txt to $(VENV)"
 	$(BIN)/pip install -q -e '.[dev]'
-# Real frameworks for the tests only (Lightning, the HF Trainer); the package needs none.
 	$(BIN)/pip install -q -r tests/requirements-frameworks.txt
 	@touch $@
 
-setup: $(BIN)/torchtop prometheus
+setup: $(BIN)/torchtop
 
-# The real Prometheus (and promtool) that the exporter's tests scrape with: Debian's package,
-# installed where it is missing and we are root. Elsewhere those tests skip, saying why.
-prometheus:
-	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
-	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus \
-	  >/dev/null; } || echo "prometheus not installed (needs root and apt-get): its tests skip"
+# System packages some tests use, each test skipping with the reason where its tool is missing:
+# Debian's prometheus (a real server the exporter is scraped by), tmux (the viewer in a real
+# terminal) and gdb (attach). Installed only when asked, or by `make check` in CI (CI=true),
+# as root with apt-get; what will be installed is printed first.
+SYSTEM_DEPS ?= prometheus tmux gdb
+system-deps:
+	@missing=""; for p in $(SYSTEM_DEPS); do command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then echo "make: system packages present:$(SYSTEM_DEPS:%= %)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "make: installing Debian packages with apt-get:$$missing (and what they depend on)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends $$missing && echo "make: installed:$$missing"; \
+	else echo "make: not installed:$$missing (needs root and apt-get); their tests skip"; fi
 
 # OpenSSH's server, for the one test that reaches a simulated node through a real sshd (on
 # 127.0.0.1, its own config and a throwaway key; the system's service is not started here).
-# Opt-in, not part of setup: on a machine with systemd the package starts a system service.
+# Opt-in: on a machine with systemd the package starts a system service.
 sshd:
 	@command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || \
 	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	  openssh-server >/dev/null; } || echo "sshd not installed (needs root and apt-get): its test skips"
+	  echo "make: installing Debian's openssh-server with apt-get" && apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null; } || \
+	echo "make: sshd not installed (needs root and apt-get): its test skips"
 
-demo: setup
+demo: $(VENV)/.demo
 	$(BIN)/torchtop demo broadcasting
 
 # Most tests wait on real jobs (a job's start, its frames): two at once keep 2 cores busy. A file
 # stays on one worker (its jobs share fixtures). `make test WORKERS=0` runs them one by one.
 WORKERS ?= 2
-test: setup
+test: setup $(if $(filter true 1,$(CI)),system-deps)
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=15
 
 lint: setup
