@@ -63,11 +63,15 @@ test: setup $(if $(filter true 1,$(CI)),system-deps)
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=15
 
 lint: setup
-	$(BIN)/ruff check torchtop demos tests benchmarks
-	$(BIN)/ruff format --check torchtop demos tests benchmarks
+	$(BIN)/ruff check torchtop demos tests benchmarks tools setup.py
+	$(BIN)/ruff format --check torchtop demos tests benchmarks tools setup.py
 	$(BIN)/mypy
 
-check: lint test
+# The docs site into site/; any broken link, anchor or missing page fails it.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+check: lint docs test
 
 bench: setup
 	$(BIN)/python -m benchmarks.agent_overhead

@@ -55,14 +55,16 @@ JOB = "import time\nwhile True:  # until the test ends it\n    time.sleep(0.1)\n
 
 
 def readme_commands() -> list[str]:
-    """The ``torchtop`` command lines of the README's ``sh`` blocks, comments removed."""
-    text = (REPO / "README.md").read_text()
+    """The ``torchtop`` command lines of the ``sh`` blocks of the README and the docs, comments
+    removed, each once."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    text = "\n".join(page.read_text() for page in pages)
     lines = []
     for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S):
         for line in block.splitlines():
             for part in line.split("#", 1)[0].split(";"):
                 part = part.strip()
-                if part.startswith("torchtop "):
+                if part.startswith("torchtop ") and part not in lines:
                     lines.append(part)
     return lines
 
