@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import re
 import secrets
 import shutil
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtop.private_files import open_private
-from torchtop.transport import AgentInfo, ensure_runtime_dir, find_agent
+from torchtop.transport import AgentInfo, ensure_runtime_dir, find_agent, user_name
 
 #: The first Python that ``sys.remote_exec`` exists in.
 REMOTE_EXEC_PYTHON = (3, 14)
@@ -96,13 +95,6 @@ class Started:
 
     info: AgentInfo
     reused: bool
-
-
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
 
 
 def read_target(pid: int, proc: Path = Path("/proc")) -> Target:
@@ -161,9 +153,9 @@ def check_ptrace(target: Target, proc: Path = Path("/proc")) -> None:
     belongs to another user (whatever our privileges: see the module's docstring)."""
     me = os.getuid()
     if target.uid != me:
-        owner = _user(target.uid)
+        owner = user_name(target.uid)
         raise AttachRefused(
-            f"pid {target.pid} belongs to {owner}, not to you ({_user(me)}): run "
+            f"pid {target.pid} belongs to {owner}, not to you ({user_name(me)}): run "
             f"`torchtop attach {target.pid}` as {owner}"
         )
     privileged = _has_cap_sys_ptrace(proc)
