@@ -250,11 +250,52 @@ def test_refused_for_another_users_job(tmp_path: Path) -> None:
         shutil.rmtree(runtime, ignore_errors=True)
     assert result.returncode == 1, result.stderr
     line = result.stderr.strip().splitlines()[0]
-    assert line.startswith(f"torchtop: pid {target.pid} belongs to root, not to you (nobody)")
-    assert "or with sudo" in line and "Traceback" not in result.stderr
+    assert line == (
+        f"torchtop: pid {target.pid} belongs to root, not to you (nobody): run "
+        f"`torchtop attach {target.pid}` as root"
+    )
+    assert "Traceback" not in result.stderr
     samples = [m for m in read_recording(record).messages if isinstance(m, Sample)]
     os.unlink(record)
     assert samples and samples[-1].host is not None and samples[-1].host.rss_bytes
+
+
+def test_root_attaching_to_another_users_job_is_refused(tmp_path: Path) -> None:
+    """Root (or any caller with CAP_SYS_PTRACE) is refused a job of another uid, as anyone is:
+    the job's files are that user's, and torchtop runs none of them with more rights. The job
+    runs on, and what /proc shows is watched from outside instead."""
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("starting a job as another user needs root and setpriv")
+    target = subprocess.Popen(
+        [*AS_NOBODY, sys.executable, "-I", "-c", "import time\nwhile True: time.sleep(0.05)"],
+        cwd="/tmp",
+    )
+    time.sleep(0.5)
+    record = tmp_path / "r.ttr"
+    try:
+        result = torchtop("attach", str(target.pid), *HEADLESS_1S, "--record", str(record))
+        assert target.poll() is None  # untouched
+    finally:
+        target.kill()
+        target.wait()
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == (
+        f"torchtop: pid {target.pid} belongs to nobody, not to you (root): run "
+        f"`torchtop attach {target.pid}` as nobody"
+    )
+    assert "sudo" not in result.stderr and "starting an agent" not in result.stderr
+    assert not list_agents()
+
+
+def test_the_ptrace_capability_does_not_reach_another_users_job(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self/status").write_text(f"CapEff:\t{1 << inject.CAP_SYS_PTRACE:016x}\n")
+    theirs = inject.Target(pid=42, uid=os.getuid() + 1, exe="/usr/bin/python3.11", python=(3, 11))
+    with pytest.raises(inject.AttachRefused, match=r"belongs to .*, not to you") as refused:
+        inject.check_ptrace(theirs, proc)
+    assert "sudo" not in str(refused.value)
 
 
 def test_yama_scope_refusals_name_the_fix(tmp_path: Path) -> None:
@@ -264,12 +305,13 @@ def test_yama_scope_refusals_name_the_fix(tmp_path: Path) -> None:
     (proc / "self").mkdir()
     (proc / "self/status").write_text("Name:\tx\nCapEff:\t0000000000000000\n")
     target = inject.Target(pid=42, uid=os.getuid(), exe="/usr/bin/python3.11", python=(3, 11))
-    fixes = {1: "sudo sysctl kernel.yama.ptrace_scope=0", 2: "attach with sudo", 3: "torchtop run"}
+    fixes = {1: "sudo sysctl kernel.yama.ptrace_scope=0", 2: "torchtop run", 3: "torchtop run"}
     for scope, fix in fixes.items():
         (proc / "sys/kernel/yama/ptrace_scope").write_text(f"{scope}\n")
         with pytest.raises(inject.AttachRefused, match=f"ptrace_scope={scope}") as refused:
             inject.check_ptrace(target, proc)
         assert fix in str(refused.value)
+        assert "attach with sudo" not in str(refused.value)
     (proc / "self/status").write_text(f"CapEff:\t{1 << inject.CAP_SYS_PTRACE:016x}\n")
     (proc / "sys/kernel/yama/ptrace_scope").write_text("1\n")
     inject.check_ptrace(target, proc)  # CAP_SYS_PTRACE may trace under scope 1
@@ -401,23 +443,37 @@ def test_gdb_runs_the_start_in_the_main_thread(tmp_path: Path, python: str, loop
         target.wait()
 
 
-def test_remote_exec_runs_the_jobs_own_interpreter_and_says_why_it_failed(tmp_path: Path) -> None:
-    """Python 3.14+: ``sys.remote_exec`` is called by the job's own executable. Here the
-    interpreter named as the job's lacks it (before 3.14), and the refusal carries its error."""
-    if sys.version_info >= inject.REMOTE_EXEC_PYTHON:
-        pytest.skip("this Python has sys.remote_exec")
+def test_remote_exec_never_runs_the_jobs_executable(tmp_path: Path) -> None:
+    """Python 3.14+: ``sys.remote_exec`` is called from torchtop's own interpreter, never from
+    the job's executable (a file its owner controls). Here the job's executable is a script that
+    leaves a mark if run; the job claims a Python this torchtop does not run in, so the attach is
+    refused, saying which Python torchtop needs."""
+    mark = tmp_path / "ran"
+    planted = tmp_path / "python3.14"
+    planted.write_text(f"#!/bin/sh\ntouch {mark}\n")
+    planted.chmod(0o755)
     target = _sleeper()
     try:
         job = inject.read_target(target.pid)
-        assert job.python == sys.version_info[:2]
-        assert job.exe is not None and os.path.samefile(job.exe, sys.executable)
-        as_314 = inject.Target(pid=job.pid, uid=job.uid, exe=job.exe, python=(3, 14))
+        other = (3, 99)
+        as_other = inject.Target(pid=job.pid, uid=job.uid, exe=str(planted), python=other)
         with pytest.raises(inject.AttachRefused) as refused:
-            inject.remote_exec(as_314, "pass", tmp_path)
+            inject.remote_exec(as_other, "pass", tmp_path)
+        ours = ".".join(map(str, sys.version_info[:2]))
         assert str(refused.value).startswith(
-            f"sys.remote_exec could not reach pid {target.pid} (AttributeError"
+            f"pid {target.pid} runs Python 3.99 and torchtop runs in Python {ours}:"
         )
-        assert not list(tmp_path.iterdir())  # the script file is gone
+        assert "torchtop run" in str(refused.value)
+        assert not mark.exists()
+        assert not list(tmp_path.glob("attach-*"))  # no script file left
     finally:
         target.kill()
         target.wait()
+
+
+def test_gdb_reads_no_init_file_and_loads_no_script(tmp_path: Path) -> None:
+    """gdb loads neither the user's init files nor the scripts beside the job's libraries."""
+    command = inject.gdb_command(42, tmp_path / "x.gdb")
+    assert command[0] == "gdb" and "-nx" in command
+    assert "-iex=set auto-load off" in command
+    assert command.index("-iex=set auto-load off") < command.index("-p")

@@ -637,9 +637,21 @@ def _run_app(app: Any) -> int:
     return int(result) if isinstance(result, int) else 0
 
 
+def _check_runtime_dir() -> None:
+    """Refuse, in one line, a socket directory that is not the user's own private folder
+    (another user may have made it first), before anything in it is read."""
+    from torchtop.transport import TransportError, existing_runtime_dir
+
+    try:
+        existing_runtime_dir()
+    except TransportError as exc:
+        raise CliError(str(exc), code=1) from None
+
+
 def cmd_ps(args: argparse.Namespace) -> int:
     from torchtop.transport import list_agents
 
+    _check_runtime_dir()
     agents = list_agents()
     if args.json:
         print(
@@ -742,6 +754,7 @@ def _pick_agent(pid: int | None, interactive: bool) -> Any:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
+    _check_runtime_dir()
     if args.headless:
         if args.record is None:
             raise CliError("--headless records without a viewer: give --record FILE")
@@ -1023,6 +1036,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from torchtop.export.prometheus import DEFAULT_HOST, DEFAULT_PORT
     from torchtop.transport import find_agent
 
+    _check_runtime_dir()
     if args.metrics is None and args.otlp is None:
         args.metrics = (DEFAULT_HOST, DEFAULT_PORT)
     pid: int | None = None

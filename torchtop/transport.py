@@ -2,7 +2,9 @@
 
 Each agent listens on a Unix socket ``<pid>.sock`` in a per-user directory (mode 0700; the socket
 itself is 0600) and leaves ``<pid>.json`` beside it describing the job, which ``torchtop ps``
-lists. The server checks each peer's uid and refuses other users.
+lists. The server checks each peer's uid and refuses other users; a viewer checks the agent's.
+Readers check the directory as writers do (a folder of ours, no access for others, not a
+symlink), and take only sockets we own: another user may have made the folder first.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
 import socket
 import stat
@@ -62,6 +65,31 @@ def ensure_runtime_dir() -> Path:
             f"cannot create the socket directory {path}: {exc.strerror}; "
             "set TORCHTOP_RUNTIME_DIR to a directory you own"
         ) from None
+    _check_private_dir(path, info)
+    with contextlib.suppress(OSError):
+        prune_runtime_dir(path)
+    return path
+
+
+def existing_runtime_dir() -> Path | None:
+    """The socket directory for reading: ``None`` when there is none yet; refused (with the fix)
+    when it is not the user's own private folder, as :func:`ensure_runtime_dir` refuses it."""
+    path = runtime_dir()
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise TransportError(
+            f"cannot read the socket directory {path}: {exc.strerror}; "
+            "set TORCHTOP_RUNTIME_DIR to a directory you own"
+        ) from None
+    _check_private_dir(path, info)
+    return path
+
+
+def _check_private_dir(path: Path, info: os.stat_result) -> None:
+    """Refuse ``path`` unless it is a directory (not a symlink) owned by us, closed to others."""
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         raise TransportError(
             f"{path} is not a directory owned by you; remove it or set TORCHTOP_RUNTIME_DIR "
@@ -74,9 +102,6 @@ def ensure_runtime_dir() -> Path:
             f"sockets and files there: `chmod 700 {path}` if it is yours alone, or set "
             "TORCHTOP_RUNTIME_DIR to a new path (torchtop creates it, mode 0700)"
         )
-    with contextlib.suppress(OSError):
-        prune_runtime_dir(path)
-    return path
 
 
 #: What the files of ended jobs may take together in the runtime directory; the oldest go first.
@@ -236,9 +261,10 @@ def pid_alive(pid: int) -> bool:
 
 
 def list_agents(clean_stale: bool = True) -> list[AgentInfo]:
-    """Running agents of this user, oldest first. Files left by dead processes are removed."""
-    directory = runtime_dir()
-    if not directory.is_dir():
+    """Running agents of this user, oldest first. Files left by dead processes are removed.
+    Raises :class:`TransportError` when the directory is not the user's own private folder."""
+    directory = existing_runtime_dir()
+    if directory is None:
         return []
     agents = []
     for meta in sorted(directory.glob("*.json")):
@@ -258,13 +284,22 @@ def list_agents(clean_stale: bool = True) -> list[AgentInfo]:
             )
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not pid_alive(info.pid) or not os.path.exists(info.socket_path):
+        if not pid_alive(info.pid) or not _our_socket(info.socket_path):
             if clean_stale:
                 remove_server_files(info.pid)
             continue
         agents.append(info)
     agents.sort(key=lambda a: a.started_at)
     return agents
+
+
+def _our_socket(path: str) -> bool:
+    """A socket (not a link to one) that this user owns."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISSOCK(info.st_mode) and info.st_uid == os.getuid()
 
 
 def _identity(raw: Mapping[str, Any]) -> dict[str, int | str | None]:
@@ -302,7 +337,6 @@ def _connect(path: str, timeout: float) -> socket.socket:
         sock.settimeout(timeout)
         try:
             sock.connect(path)
-            return sock
         except (BlockingIOError, TimeoutError) as exc:
             # EAGAIN: the backlog is full; a timeout: the agent did not take us in time.
             sock.close()
@@ -315,12 +349,40 @@ def _connect(path: str, timeout: float) -> socket.socket:
                 ) from None
             time.sleep(pause)
             pause = min(pause * 2, CONNECT_BACKOFF_MAX_S)
+            continue
         except OSError as exc:
             sock.close()
             raise TransportError(
                 f"cannot connect to the agent at {path}: {exc.strerror or exc}; "
                 "is the job still running? (see `torchtop ps`)"
             ) from None
+        _check_peer(sock, path)
+        return sock
+
+
+def _check_peer(sock: socket.socket, path: str) -> None:
+    """Leave a socket served by another user: torchtop reads only the user's own jobs (the
+    agent checks its viewers the same way)."""
+    try:
+        uid = peer_uid(sock)
+    except OSError:
+        uid = None
+    if uid is None or uid == os.getuid():
+        return
+    sock.close()
+    owner = user_name(uid)
+    raise TransportError(
+        f"the agent at {path} runs as {owner}, not as you ({user_name(os.getuid())}): torchtop "
+        f"reads only your own jobs; run torchtop as {owner} to watch it"
+    )
+
+
+def user_name(uid: int) -> str:
+    """The login name of ``uid``, or ``uid N`` when it has none."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 class AgentConnection:
@@ -443,12 +505,14 @@ __all__ = [
     "TransportError",
     "bind_server",
     "ensure_runtime_dir",
+    "existing_runtime_dir",
     "keep_alive",
     "list_agents",
     "peer_uid",
     "pid_alive",
     "remove_server_files",
     "runtime_dir",
+    "user_name",
     "wait_for_agent",
 ]
 

@@ -4,8 +4,9 @@ The agent's start must run in the job's main thread, holding the GIL, between tw
 anywhere else it could deadlock the job (the way running code at an arbitrary debugger stop
 does). So nothing of ours runs at the stop itself:
 
-- **Python 3.14+**: ``sys.remote_exec`` (PEP 768), called by the job's own interpreter
-  (``/proc/PID/exe``) so the versions match; CPython runs the script at its next safe point.
+- **Python 3.14+**: ``sys.remote_exec`` (PEP 768), called from torchtop's own interpreter,
+  which must be the job's Python version; CPython runs the script at its next safe point. The
+  job's executable is never run: it is a file whoever started the job controls.
 - **Python 3.10-3.13**: gdb attaches and sets breakpoints on the entries of C-API functions a
   running job calls all the time (``PyEval_SaveThread`` around every torch op that releases the
   GIL, ``PyEval_RestoreThread``, ``PyCallable_Check``, ``PyErr_CheckSignals``). At a function's
@@ -20,18 +21,23 @@ The payload starts a thread in the job that imports :mod:`torchtop.agent.attache
 job's own environment (or from ``--python-path``) and starts the agent, then writes a status
 file (0600) that :func:`start_agent` waits for. Every
 refusal is one line that names the fix.
+
+Only the user who owns a job may attach to it, whatever torchtop's privileges: root attaching to
+another user's job would run code that user controls (the job's environment, its imports) with
+root's rights, and the job could not write its status into root's private runtime directory
+anyway.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pwd
 import re
 import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtop.private_files import open_private
-from torchtop.transport import AgentInfo, ensure_runtime_dir, find_agent
+from torchtop.transport import AgentInfo, ensure_runtime_dir, find_agent, user_name
 
 #: The first Python that ``sys.remote_exec`` exists in.
 REMOTE_EXEC_PYTHON = (3, 14)
@@ -89,13 +95,6 @@ class Started:
 
     info: AgentInfo
     reused: bool
-
-
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
 
 
 def read_target(pid: int, proc: Path = Path("/proc")) -> Target:
@@ -150,15 +149,16 @@ def _ptrace_scope(proc: Path = Path("/proc")) -> int:
 
 
 def check_ptrace(target: Target, proc: Path = Path("/proc")) -> None:
-    """Refuse, with the fix, when this process may not ptrace ``target``."""
-    privileged = _has_cap_sys_ptrace(proc)
+    """Refuse, with the fix, when this process may not ptrace ``target``, or when ``target``
+    belongs to another user (whatever our privileges: see the module's docstring)."""
     me = os.getuid()
-    if target.uid != me and not privileged:
-        owner = _user(target.uid)
+    if target.uid != me:
+        owner = user_name(target.uid)
         raise AttachRefused(
-            f"pid {target.pid} belongs to {owner}, not to you ({_user(me)}): run "
-            f"`torchtop attach {target.pid}` as {owner}, or with sudo"
+            f"pid {target.pid} belongs to {owner}, not to you ({user_name(me)}): run "
+            f"`torchtop attach {target.pid}` as {owner}"
         )
+    privileged = _has_cap_sys_ptrace(proc)
     scope = _ptrace_scope(proc)
     if scope >= 3:
         raise AttachRefused(
@@ -167,14 +167,14 @@ def check_ptrace(target: Target, proc: Path = Path("/proc")) -> None:
         )
     if scope == 2 and not privileged:
         raise AttachRefused(
-            "only root may ptrace here (kernel.yama.ptrace_scope=2): attach with sudo, or "
+            "only a process with CAP_SYS_PTRACE may ptrace here (kernel.yama.ptrace_scope=2): "
             + RUN_INSTEAD
         )
     if scope == 1 and not privileged:
         raise AttachRefused(
             "the kernel lets a process ptrace only its own children "
             "(kernel.yama.ptrace_scope=1): allow it with `sudo sysctl kernel.yama.ptrace_scope=0`"
-            f", attach with sudo, or {RUN_INSTEAD}"
+            f", or {RUN_INSTEAD}"
         )
 
 
@@ -273,6 +273,23 @@ end
 """
 
 
+def gdb_command(pid: int, script: Path) -> list[str]:
+    """gdb's command line: no init file (``-nx``) and no auto-loaded script (the ``-gdb.py``
+    files beside a job's libraries, ``.gdbinit`` in its folders), so gdb runs only ``script``."""
+    return [
+        "gdb",
+        "-batch",
+        "-nx",
+        "-iex=set auto-load off",
+        "-readnever",  # minimal symbols suffice: reading debug info would hold the job longer
+        "-iex=set debuginfod enabled off",
+        "-iex=set auto-solib-add off",  # torch's libraries' symbols would take minutes
+        "-p",
+        str(pid),
+        f"-x={script}",
+    ]
+
+
 def run_gdb(
     pid: int,
     script: str,
@@ -286,20 +303,9 @@ def run_gdb(
     path = script_dir / f"attach-{pid}-{secrets.token_hex(4)}.gdb"
     with open_private(path) as f:
         f.write(script.encode())
-    command = [
-        "gdb",
-        "-batch",
-        "-nx",
-        "-readnever",  # minimal symbols suffice: reading debug info would hold the job longer
-        "-p",
-        str(pid),
-        "-iex=set debuginfod enabled off",
-        "-iex=set auto-solib-add off",  # torch's libraries' symbols would take minutes
-        f"-x={path}",
-    ]
     try:
         proc = subprocess.Popen(
-            command,
+            gdb_command(pid, path),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -364,44 +370,33 @@ def _gdb_failure(pid: int, output: str) -> AttachRefused:
 
 # -- Python 3.14+ -------------------------------------------------------------------------------
 
-_REMOTE_EXEC = """\
-import sys
-try:
-    sys.remote_exec(int(sys.argv[1]), sys.argv[2])
-except PermissionError as exc:
-    print('permission', exc)
-    sys.exit(3)
-except Exception as exc:
-    print(type(exc).__name__, exc)
-    sys.exit(4)
-"""
-
 
 def remote_exec(target: Target, source: str, script_dir: Path) -> None:
-    """Queue ``source`` in the job with ``sys.remote_exec``, run by the job's own interpreter."""
+    """Queue ``source`` in the job with ``sys.remote_exec``, called from this interpreter: the
+    job's own executable is never run (its owner controls that file), so this Python must be
+    the job's version."""
+    ours = sys.version_info[:2]
+    if target.python != ours or not hasattr(sys, "remote_exec"):
+        raise AttachRefused(
+            f"pid {target.pid} runs Python {target.version} and torchtop runs in Python "
+            f"{'.'.join(map(str, ours))}: starting an agent with sys.remote_exec needs torchtop "
+            f"installed in a Python {target.version} environment and run from there, or "
+            + RUN_INSTEAD
+        )
     path = script_dir / f"attach-{target.pid}-{secrets.token_hex(4)}.py"
     with open_private(path) as f:
         f.write(source.encode())
-    exe = target.exe or f"/proc/{target.pid}/exe"
     try:
-        proc = subprocess.run(
-            [exe, "-I", "-c", _REMOTE_EXEC, str(target.pid), str(path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        sys.remote_exec(target.pid, str(path))  # type: ignore[attr-defined,unused-ignore]
+    except PermissionError:
         path.unlink(missing_ok=True)
-        raise AttachRefused(f"cannot run pid {target.pid}'s Python ({exe}): {exc}") from None
-    if proc.returncode == 3:
+        raise _ptrace_denied(target.pid) from None
+    except Exception as exc:
         path.unlink(missing_ok=True)
-        raise _ptrace_denied(target.pid)
-    if proc.returncode != 0:
-        path.unlink(missing_ok=True)
-        detail = (proc.stdout or proc.stderr).strip().splitlines()[-1:] or ["no output"]
         raise AttachRefused(
-            f"sys.remote_exec could not reach pid {target.pid} ({detail[0]}): {RUN_INSTEAD}"
-        )
+            f"sys.remote_exec could not reach pid {target.pid} ({type(exc).__name__}: {exc}): "
+            + RUN_INSTEAD
+        ) from None
     # The job reads the script when it runs it: the status file says when it may go.
 
 
