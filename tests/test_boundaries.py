@@ -1,5 +1,6 @@
 """Module boundaries: the viewer side never imports torch; the agent never imports the UI; the
-model imports the protocol and the standard library only, and does no I/O."""
+model imports the protocol, the sanitizer of untrusted text and the standard library only, and
+does no I/O."""
 
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ def test_agent_side_never_imports_the_ui(module: str) -> None:
     assert not {"textual", "rich"} & {m.split(".")[0] for m in loaded}
 
 
-def test_protocol_and_transport_use_the_standard_library_only() -> None:
-    loaded = _modules_after_import("torchtop.transport")
+@pytest.mark.parametrize("module", ["torchtop.transport", "torchtop.text"])
+def test_shared_ground_uses_the_standard_library_only(module: str) -> None:
+    loaded = _modules_after_import(module)
     third_party = {"psutil", "pynvml", "torch", "textual", "rich", "numpy"}
     assert not third_party & {m.split(".")[0] for m in loaded}
 
@@ -105,7 +107,8 @@ def test_the_model_imports_the_protocol_and_the_standard_library_only() -> None:
     before = _modules_after_import("torchtop")
     loaded = _modules_after_import("torchtop.model") - before
     ours = {m for m in loaded if m.split(".")[0] == "torchtop"}
-    assert ours - {"torchtop.protocol"} == {m for m in ours if m.startswith("torchtop.model")}
+    shared = {"torchtop.protocol", "torchtop.text"}
+    assert ours - shared == {m for m in ours if m.startswith("torchtop.model")}
     stdlib = set(sys.stdlib_module_names)
     third_party = {m.split(".")[0] for m in loaded} - stdlib - {"torchtop", "_distutils_hack"}
     assert not third_party
@@ -122,9 +125,12 @@ def test_the_model_does_no_io() -> None:
             elif isinstance(node, ast.ImportFrom):
                 names = {(node.module or "").split(".")[0]}
                 if node.module == "torchtop" or (node.module or "").startswith("torchtop."):
-                    assert node.module == "torchtop.protocol" or node.module.startswith(
-                        "torchtop.model"
-                    ), f"{path.name} imports {node.module}"
+                    assert node.module in (
+                        "torchtop.protocol",
+                        "torchtop.text",
+                    ) or node.module.startswith("torchtop.model"), (
+                        f"{path.name} imports {node.module}"
+                    )
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in IO_CALLS, f"{path.name}:{node.lineno} {node.func.id}()"
                 continue

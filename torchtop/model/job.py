@@ -49,6 +49,7 @@ from torchtop.protocol import (
     StackSampled,
     StepStats,
 )
+from torchtop.text import printable, printable_message
 
 #: Points kept per series: ten minutes at the agent's default 10 Hz.
 DEFAULT_HISTORY_POINTS = 6000
@@ -323,7 +324,13 @@ class JobModel:
     # -- applying messages -----------------------------------------------------------------------
 
     def apply(self, message: Message) -> None:
-        """Fold one message into the state. Kinds this viewer does not know are ignored."""
+        """Fold one message into the state. Kinds this viewer does not know are ignored.
+
+        Every string the message carries is made :func:`~torchtop.text.printable` first: the
+        model holds no control character that a reader could write to a terminal. A log line's
+        redraws (``\\r``) are applied before its text is (see ``_apply``)."""
+        if not isinstance(message, LogLine):
+            message = printable_message(message)
         changed = self._apply(message)
         # At most once a second of message time: a replay finds what the live view found.
         if changed:
@@ -385,7 +392,8 @@ class JobModel:
             self.marks.append(Mark(message.t, message.name))
             return True
         if isinstance(message, LogLine):
-            self.logs.append(LogEntry(message.t, message.stream, visible_text(message.text)))
+            text = printable(visible_text(message.text))
+            self.logs.append(LogEntry(message.t, printable(message.stream), text))
             self.log_total += 1
             return True
         if isinstance(message, Dropped):
