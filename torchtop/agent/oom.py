@@ -817,13 +817,16 @@ class _BackwardWatch:
 class _Watch:
     """Follows a failure in the thread that failed, until it reaches the job's code or not.
 
-    The allocator calls its observers before it throws; torch may catch the error in C++ and
-    go on (cuDNN retries with a smaller workspace). A trace function on this thread tells
-    which: an ``exception`` event in one of the job's frames (not torch's, not torchtop's)
-    means the error reached the job (published, and paused there with ``--pause-on-oom``);
-    the thread running on (a call, or a frame returning) with no exception in flight means
-    torch handled it (counted). Tracing ends at the first of these, and whatever trace
-    function was there before (a debugger, coverage) is put back.
+    The allocator calls its observers, in the order attached, before it throws; torch may
+    catch the error in C++ and go on (cuDNN retries with a smaller workspace). Between this
+    observer and the throw other Python may run: the job's own observer (a snapshot dump, as
+    PyTorch's docs suggest), a finalizer, garbage collection. So only the frames that were on
+    the stack at the failure are followed, and only where the error goes decides: an
+    ``exception`` event in one of the job's frames (not torch's, not torchtop's) means it
+    reached the job (published, and paused there with ``--pause-on-oom``); one of those frames
+    moving on to another line or returning with no error in flight means torch handled it
+    (counted). Calls into new frames decide nothing. Tracing ends at the first of these, and
+    whatever trace function was there before (a debugger, coverage) is put back.
     """
 
     def __init__(self, controller: OomController, pending: _Pending, frames: list[Any]) -> None:
@@ -853,16 +856,13 @@ class _Watch:
     def arm(self) -> None:
         for frame in self._frames:
             frame.f_trace = self._frame_tracer
-            frame.f_trace_lines = False
+            # Line events tell a frame that moved on past the failing call.
+            frame.f_trace_lines = True
         sys.settrace(self._tracer)
 
     def _global(self, frame: Any, event: str, arg: Any) -> Any:
-        if self._done:
-            return None
-        if event == "call" and not _is_torchtop(frame.f_code.co_filename):
-            if self._in_flight is not None and sys.exc_info()[1] is self._in_flight:
-                return None  # a finally or __exit__ while the error unwinds
-            self._finish(reached=False)
+        # New frames (other observers, finalizers, the job going on) are not followed: only
+        # the frames of the failure decide. This function only keeps their tracing on.
         return None
 
     def _local(self, frame: Any, event: str, arg: Any) -> Any:
@@ -875,6 +875,13 @@ class _Watch:
                 frame.f_code.co_filename, self._torch_dir
             ):
                 self._finish(reached=True)
+                return None
+        elif event == "line":
+            # A frame runs a new line: with no error in flight, or after torch's code caught
+            # it (outside the handler, nothing is being handled), the failure was handled. In
+            # a handler or a finally while the error unwinds, it may still be raised.
+            if self._in_flight is None or sys.exc_info()[1] is not self._in_flight:
+                self._finish(reached=False)
                 return None
         elif event == "return" and (self._in_flight is None or frame is self._outermost):
             # Returning with no error in flight: it was handled. Out of the thread's last
