@@ -8,19 +8,23 @@ import pickle
 import sys
 import threading
 import time
+from collections import deque
 from operator import methodcaller
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from fakes.allocator import fail_into_job, with_retries
+from fakes.allocator import ALLOCATOR_FILE, allocate, fail_into_job, with_retries
 from torch.cuda import _memory_viz
 
 from torchtop.agent.core import AgentConfig
 from torchtop.agent.memory_limit import SOURCE_TENSORS, MemoryLimitTracker, oom_message
 from torchtop.agent.oom import OomController, _arm_after_import, _ArmAfterImport
+from torchtop.agent.probes.cuda_memory import CudaMemoryProbe
 from torchtop.agent.server import EVENTS, SAMPLES, AgentServer, RingLimit
+from torchtop.model.job import DeviceMemory
 from torchtop.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -748,3 +752,65 @@ def test_a_failure_handled_inside_the_op_is_counted_once_the_jobs_frame_moves_on
     list(map(methodcaller("__call__", *observer_args(data)), observers))  # the op, handled
     handled_by_now = dict(controller.handled)
     assert handled_by_now == {"cuda:0": 1} and of_kind(messages, OutOfMemory) == []
+
+
+def test_same_size_failures_torch_handles_are_each_counted(tmp_path: Path) -> None:
+    # torch asks twice for the same size and gets it the third time: the allocator counts two
+    # failures (num_ooms), and both were handled, so none reached the job.
+    data = load("full")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    args = observer_args(data)
+    allocate_same_size = _TORCH_RETRY["same_size"]
+    allocate_same_size(controller.observe_cuda_oom, args, 2)
+    assert of_kind(messages, OutOfMemory) == []
+    assert controller.handled == {"cuda:0": 2}
+    # What the memory panel shows: the allocator's count less those handled.
+    stats = probe_stats(controller, {**data["memory_stats"], "num_ooms": 2})
+    assert stats.num_ooms == 2 and stats.handled_ooms == 2
+    assert DeviceMemory(stats.device, stats, deque()).ooms == 0
+
+
+def test_a_same_size_failure_after_a_handled_one_reaches_the_job_once(tmp_path: Path) -> None:
+    data = load("full")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    with pytest.raises(torch.OutOfMemoryError):
+        _TORCH_RETRY["same_size"](controller.observe_cuda_oom, observer_args(data), 99)
+    # The first to reach the job is published, though two of its size came just before.
+    (event,) = of_kind(messages, OutOfMemory)
+    assert event.requested_bytes == 4 * GiB
+    assert controller.handled == {"cuda:0": 2} and controller.repeats == 0
+
+
+def probe_stats(controller: OomController, memory_stats: dict[str, Any]) -> MemoryStats:
+    """What the agent's CUDA memory probe reads for device 0 from ``memory_stats``."""
+    cuda = SimpleNamespace(
+        is_initialized=lambda: True,
+        is_available=lambda: True,
+        device_count=lambda: 1,
+        memory_stats=lambda device: memory_stats,
+        mem_get_info=lambda device: (8 * GiB, 80 * GiB),
+    )
+    (stats,) = CudaMemoryProbe(cuda, handled_ooms=controller.handled_ooms).read()
+    return stats
+
+
+#: torch's side of a retry with the same size, up to three attempts (the last one raises).
+_TORCH_RETRY: dict[str, Any] = {"torch": torch, "allocate": allocate}
+exec(
+    compile(
+        """
+def same_size(observer, args, fails):
+    for attempt in range(3):
+        try:
+            return allocate(observer, args, attempt < fails)
+        except torch.OutOfMemoryError:
+            if attempt == 2:
+                raise
+""",
+        ALLOCATOR_FILE,
+        "exec",
+    ),
+    _TORCH_RETRY,
+)

@@ -17,9 +17,10 @@ save the snapshot (a pickle memory_viz opens), publish an ``oom`` event, and wit
 ``--pause-on-oom`` hold the job until a viewer sends ``resume`` or the timeout passes. Then the
 job's own ``OutOfMemoryError`` goes on unchanged: nothing here raises into the job.
 
-The observer may run more than once for one failure (and a job may catch an OOM and retry):
-calls for the same device and size within :data:`REPEAT_WINDOW_S` count as one failure, and at
-most ``max_captures`` failures per run are captured in full.
+A job may catch an OOM and retry: failures that reach the job for the same device and size
+within :data:`REPEAT_WINDOW_S` of the last one published are published once (each is still
+followed, so those torch handles are counted), and at most ``max_captures`` failures per run
+are captured in full.
 
 Viewer requests (``snapshot``, ``resume``) arrive on the server's I/O thread, which only hands
 them over: a snapshot is taken in this module's own worker thread.
@@ -70,7 +71,7 @@ from torchtop.protocol import (
     encode,
 )
 
-#: Observer calls for the same device and size this close together are one failure.
+#: Failures reaching the job for the same device and size this close together are published once.
 REPEAT_WINDOW_S = 2.0
 #: The probe name under which a failure to set up capture is reported.
 PROBE_NAME = "oom_capture"
@@ -123,7 +124,8 @@ class OomController:
         self._cuda_armed = False
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._last_failure: tuple[str, int, float] | None = None
+        #: The last failure published: device, requested bytes, monotonic time.
+        self._last_published: tuple[str, int | None, float] | None = None
         self._resume = threading.Event()
         self._requests: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self._worker = agent_thread(self._work, "torchtop-oom")
@@ -341,8 +343,6 @@ class OomController:
             message="",
             segment=alloc,
         )
-        if pending is None:
-            return None
         if in_backward:
             pending.capture = replace(
                 pending.capture,
@@ -414,8 +414,7 @@ class OomController:
             message=message,
         )
         # The emulation raises the error itself, in the job's own call: it always reaches it.
-        if pending is not None:
-            self._publish_failure(pending, pause=True)
+        self._publish_failure(pending, pause=True)
         return message
 
     # -- the flow ----------------------------------------------------------------------------------
@@ -436,19 +435,9 @@ class OomController:
         grad_enabled: Callable[[], bool] | None,
         message: str,
         segment: int | None = None,
-    ) -> _Pending | None:
-        """Read what the failure shows at its moment; ``None`` for a repeat of the last one."""
-        now = time.monotonic()
-        with self._lock:
-            last = self._last_failure
-            if (
-                last is not None
-                and last[:2] == (device, requested)
-                and now - last[2] < (REPEAT_WINDOW_S)
-            ):
-                self.repeats += 1
-                return None
-            self._last_failure = (device, requested, now)
+    ) -> _Pending:
+        """Read what the failure shows at its moment. Every failure is followed, a repeat
+        too: whether torch handled it or not, the allocator counted it."""
         grad: bool | None = None
         if grad_enabled is not None:
             with contextlib.suppress(Exception):
@@ -475,7 +464,19 @@ class OomController:
         if pending.done:
             return None
         pending.done = True
+        failure = (pending.capture.device, pending.capture.requested_bytes, time.monotonic())
         with self._lock:
+            last = self._last_published
+            self._last_published = failure
+            if (
+                last is not None
+                and last[:2] == failure[:2]
+                and failure[2] - last[2] < (REPEAT_WINDOW_S)
+            ):
+                # The same failure again (a job that catches its OOM and retries): counted,
+                # not published again.
+                self.repeats += 1
+                return None
             self.captures += 1
             full = self.captures <= int(self.config.max_captures)
         capture_id = next(self._ids)
