@@ -150,11 +150,16 @@ class CudaMemoryProbe:
 
     def job_uuids(self) -> list[str | None] | None:
         """The UUIDs of the job's CUDA devices in CUDA's order, once the job has initialized
-        CUDA (``None`` before): what the NVML probe matches its GPUs to. Read once, since
-        the devices a process sees are fixed from its CUDA initialization on."""
-        if self._uuids is None and self.cuda_initialized():
-            self._uuids = [device.uuid for device in self.devices()]
-        return self._uuids
+        CUDA (``None`` before, or when the devices cannot be listed): what the NVML probe
+        matches its GPUs to. ``None`` in the list is a device whose UUID is unknown. Kept
+        once every UUID is known, since the devices a process sees are fixed from its CUDA
+        initialization on; read again until then."""
+        if self._uuids is not None or not self.cuda_initialized():
+            return self._uuids
+        uuids = [device.uuid for device in self.devices()]
+        if uuids and all(uuids):
+            self._uuids = uuids
+        return uuids or None
 
     def cuda_initialized(self) -> bool:
         """Whether the job has initialized CUDA (a flag check: never initializes it)."""
