@@ -424,3 +424,20 @@ def test_the_jobs_uuids_are_read_again_while_any_is_unreadable() -> None:
     assert probe.job_uuids() == expected
     cuda.fail.add(("get_device_properties", 0))
     assert probe.job_uuids() == expected  # once all are known, kept
+
+
+def test_free_under_a_per_process_memory_fraction_is_what_the_cap_leaves() -> None:
+    # set_per_process_memory_fraction(0.5): the allocator refuses to reserve past half of the
+    # device, however much the device has free (82 GiB here, beside the job's 57.6 GiB).
+    stats = fixture("idle_after_training")
+    reserved = stats["reserved_bytes.all.current"]
+    cuda = FakeCuda([stats], free=82 * GIB)
+    cuda.get_per_process_memory_fraction = lambda device: 0.5  # type: ignore[attr-defined]
+    (read,) = CudaMemoryProbe(cuda).read()
+    cap = int(0.5 * H200_TOTAL)
+    assert read.total_bytes == cap
+    assert read.free_bytes == cap - reserved < 13 * GIB
+    # No cap set (fraction 1.0): the device's own figures.
+    cuda.get_per_process_memory_fraction = lambda device: 1.0  # type: ignore[attr-defined]
+    (read,) = CudaMemoryProbe(cuda).read()
+    assert (read.free_bytes, read.total_bytes) == (82 * GIB, H200_TOTAL)

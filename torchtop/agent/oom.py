@@ -55,6 +55,7 @@ from torchtop.agent.memory_snapshot import (
     totals,
     verdict,
 )
+from torchtop.agent.probes.cuda_memory import free_under_cap
 from torchtop.agent.threads import agent_thread
 from torchtop.protocol import (
     MAX_FRAME_BYTES,
@@ -319,10 +320,8 @@ class OomController:
         reserved = _int(counters.get("reserved_bytes.all.current"))
         request = failed_request(snap, device)
         requested = request.size if request is not None else alloc
-        if reserved is not None and total > 0:
-            # Under set_per_process_memory_fraction, total is the cap: what the job may still
-            # get is the cap less what it holds, however much the device has free.
-            free = min(free, max(0, total - reserved))
+        # Under set_per_process_memory_fraction, total is the cap (else the device's total).
+        free = free_under_cap(free, total, reserved)
         # A thread with Python frames is followed there; one without (the autograd engine's)
         # fails in a backward that the training thread waits for.
         job_frames = _python_frames(sys._getframe(1))
