@@ -8,18 +8,23 @@ import pickle
 import sys
 import threading
 import time
+from collections import deque
+from operator import methodcaller
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from fakes.allocator import fail_into_job, with_retries
+from fakes.allocator import ALLOCATOR_FILE, allocate, fail_into_job, with_retries
 from torch.cuda import _memory_viz
 
 from torchtop.agent.core import AgentConfig
 from torchtop.agent.memory_limit import SOURCE_TENSORS, MemoryLimitTracker, oom_message
 from torchtop.agent.oom import OomController, _arm_after_import, _ArmAfterImport
+from torchtop.agent.probes.cuda_memory import CudaMemoryProbe
 from torchtop.agent.server import EVENTS, SAMPLES, AgentServer, RingLimit
+from torchtop.model.job import DeviceMemory
 from torchtop.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -519,11 +524,16 @@ def test_the_request_is_the_traces_and_free_blocks_count_on_its_stream(tmp_path:
 
 
 def retrying(
-    controller: OomController, data: dict[str, Any], start: int, succeeds_at: int
+    controller: OomController,
+    data: dict[str, Any],
+    start: int,
+    succeeds_at: int,
+    others: list[Any] | None = None,
 ) -> list[int]:
     """A cuDNN-like workspace search in the job's call: halving requests from ``start``; the
     attempt ``succeeds_at`` fits (or none does, and the last error reaches the job). Each
-    failure leaves its own ``oom`` entry in the trace, as the allocator does."""
+    failure leaves its own ``oom`` entry in the trace, as the allocator does. ``others`` are
+    observers attached after the agent's."""
     sizes: list[int] = []
 
     def traced(alloc: int) -> None:
@@ -531,7 +541,7 @@ def retrying(
         request(data, alloc)
 
     args = observer_args(data, alloc=start)
-    with_retries(controller.observe_cuda_oom, args, succeeds_at, traced)
+    with_retries([controller.observe_cuda_oom, *(others or [])], args, succeeds_at, traced)
     return sizes
 
 
@@ -654,3 +664,153 @@ def test_a_backward_failure_torch_handles_is_counted(tmp_path: Path) -> None:
     finally:
         controller.stop()
     assert controller.handled == {"cuda:0": 1} and of_kind(messages, OutOfMemory) == []
+
+
+# -- other Python code between the observer and the throw --------------------------------------
+
+
+class SnapshotOnOom:
+    """The job's own observer, as PyTorch's docs suggest: it dumps a snapshot on OOM. It runs
+    Python, allocates (CPU tensors, a pickle) and catches an error of its own."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.calls: list[tuple[int, ...]] = []
+
+    def __call__(self, device: int, alloc: int, total: int, free: int) -> None:
+        self.calls.append((device, alloc, total, free))
+        scratch = torch.zeros(1024) + torch.ones(1024)
+        try:
+            {}["missing"]
+        except KeyError:
+            pass
+        payload = {"observer": self.calls[-1], "sum": float(scratch.sum()), "big": [0] * 10_000}
+        with open(self.folder / f"oom-{len(self.calls)}.pickle", "wb") as f:
+            pickle.dump(payload, f)
+
+
+class Finalized:
+    """An object whose finalizer runs Python when its last reference goes."""
+
+    ran: list[str] = []
+
+    def __del__(self) -> None:
+        Finalized.ran.append(str(len(Finalized.ran)))
+
+
+def dropping(holder: list[Any]) -> Any:
+    """An observer-position call that only drops the last reference to a finalized object, from
+    C (``list.clear``), as garbage collection does between two observers."""
+    return lambda *args: holder.clear()
+
+
+@pytest.mark.parametrize("second", ["snapshot-observer", "finalizer", "both"])
+def test_an_oom_reaches_the_job_with_other_python_between_the_observer_and_the_throw(
+    tmp_path: Path, second: str
+) -> None:
+    data = load("full")
+    controller, messages = make_controller(tmp_path / "agent")
+    (tmp_path / "agent").mkdir()
+    with_fixture(controller, data)
+    job_observer = SnapshotOnOom(tmp_path)
+    holder = [Finalized()]
+    others: list[Any] = {
+        "snapshot-observer": [job_observer],
+        "finalizer": [dropping(holder)],
+        "both": [dropping(holder), job_observer],
+    }[second]
+    Finalized.ran.clear()
+    fail_into_job([controller.observe_cuda_oom, *others], observer_args(data))
+    (event,) = of_kind(messages, OutOfMemory)
+    assert event.requested_bytes == 4 * GiB and controller.handled == {}
+    assert bool(job_observer.calls) == (second != "finalizer")
+    assert bool(Finalized.ran) == (second != "snapshot-observer")
+    assert sys.gettrace() is None or "torchtop" not in repr(sys.gettrace())
+
+
+def test_failures_torch_handles_are_counted_with_a_second_observer_attached(
+    tmp_path: Path,
+) -> None:
+    data = load("full")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    job_observer = SnapshotOnOom(tmp_path)
+    sizes = retrying(controller, data, 64 * MiB, succeeds_at=3, others=[job_observer])
+    assert len(job_observer.calls) == 3 and sizes == [64 * MiB, 32 * MiB, 16 * MiB]
+    assert of_kind(messages, OutOfMemory) == [] and controller.handled == {"cuda:0": 3}
+
+
+def test_a_failure_handled_inside_the_op_is_counted_once_the_jobs_frame_moves_on(
+    tmp_path: Path,
+) -> None:
+    # The job's own frame called the op; torch caught the error in C++ and returned. The frame
+    # goes on (it does not return): its next line tells the failure was handled.
+    data = load("full")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    observers = [controller.observe_cuda_oom, SnapshotOnOom(tmp_path)]
+    list(map(methodcaller("__call__", *observer_args(data)), observers))  # the op, handled
+    handled_by_now = dict(controller.handled)
+    assert handled_by_now == {"cuda:0": 1} and of_kind(messages, OutOfMemory) == []
+
+
+def test_same_size_failures_torch_handles_are_each_counted(tmp_path: Path) -> None:
+    # torch asks twice for the same size and gets it the third time: the allocator counts two
+    # failures (num_ooms), and both were handled, so none reached the job.
+    data = load("full")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    args = observer_args(data)
+    allocate_same_size = _TORCH_RETRY["same_size"]
+    allocate_same_size(controller.observe_cuda_oom, args, 2)
+    assert of_kind(messages, OutOfMemory) == []
+    assert controller.handled == {"cuda:0": 2}
+    # What the memory panel shows: the allocator's count less those handled.
+    stats = probe_stats(controller, {**data["memory_stats"], "num_ooms": 2})
+    assert stats.num_ooms == 2 and stats.handled_ooms == 2
+    assert DeviceMemory(stats.device, stats, deque()).ooms == 0
+
+
+def test_a_same_size_failure_after_a_handled_one_reaches_the_job_once(tmp_path: Path) -> None:
+    data = load("full")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    with pytest.raises(torch.OutOfMemoryError):
+        _TORCH_RETRY["same_size"](controller.observe_cuda_oom, observer_args(data), 99)
+    # The first to reach the job is published, though two of its size came just before.
+    (event,) = of_kind(messages, OutOfMemory)
+    assert event.requested_bytes == 4 * GiB
+    assert controller.handled == {"cuda:0": 2} and controller.repeats == 0
+
+
+def probe_stats(controller: OomController, memory_stats: dict[str, Any]) -> MemoryStats:
+    """What the agent's CUDA memory probe reads for device 0 from ``memory_stats``."""
+    cuda = SimpleNamespace(
+        is_initialized=lambda: True,
+        is_available=lambda: True,
+        device_count=lambda: 1,
+        memory_stats=lambda device: memory_stats,
+        mem_get_info=lambda device: (8 * GiB, 80 * GiB),
+    )
+    (stats,) = CudaMemoryProbe(cuda, handled_ooms=controller.handled_ooms).read()
+    return stats
+
+
+#: torch's side of a retry with the same size, up to three attempts (the last one raises).
+_TORCH_RETRY: dict[str, Any] = {"torch": torch, "allocate": allocate}
+exec(
+    compile(
+        """
+def same_size(observer, args, fails):
+    for attempt in range(3):
+        try:
+            return allocate(observer, args, attempt < fails)
+        except torch.OutOfMemoryError:
+            if attempt == 2:
+                raise
+""",
+        ALLOCATOR_FILE,
+        "exec",
+    ),
+    _TORCH_RETRY,
+)

@@ -127,6 +127,14 @@ class _RawEvent:
         self._correlation = kw.get("correlation", 0)
         self._linked = kw.get("linked", 0)
         self._annotation = kw.get("annotation", False)
+        # kineto's ActivityType: CPU_OP 0, USER_ANNOTATION 1, GPU_USER_ANNOTATION 2,
+        # CONCURRENT_KERNEL 5, CUDA_RUNTIME 7.
+        if device != "CPU":
+            self._activity = 2 if self._annotation else 5
+        elif name.startswith("cuda"):
+            self._activity = 7
+        else:
+            self._activity = 1 if self._annotation else 0
 
     def name(self) -> str:
         return self._name
@@ -148,6 +156,9 @@ class _RawEvent:
 
     def linked_correlation_id(self) -> int:
         return self._linked
+
+    def activity_type(self) -> int:
+        return self._activity
 
     def is_hidden_event(self) -> bool:
         return False
@@ -193,6 +204,26 @@ def test_annotation_ranges_on_the_device_are_not_device_ops() -> None:
     # The CPU range is still listed, with its kernel's time in its total (once, not twice).
     (cpu_step,) = [op for key, op in window.ops.items() if key[0] == step]
     assert cpu_step.calls == 1 and cpu_step.total_device == 200 * US
+
+
+def test_a_runtime_calls_cupti_id_equal_to_an_ops_id_takes_none_of_its_kernels() -> None:
+    """Ops carry torch's ids, runtime calls and kernels CUPTI's: two counters that overlap. A
+    ``cudaDeviceSynchronize`` outside any op (linked to none) whose CUPTI id equals the op's
+    id must not take the op's kernel."""
+    from torchtop.agent.ops import read_events
+
+    raw = _RawResult(
+        [
+            _RawEvent("aten::addmm", 10, 60, correlation=7),
+            _RawEvent("cudaLaunchKernel", 20, 30, correlation=41, linked=7),
+            _RawEvent("cudaDeviceSynchronize", 70, 300, correlation=7, linked=0),
+            _RawEvent("gemm_kernel", 40, 290, device="CUDA", correlation=41, linked=7),
+        ]
+    )
+    window = aggregate(read_events(raw, record_shapes=False))
+    ops = {key[0]: op for key, op in window.ops.items()}
+    assert ops["aten::addmm"].self_device == 250 * US
+    assert ops["cudaDeviceSynchronize"].total_device == 0
 
 
 def test_python_frames_give_ops_their_call_site_and_are_not_listed(tmp_path: Path) -> None:
@@ -824,3 +855,11 @@ def test_a_cpu_job_records_no_inputs_unless_asked_and_a_cuda_job_one_window_in_f
     assert cuda == [True, False, False, False, True, False, False, False]
     assert not any(records_inputs(n, shapes=False, cuda=False) for n in range(8))
     assert all(records_inputs(n, shapes=True, cuda=False) for n in range(8))
+
+
+def test_runtime_calls_by_name_where_torch_has_no_activity_type() -> None:
+    from torchtop.agent.ops import _runtime_call
+
+    runtime = ["cudaDeviceSynchronize", "cudaLaunchKernel", "cuLaunchKernel", "hipMemcpyAsync"]
+    ops = ["aten::cumsum", "cumulative_loss", "Optimizer.step#AdamW.step", "custom_block"]
+    assert [_runtime_call(n) for n in runtime + ops] == [True] * 4 + [False] * 4

@@ -399,3 +399,45 @@ def test_the_jobs_uuids_once_it_has_initialized_cuda() -> None:
     cuda.initialized = True
     uuids = probe.job_uuids()
     assert uuids is not None and len(uuids) == 2 and uuids == probe.job_uuids()
+
+
+def test_the_jobs_uuids_are_read_again_while_any_is_unreadable() -> None:
+    # Device properties with no usable UUID (an older torch, a device not ready): unknown,
+    # so read again later rather than kept for the rest of the job.
+    cuda = FakeCudaWithProperties([fixture("after_oom")] * 2)
+    uuid: list[Any] = [None]
+    original = cuda.get_device_properties
+
+    def properties(device: int) -> SimpleNamespace:
+        props = original(device)
+        props.uuid = uuid[0]
+        return props
+
+    cuda.get_device_properties = properties  # type: ignore[method-assign]
+    probe = CudaMemoryProbe(cuda)
+    assert probe.job_uuids() in (None, [None, None])
+    cuda.fail.add(("device_count", -1))
+    assert probe.job_uuids() is None  # the devices could not be listed: unknown
+    cuda.fail.clear()
+    uuid[0] = TorchUuid(TORCH_UUID)
+    expected = [gpu_uuid(TORCH_UUID)] * 2
+    assert probe.job_uuids() == expected
+    cuda.fail.add(("get_device_properties", 0))
+    assert probe.job_uuids() == expected  # once all are known, kept
+
+
+def test_free_under_a_per_process_memory_fraction_is_what_the_cap_leaves() -> None:
+    # set_per_process_memory_fraction(0.5): the allocator refuses to reserve past half of the
+    # device, however much the device has free (82 GiB here, beside the job's 57.6 GiB).
+    stats = fixture("idle_after_training")
+    reserved = stats["reserved_bytes.all.current"]
+    cuda = FakeCuda([stats], free=82 * GIB)
+    cuda.get_per_process_memory_fraction = lambda device: 0.5  # type: ignore[attr-defined]
+    (read,) = CudaMemoryProbe(cuda).read()
+    cap = int(0.5 * H200_TOTAL)
+    assert read.total_bytes == cap
+    assert read.free_bytes == cap - reserved < 13 * GIB
+    # No cap set (fraction 1.0): the device's own figures.
+    cuda.get_per_process_memory_fraction = lambda device: 1.0  # type: ignore[attr-defined]
+    (read,) = CudaMemoryProbe(cuda).read()
+    assert (read.free_bytes, read.total_bytes) == (82 * GIB, H200_TOTAL)

@@ -396,3 +396,32 @@ def test_real_nvml_reads_a_gpu() -> None:
     gpu = gpus[0]
     assert gpu.name and gpu.memory_total_bytes and gpu.memory_used_bytes is not None
     assert gpu.util_gpu_percent is not None and gpu.temperature_c is not None
+
+
+@pytest.mark.parametrize(
+    "uuids",
+    [[None], [None, None], []],
+    ids=["one-unreadable", "all-unreadable", "none-listed"],
+)
+def test_no_usable_uuid_leaves_the_gpus_unknown_not_outside_the_job(
+    uuids: list[str | None],
+) -> None:
+    backend = FakeNvmlBackend.four_h100_out_of_cuda_order()
+    probe = NvmlProbe(backend, job_uuids=lambda: uuids)
+    rows = probe.read()
+    assert [g.index for g in rows] == [0, 1, 2, 3]
+    assert {g.in_job for g in rows} == {None} and {g.cuda_device for g in rows} == {None}
+
+
+def test_a_gpu_whose_cuda_uuid_is_unreadable_is_not_called_outside_the_job() -> None:
+    # cuda:0's UUID reads, cuda:1's does not: GPU 2 is the job's; which of the others is
+    # cuda:1 is unknown, so none of them is said to be outside the job.
+    backend = FakeNvmlBackend.four_h100_out_of_cuda_order()
+    probe = NvmlProbe(backend, job_uuids=lambda: [JOB_CUDA_UUIDS[0], None])
+    rows = probe.read()
+    assert [(g.index, g.cuda_device, g.in_job) for g in rows] == [
+        (2, "cuda:0", True),
+        (0, None, None),
+        (1, None, None),
+        (3, None, None),
+    ]

@@ -5,11 +5,17 @@ into the Python frame that called the op; or torch catches it in C++ and retries
 (cuDNN's workspace search). The agent tells these apart by where the error goes next, so a
 test must call the observer the way torch does: from a frame of torch's (these functions are
 compiled under a path inside torch's package), then raise into the job's code or retry.
+
+The allocator calls every attached observer, in the order attached, from C++ and only then
+raises: no Python line of the failing frame runs in between. ``allocate`` does the same (the
+observers are called from ``map``, and the raise is on the same line), so a second observer, a
+finalizer or an observer that allocates runs where it would on a GPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import methodcaller
 from typing import Any
 
 import torch
@@ -22,8 +28,9 @@ def allocate(observer, args, fails=True, traced=None):
     if fails:
         if traced is not None:
             traced(args[1])  # the allocator's oom entry in the trace
-        observer(*args)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate ...")
+        observers = observer if isinstance(observer, list) else [observer]
+        each = methodcaller("__call__", *args)
+        list(map(each, observers)); raise torch.OutOfMemoryError("CUDA out of memory")
     return args[1]
 
 def with_retries(observer, args, succeeds_at, traced):
@@ -37,15 +44,18 @@ def with_retries(observer, args, succeeds_at, traced):
             size //= 2
 """
 
-_TORCH_SIDE: dict[str, Any] = {"torch": torch}
+_TORCH_SIDE: dict[str, Any] = {"torch": torch, "methodcaller": methodcaller}
 exec(compile(_SOURCE, ALLOCATOR_FILE, "exec"), _TORCH_SIDE)
 
 allocate: Callable[..., int] = _TORCH_SIDE["allocate"]
 with_retries: Callable[..., int] = _TORCH_SIDE["with_retries"]
 
 
-def fail_into_job(observer: Callable[..., None], args: tuple[int, int, int, int]) -> None:
-    """A failed allocation whose error reaches the job's code (this frame), which catches it."""
+def fail_into_job(
+    observer: Callable[..., None] | list[Callable[..., None]], args: tuple[int, int, int, int]
+) -> None:
+    """A failed allocation whose error reaches the job's code (this frame), which catches it.
+    ``observer`` is one observer or the list attached, in attach order."""
     try:
         allocate(observer, args)
     except torch.OutOfMemoryError:

@@ -17,9 +17,10 @@ save the snapshot (a pickle memory_viz opens), publish an ``oom`` event, and wit
 ``--pause-on-oom`` hold the job until a viewer sends ``resume`` or the timeout passes. Then the
 job's own ``OutOfMemoryError`` goes on unchanged: nothing here raises into the job.
 
-The observer may run more than once for one failure (and a job may catch an OOM and retry):
-calls for the same device and size within :data:`REPEAT_WINDOW_S` count as one failure, and at
-most ``max_captures`` failures per run are captured in full.
+A job may catch an OOM and retry: failures that reach the job for the same device and size
+within :data:`REPEAT_WINDOW_S` of the last one published are published once (each is still
+followed, so those torch handles are counted), and at most ``max_captures`` failures per run
+are captured in full.
 
 Viewer requests (``snapshot``, ``resume``) arrive on the server's I/O thread, which only hands
 them over: a snapshot is taken in this module's own worker thread.
@@ -54,6 +55,7 @@ from torchtop.agent.memory_snapshot import (
     totals,
     verdict,
 )
+from torchtop.agent.probes.cuda_memory import free_under_cap
 from torchtop.agent.threads import agent_thread
 from torchtop.protocol import (
     MAX_FRAME_BYTES,
@@ -70,7 +72,7 @@ from torchtop.protocol import (
     encode,
 )
 
-#: Observer calls for the same device and size this close together are one failure.
+#: Failures reaching the job for the same device and size this close together are published once.
 REPEAT_WINDOW_S = 2.0
 #: The probe name under which a failure to set up capture is reported.
 PROBE_NAME = "oom_capture"
@@ -123,7 +125,8 @@ class OomController:
         self._cuda_armed = False
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._last_failure: tuple[str, int, float] | None = None
+        #: The last failure published: device, requested bytes, monotonic time.
+        self._last_published: tuple[str, int | None, float] | None = None
         self._resume = threading.Event()
         self._requests: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self._worker = agent_thread(self._work, "torchtop-oom")
@@ -317,10 +320,8 @@ class OomController:
         reserved = _int(counters.get("reserved_bytes.all.current"))
         request = failed_request(snap, device)
         requested = request.size if request is not None else alloc
-        if reserved is not None and total > 0:
-            # Under set_per_process_memory_fraction, total is the cap: what the job may still
-            # get is the cap less what it holds, however much the device has free.
-            free = min(free, max(0, total - reserved))
+        # Under set_per_process_memory_fraction, total is the cap (else the device's total).
+        free = free_under_cap(free, total, reserved)
         # A thread with Python frames is followed there; one without (the autograd engine's)
         # fails in a backward that the training thread waits for.
         job_frames = _python_frames(sys._getframe(1))
@@ -341,8 +342,6 @@ class OomController:
             message="",
             segment=alloc,
         )
-        if pending is None:
-            return None
         if in_backward:
             pending.capture = replace(
                 pending.capture,
@@ -414,8 +413,7 @@ class OomController:
             message=message,
         )
         # The emulation raises the error itself, in the job's own call: it always reaches it.
-        if pending is not None:
-            self._publish_failure(pending, pause=True)
+        self._publish_failure(pending, pause=True)
         return message
 
     # -- the flow ----------------------------------------------------------------------------------
@@ -436,19 +434,9 @@ class OomController:
         grad_enabled: Callable[[], bool] | None,
         message: str,
         segment: int | None = None,
-    ) -> _Pending | None:
-        """Read what the failure shows at its moment; ``None`` for a repeat of the last one."""
-        now = time.monotonic()
-        with self._lock:
-            last = self._last_failure
-            if (
-                last is not None
-                and last[:2] == (device, requested)
-                and now - last[2] < (REPEAT_WINDOW_S)
-            ):
-                self.repeats += 1
-                return None
-            self._last_failure = (device, requested, now)
+    ) -> _Pending:
+        """Read what the failure shows at its moment. Every failure is followed, a repeat
+        too: whether torch handled it or not, the allocator counted it."""
         grad: bool | None = None
         if grad_enabled is not None:
             with contextlib.suppress(Exception):
@@ -475,7 +463,19 @@ class OomController:
         if pending.done:
             return None
         pending.done = True
+        failure = (pending.capture.device, pending.capture.requested_bytes, time.monotonic())
         with self._lock:
+            last = self._last_published
+            self._last_published = failure
+            if (
+                last is not None
+                and last[:2] == failure[:2]
+                and failure[2] - last[2] < (REPEAT_WINDOW_S)
+            ):
+                # The same failure again (a job that catches its OOM and retries): counted,
+                # not published again.
+                self.repeats += 1
+                return None
             self.captures += 1
             full = self.captures <= int(self.config.max_captures)
         capture_id = next(self._ids)
@@ -817,13 +817,16 @@ class _BackwardWatch:
 class _Watch:
     """Follows a failure in the thread that failed, until it reaches the job's code or not.
 
-    The allocator calls its observers before it throws; torch may catch the error in C++ and
-    go on (cuDNN retries with a smaller workspace). A trace function on this thread tells
-    which: an ``exception`` event in one of the job's frames (not torch's, not torchtop's)
-    means the error reached the job (published, and paused there with ``--pause-on-oom``);
-    the thread running on (a call, or a frame returning) with no exception in flight means
-    torch handled it (counted). Tracing ends at the first of these, and whatever trace
-    function was there before (a debugger, coverage) is put back.
+    The allocator calls its observers, in the order attached, before it throws; torch may
+    catch the error in C++ and go on (cuDNN retries with a smaller workspace). Between this
+    observer and the throw other Python may run: the job's own observer (a snapshot dump, as
+    PyTorch's docs suggest), a finalizer, garbage collection. So only the frames that were on
+    the stack at the failure are followed, and only where the error goes decides: an
+    ``exception`` event in one of the job's frames (not torch's, not torchtop's) means it
+    reached the job (published, and paused there with ``--pause-on-oom``); one of those frames
+    moving on to another line or returning with no error in flight means torch handled it
+    (counted). Calls into new frames decide nothing. Tracing ends at the first of these, and
+    whatever trace function was there before (a debugger, coverage) is put back.
     """
 
     def __init__(self, controller: OomController, pending: _Pending, frames: list[Any]) -> None:
@@ -853,16 +856,13 @@ class _Watch:
     def arm(self) -> None:
         for frame in self._frames:
             frame.f_trace = self._frame_tracer
-            frame.f_trace_lines = False
+            # Line events tell a frame that moved on past the failing call.
+            frame.f_trace_lines = True
         sys.settrace(self._tracer)
 
     def _global(self, frame: Any, event: str, arg: Any) -> Any:
-        if self._done:
-            return None
-        if event == "call" and not _is_torchtop(frame.f_code.co_filename):
-            if self._in_flight is not None and sys.exc_info()[1] is self._in_flight:
-                return None  # a finally or __exit__ while the error unwinds
-            self._finish(reached=False)
+        # New frames (other observers, finalizers, the job going on) are not followed: only
+        # the frames of the failure decide. This function only keeps their tracing on.
         return None
 
     def _local(self, frame: Any, event: str, arg: Any) -> Any:
@@ -875,6 +875,13 @@ class _Watch:
                 frame.f_code.co_filename, self._torch_dir
             ):
                 self._finish(reached=True)
+                return None
+        elif event == "line":
+            # A frame runs a new line: with no error in flight, or after torch's code caught
+            # it (outside the handler, nothing is being handled), the failure was handled. In
+            # a handler or a finally while the error unwinds, it may still be raised.
+            if self._in_flight is None or sys.exc_info()[1] is not self._in_flight:
+                self._finish(reached=False)
                 return None
         elif event == "return" and (self._in_flight is None or frame is self._outermost):
             # Returning with no error in flight: it was handled. Out of the thread's last

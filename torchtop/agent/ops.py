@@ -111,9 +111,13 @@ class Event:
     thread: int = 0
     #: Ran on a device (a kernel, a memcpy); CPU-side events are nested by time per thread.
     device: bool = False
-    #: The op's own id, and for kernels and runtime calls the id of the op that launched them.
+    #: An op's own id (torch's counter), or a runtime call's or a kernel's (CUPTI's, another
+    #: counter); ``linked``: for kernels and runtime calls, the id of the op that launched them.
     correlation: int = 0
     linked: int = 0
+    #: A torch op or ``record_function`` range, whose ``correlation`` is torch's id; ``False``
+    #: for a runtime or driver call (``cudaDeviceSynchronize``), whose id is CUPTI's.
+    op: bool = True
     python: bool = False
     shapes: str | None = None
     #: The first input's dtype, for :data:`MATMUL_OPS` in windows that record inputs.
@@ -223,7 +227,7 @@ def aggregate(
                     sites[i] = site
         else:
             keys[i] = (event.name, event.shapes, sites[i])
-            if event.linked == 0 and event.correlation:
+            if event.op and event.correlation:
                 by_correlation[event.correlation] = i
             if event.dtype is not None:
                 result.matmuls[event.dtype] = result.matmuls.get(event.dtype, 0) + 1
@@ -317,6 +321,17 @@ def _shapes(value: Any) -> str | None:
     return ", ".join("[" + ", ".join(str(d) for d in shape) + "]" for shape in value)
 
 
+#: kineto's activity types of torch's own events (``CPU_OP``, ``USER_ANNOTATION``): their
+#: correlation id is torch's op id, which kernels and runtime calls link to.
+TORCH_OP_ACTIVITIES = (0, 1)
+
+
+def _runtime_call(name: str) -> bool:
+    """A CUDA or HIP runtime or driver call, by its name (``cudaLaunchKernel``,
+    ``cuLaunchKernel``, ``hipMemcpyAsync``): for a torch with no ``activity_type``."""
+    return name.startswith(("cuda", "hip")) or (name.startswith("cu") and name[2:3].isupper())
+
+
 def read_events(
     result: Any,
     *,
@@ -341,6 +356,7 @@ def read_events(
     has_ns = hasattr(first, "start_ns")  # torch 2.0: microseconds only
     has_hidden = hasattr(first, "is_hidden_event")
     has_annotation = hasattr(first, "is_user_annotation")  # torch 2.1 on
+    has_activity = links and hasattr(first, "activity_type")
     python = python and hasattr(first, "is_python_function")
     cpu_type = DeviceType.CPU
     out: list[Event] = []
@@ -375,6 +391,11 @@ def read_events(
                 device=device,
                 correlation=raw.correlation_id() if links else 0,
                 linked=raw.linked_correlation_id() if links else 0,
+                op=(
+                    raw.activity_type() in TORCH_OP_ACTIVITIES
+                    if has_activity
+                    else not _runtime_call(name)
+                ),
                 python=is_python,
                 shapes=_shapes(raw.shapes()) if record_shapes and not is_python else None,
                 dtype=dtype,

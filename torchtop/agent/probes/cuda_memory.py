@@ -95,6 +95,10 @@ class CudaMemoryProbe:
             free, total = int(free_raw), int(total_raw)
         except Exception:
             free = total = None
+        cap = _cap(cuda, index, total)
+        if cap is not None and free is not None:
+            # Under set_per_process_memory_fraction the allocator's limit is the cap.
+            total, free = cap, free_under_cap(free, cap, reserved)
         handled: int | None = None
         if self.handled_ooms is not None:
             try:
@@ -150,11 +154,16 @@ class CudaMemoryProbe:
 
     def job_uuids(self) -> list[str | None] | None:
         """The UUIDs of the job's CUDA devices in CUDA's order, once the job has initialized
-        CUDA (``None`` before): what the NVML probe matches its GPUs to. Read once, since
-        the devices a process sees are fixed from its CUDA initialization on."""
-        if self._uuids is None and self.cuda_initialized():
-            self._uuids = [device.uuid for device in self.devices()]
-        return self._uuids
+        CUDA (``None`` before, or when the devices cannot be listed): what the NVML probe
+        matches its GPUs to. ``None`` in the list is a device whose UUID is unknown. Kept
+        once every UUID is known, since the devices a process sees are fixed from its CUDA
+        initialization on; read again until then."""
+        if self._uuids is not None or not self.cuda_initialized():
+            return self._uuids
+        uuids = [device.uuid for device in self.devices()]
+        if uuids and all(uuids):
+            self._uuids = uuids
+        return uuids or None
 
     def cuda_initialized(self) -> bool:
         """Whether the job has initialized CUDA (a flag check: never initializes it)."""
@@ -183,6 +192,29 @@ class CudaMemoryProbe:
             return DeviceInfo(id=f"cuda:{index}", name=str(cuda.get_device_name(index)))
         except Exception:
             return fallback
+
+
+def free_under_cap(free: int, cap: int, reserved: int | None) -> int:
+    """What the job may still get under a cap on its memory (``set_per_process_memory_fraction``):
+    the cap less what its allocator holds, however much the device has free."""
+    if reserved is None or cap <= 0:
+        return free
+    return min(free, max(0, cap - reserved))
+
+
+def _cap(cuda: Any, index: int, total: int | None) -> int | None:
+    """The allocator's limit on a device under ``set_per_process_memory_fraction`` (the
+    fraction of the device's total), or ``None`` when no fraction below 1 is set."""
+    fraction_of = getattr(cuda, "get_per_process_memory_fraction", None)
+    if fraction_of is None or not total:
+        return None
+    try:
+        fraction = float(fraction_of(index))
+    except Exception:
+        return None
+    if not 0.0 < fraction < 1.0:
+        return None
+    return int(fraction * total)
 
 
 def _capability(props: Any) -> str | None:

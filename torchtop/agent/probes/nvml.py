@@ -363,15 +363,18 @@ class NvmlProbe:
         if self._job_uuids is not None:
             with contextlib.suppress(Exception):
                 uuids = self._job_uuids()
-        if not uuids:
-            return rows
-        cuda_index = {_uuid_key(u): i for i, u in enumerate(uuids) if u}
+        cuda_index = {_uuid_key(u): i for i, u in enumerate(uuids or ()) if u}
+        if not cuda_index:
+            return rows  # no usable UUID: which GPUs are the job's is unknown
+        # A device whose UUID is unknown may be any GPU not matched, and a GPU whose UUID NVML
+        # cannot read may be any device: those stay unknown.
+        unmatched = False if uuids and all(uuids) else None
         job: list[tuple[int, GpuStats]] = []
         others: list[GpuStats] = []
         for row in rows:
             index = cuda_index.get(_uuid_key(row.uuid)) if row.uuid else None
             if index is None:
-                others.append(replace(row, in_job=False))
+                others.append(replace(row, in_job=unmatched if row.uuid else None))
             else:
                 job.append((index, replace(row, in_job=True, cuda_device=f"cuda:{index}")))
         job.sort(key=lambda pair: pair[0])
