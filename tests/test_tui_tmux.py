@@ -158,3 +158,28 @@ def test_an_input_bound_job_shows_its_finding_with_evidence_at_80_by_24(
     terminal.wait_for(lambda s: "ended · exit 0" in s, timeout=120)
     terminal.keys("q")
     assert "EXIT=0\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
+
+
+def test_leaving_the_viewer_of_a_crashed_job_prints_its_exit_traceback_and_log(
+    terminal: Terminal, tmp_path: object
+) -> None:
+    """After ``q`` the terminal keeps what happened: the exit, the job's last traceback, the
+    log file and the recording, each with the command that reads it."""
+    script = SCRIPTS / "train_mlp.py"
+    record = f"{tmp_path}/boom.ttrec"
+    command = (
+        f"{sys.executable} -m torchtop run --record {record} {script} --steps 50 --raise-at 12;"
+        " echo EXIT=$?"
+    )
+    terminal.keys(command, "Enter")
+    terminal.wait_for(lambda s: "ended · exit 1" in s)
+    terminal.keys("q")
+    after = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
+    assert "EXIT=1\n" in after
+    assert re.search(r"job pid \d+ .*exited with code 1", after), after
+    assert "Traceback (most recent call last):" in after
+    assert "RuntimeError: boom at step 12" in after
+    log = re.search(r"(/\S+/\d+-job\.log)", after)
+    assert log is not None and os.path.exists(log[1]), after
+    assert f"less {log[1]}" in after
+    assert f"torchtop report {record}" in after

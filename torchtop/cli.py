@@ -582,15 +582,20 @@ def _run_spec(spec: Any) -> int:
         source = RunSource(spec)
         code = _run_app(TorchtopApp(source, title=spec.description))
         source.wait_after_viewer()
-        note = source.after_exit_note()
-        if note:
-            print(note, file=sys.stderr)
+        _print_exit_summary(source.job_end())
         # The job's own exit code, as headless gives it (a job stopped from the viewer: 130);
         # the viewer's, when the job runs on without it.
         job_code = source.job.exit_code
         return job_code if job_code is not None else code
     except (RunError, RecordingError) as exc:
         raise CliError(str(exc), code=1) from None
+
+
+def _print_exit_summary(end: Any) -> None:
+    from torchtop.exit_summary import exit_summary
+
+    for line in exit_summary(end):
+        print(line, file=sys.stderr)
 
 
 def _run_ranks_view(spec: Any) -> int:
@@ -605,6 +610,7 @@ def _run_ranks_view(spec: Any) -> int:
             run.stop_job()
             print(f"torchtop: stopping job pid {run.job.pid}…", file=sys.stderr)
     code = run.finish()
+    _print_exit_summary(run.job_end())
     return code if code is not None else 0
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtop.agent.rank_start import rank_environment
+from torchtop.exit_summary import JobEnd, StderrTail
 from torchtop.feed import AgentFeed
 from torchtop.job_output import JobOutput
 from torchtop.private_files import open_private
@@ -352,7 +353,9 @@ class RankRun(RunFold):
         self.job = Job(spec, on_line=self._line)
         self.writer = RecordingWriter(spec.record) if spec.record is not None else None
         self._log = LogLines(self.writer, functools.partial(self.queue, None))
+        self._stderr = StderrTail()  # where the summary after the viewer finds a traceback
         self.feeds: RankFeeds | None = None
+        self.stopped = False
 
     @property
     def started(self) -> bool:
@@ -368,6 +371,7 @@ class RankRun(RunFold):
         ).start()
 
     def _line(self, stream: str, text: str) -> None:
+        self._stderr.line(stream, text)
         self._log.line(stream, text)
 
     def status(self) -> tuple[str, bool]:
@@ -380,6 +384,7 @@ class RankRun(RunFold):
 
     def stop_job(self) -> None:
         """Interrupt the launcher (it stops its ranks), then terminate and kill it."""
+        self.stopped = self.stopped or self.job.running()
         self.job.stop()
 
     def finish(self) -> int | None:
@@ -396,3 +401,15 @@ class RankRun(RunFold):
             self.writer.write(JobExited(t=time.time(), exit_code=returncode, reason=reason))
             self.writer.close()
         return self.job.exit_code
+
+    def job_end(self) -> JobEnd:
+        """How the job ended, for the summary printed after the viewer."""
+        assert self.job.process is not None
+        return JobEnd(
+            pid=self.job.pid,
+            returncode=self.job.process.returncode,
+            log_path=self.job.log_path,
+            record=self.spec.record,
+            stopped=self.stopped,
+            stderr=tuple(self._stderr.lines()),
+        )

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from torchtop.exit_summary import JobEnd, StderrTail
 from torchtop.feed import AgentFeed
 from torchtop.protocol import JobExited, Message, Request
 from torchtop.recording import RecordingWriter
@@ -79,6 +80,7 @@ class RunSource(Source):
         self._feed: AgentFeed | None = None
         self._sink: Sink | None = None
         self._log: LogLines | None = None  # the job's output, copied by this process
+        self._stderr = StderrTail()  # where the summary after the viewer finds a traceback
         self.detached = False
         self.stopping = False
 
@@ -123,6 +125,7 @@ class RunSource(Source):
         sink(SourceDisconnected(t=time.time(), reason=reason))
 
     def _line(self, stream: str, text: str) -> None:
+        self._stderr.line(stream, text)
         if self._log is not None:
             self._log.line(stream, text)
 
@@ -155,14 +158,16 @@ class RunSource(Source):
         if self.writer is not None:
             self.writer.close()
 
-    def after_exit_note(self) -> str | None:
-        """What to tell the user once the viewer is gone and the job runs on."""
-        if not self.job.running():
-            return None
-        where = f"; its output goes to {self.job.log_path}" if self.job.log_path else ""
-        return (
-            f"torchtop: left job pid {self.job.pid} running{where}. "
-            f"Watch it again with `torchtop attach {self.job.pid}`."
+    def job_end(self) -> JobEnd:
+        """How the job stands once the viewer is gone, for the summary printed then."""
+        process = self.job.process
+        return JobEnd(
+            pid=self.job.pid,
+            returncode=None if process is None or self.job.running() else process.returncode,
+            log_path=self.job.log_path,
+            record=self.spec.record,
+            stopped=self.stopping,
+            stderr=tuple(self._stderr.lines()),
         )
 
 
