@@ -149,7 +149,7 @@ def test_a_runtime_dir_open_to_others_is_refused_with_the_fix(
     shared.chmod(0o755)
     monkeypatch.setenv("TORCHTOP_RUNTIME_DIR", str(shared))
     line = _by_name(collect(Machine()))["runtime dir"]
-    assert line.status == "missing" and "mode 755" in line.detail
+    assert line.status == "missing" and "mode 755: refused" in line.detail
     assert f"chmod 700 {shared}" in (line.fix or "")
 
 
@@ -165,7 +165,8 @@ def test_a_runtime_dir_owned_by_someone_else_is_refused(
     monkeypatch.setenv("TORCHTOP_RUNTIME_DIR", str(theirs))
     line = _by_name(collect(Machine()))["runtime dir"]
     assert line.status == "missing" and "owner nobody" in line.detail
-    assert "not owned by you" in line.detail and "TORCHTOP_RUNTIME_DIR" in (line.fix or "")
+    assert "not a directory owned by you" in (line.fix or "")
+    assert "TORCHTOP_RUNTIME_DIR" in (line.fix or "")
 
 
 def _fake_torch(tmp_path: Path, body: str) -> dict[str, str]:

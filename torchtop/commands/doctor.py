@@ -12,7 +12,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import pwd
 import shutil
 import signal
 import stat
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchtop import __version__
+from torchtop.text import printable
 
 Status = Literal["ok", "info", "warn", "missing"]
 
@@ -346,41 +346,25 @@ def _same_uuid(a: str, b: str) -> bool:
 
 
 def _runtime_dir(machine: Machine) -> Check:
-    from torchtop.transport import runtime_dir
+    from torchtop.transport import TransportError, existing_runtime_dir, runtime_dir, user_name
 
     path = runtime_dir()
     try:
-        info = path.lstat()
-    except FileNotFoundError:
+        found = existing_runtime_dir()
+    except TransportError as exc:
+        try:
+            info = path.lstat()
+            shown = f"{path}, owner {user_name(info.st_uid)}, mode {stat.S_IMODE(info.st_mode):o}"
+        except OSError:
+            shown = str(path)
+        return Check("runtime dir", "missing", f"{shown}: refused", _visible(str(exc)))
+    if found is None:
         return Check(
             "runtime dir", "ok", f"{path} (not created yet: the first job creates it, mode 0700)"
         )
-    except OSError as exc:
-        return Check(
-            "runtime dir",
-            "missing",
-            f"{path}: {exc.strerror}",
-            "set TORCHTOP_RUNTIME_DIR to a directory you own",
-        )
-    owner = _user(info.st_uid)
+    info = found.lstat()
     mode = stat.S_IMODE(info.st_mode)
-    detail = f"{path}, owner {owner}, mode {mode:o}"
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a directory"
-        return Check(
-            "runtime dir",
-            "missing",
-            f"{detail}: {kind} not owned by you; torchtop refuses it",
-            f"remove {path} (it may be another user's) or set TORCHTOP_RUNTIME_DIR to a new path",
-        )
-    if mode & 0o077:
-        return Check(
-            "runtime dir",
-            "missing",
-            f"{detail}: open to other users; torchtop refuses it",
-            f"`chmod 700 {path}`, or set TORCHTOP_RUNTIME_DIR to a new path",
-        )
-    return Check("runtime dir", "ok", detail)
+    return Check("runtime dir", "ok", f"{found}, owner {user_name(info.st_uid)}, mode {mode:o}")
 
 
 def _attach(machine: Machine) -> Check:
@@ -554,15 +538,7 @@ def main(json_output: bool = False, timeout_s: float = TORCH_TIMEOUT_S) -> int:
 
 
 def _visible(text: str) -> str:
-    """``text`` with control characters shown as escapes: nothing read here drives the terminal."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
-
-
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
+    return printable(text, one_line=True)
 
 
 def _gib(value: object) -> str:
