@@ -373,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve this node's agents to a viewer elsewhere (`torchtop attach --node`): "
         "their frames, each tagged with its agent, new agents as they start. Without --listen "
         "it speaks on stdin/stdout, as `ssh HOST torchtop relay` runs it, and ends when they "
-        "close; nothing listens. With --listen it serves TCP, only to viewers with its token.",
+        "close; nothing listens. With --listen it serves TCP, only to viewers with its token: "
+        "for trusted networks only, since the viewer cannot tell the relay from anyone else "
+        "listening at that address (over ssh, the default, ssh authenticates both ends).",
     )
     relay.add_argument(
         "--run", metavar="ID", help="only the ranks of this run (default: every agent here)"

@@ -57,6 +57,7 @@ from torchtop.protocol import (
     encode,
 )
 from torchtop.ranks import RankFeeds
+from torchtop.text import printable
 from torchtop.transport import AgentInfo, keep_alive, runtime_dir
 
 #: Bytes of frames waiting for a slow viewer before the oldest are dropped.
@@ -68,12 +69,24 @@ CHUNK = 1 << 16
 #: The viewer's hello must arrive within this many seconds, and be at most this long.
 HELLO_TIMEOUT_S = 15.0
 HELLO_LIMIT = 16 << 10
-#: Viewers one TCP relay serves at once.
+#: Over TCP, a connection has this many seconds in all to present its hello (a viewer sends
+#: it at once; a peer that trickles bytes is cut off here, whatever its pace).
+HANDSHAKE_DEADLINE_S = 5.0
+#: Handshakes in progress at once, in all and from one address. Past either bound, the oldest
+#: is closed: a viewer with the token sends its hello within milliseconds, so peers that hold a
+#: connection open without one are the ones that go, and never hold a viewer out.
+MAX_PENDING = 64
+MAX_PENDING_PER_ADDRESS = 16
+#: Bad tokens from one address before its next tries wait, 1 s, then twice as long each time,
+#: up to BAD_TOKEN_MAX_WAIT_S.
+BAD_TOKENS_FREE = 3
+BAD_TOKEN_MAX_WAIT_S = 30.0
+#: Viewers one TCP relay serves at once (counted only once their token passed).
 MAX_SESSIONS = 8
 #: A token torchtop makes has this many random bytes; a token file must hold this many
-#: characters at least.
+#: characters at least (22 URL-safe base64 characters carry 128 bits).
 TOKEN_BYTES = 32
-MIN_TOKEN_CHARS = 16
+MIN_TOKEN_CHARS = 22
 #: The address ``--listen PORT`` binds: this machine only.
 LOOPBACK = "127.0.0.1"
 #: Frames a relay never drops: a rank's hello (who it is) and its exit.
@@ -434,7 +447,13 @@ class TcpRelay:
         self._live: set[RelaySession] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        #: Viewers refused so far (bad token, other version, too many).
+        #: Handshakes in progress, oldest first, and those closed to make room.
+        self._pending: list[tuple[socket.socket, str]] = []
+        self._evicted: set[socket.socket] = set()
+        #: Bad tokens per address in a row, and until when its next try waits.
+        self._bad_tokens: dict[str, int] = {}
+        self._bad_until: dict[str, float] = {}
+        #: Viewers refused so far (bad token, other version, too many, no hello in time).
         self.refused = 0
 
     def serve(self) -> None:
@@ -454,8 +473,21 @@ class TcpRelay:
             ).start()
 
     def _handle(self, conn: socket.socket, peer: tuple[str, int]) -> None:
-        who = f"{peer[0]}:{peer[1]}"
+        who, address = f"{peer[0]}:{peer[1]}", peer[0]
         try:
+            self._pend(conn, address)
+            try:
+                self._wait_out_bad_tokens(address)
+                hello_ok = self._handshake(conn, who, address)
+            finally:
+                with self._lock:
+                    evicted = conn in self._evicted
+                    self._evicted.discard(conn)
+                    if (conn, address) in self._pending:
+                        self._pending.remove((conn, address))
+            if not hello_ok or evicted:
+                return
+            # A slot only for a viewer whose token passed: peers without it cannot fill them.
             if not self._sessions.acquire(blocking=False):
                 self._refuse(conn, who, f"busy: {MAX_SESSIONS} viewers are connected; try later")
                 return
@@ -467,27 +499,77 @@ class TcpRelay:
             with contextlib.suppress(OSError):
                 conn.close()
 
-    def _refuse(self, conn: socket.socket, who: str, reason: str) -> None:
+    def _pend(self, conn: socket.socket, address: str) -> None:
+        """Count ``conn`` among the handshakes in progress, closing the oldest past a bound."""
+        with self._lock:
+            mine = [entry for entry in self._pending if entry[1] == address]
+            if len(mine) >= MAX_PENDING_PER_ADDRESS:
+                self._evict(mine[0])
+            elif len(self._pending) >= MAX_PENDING:
+                self._evict(self._pending[0])
+            self._pending.append((conn, address))
+
+    def _evict(self, entry: tuple[socket.socket, str]) -> None:
+        self._pending.remove(entry)
+        self._evicted.add(entry[0])
         self.refused += 1
         with contextlib.suppress(OSError):
-            conn.sendall(encode(Refused(reason=reason)))
-        self._log(f"refused {who}: {reason}")
+            entry[0].shutdown(socket.SHUT_RDWR)  # its handshake's recv returns at once
 
-    def _serve_viewer(self, conn: socket.socket, who: str) -> None:
+    def _wait_out_bad_tokens(self, address: str) -> None:
+        with self._lock:
+            until = self._bad_until.get(address, 0.0)
+        wait = until - time.monotonic()
+        if wait > 0:
+            self._closed.wait(min(wait, HANDSHAKE_DEADLINE_S))
+
+    def _handshake(self, conn: socket.socket, who: str, address: str) -> bool:
+        """Read and check the hello within :data:`HANDSHAKE_DEADLINE_S` in all."""
         keep_alive(conn)
-        conn.settimeout(HELLO_TIMEOUT_S)
+        deadline = time.monotonic() + HANDSHAKE_DEADLINE_S
 
         def recv() -> bytes:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Refusal(f"no hello within {HANDSHAKE_DEADLINE_S:g} s")
+            conn.settimeout(left)
             try:
                 return conn.recv(4096)
-            except (TimeoutError, OSError):
+            except TimeoutError:
+                raise Refusal(f"no hello within {HANDSHAKE_DEADLINE_S:g} s") from None
+            except OSError:
                 return b""
 
         try:
             check_hello(read_first_frame(recv, "the viewer"), token=self._token)
         except Refusal as exc:
-            self._refuse(conn, who, str(exc))
-            return
+            with self._lock:
+                evicted = conn in self._evicted
+            if not evicted:
+                if str(exc).startswith("bad token"):
+                    self._bad_token(address)
+                self._refuse(conn, who, str(exc))
+            return False
+        with self._lock:
+            self._bad_tokens.pop(address, None)
+            self._bad_until.pop(address, None)
+        return True
+
+    def _bad_token(self, address: str) -> None:
+        with self._lock:
+            count = self._bad_tokens.get(address, 0) + 1
+            self._bad_tokens[address] = count
+            if count > BAD_TOKENS_FREE:
+                wait = min(BAD_TOKEN_MAX_WAIT_S, 2.0 ** (count - BAD_TOKENS_FREE - 1))
+                self._bad_until[address] = time.monotonic() + wait
+
+    def _refuse(self, conn: socket.socket, who: str, reason: str) -> None:
+        self.refused += 1
+        with contextlib.suppress(OSError):
+            conn.sendall(encode(Refused(reason=reason)))
+        self._log(f"refused {who}: {printable(reason, one_line=True)}")
+
+    def _serve_viewer(self, conn: socket.socket, who: str) -> None:
         conn.settimeout(None)
         session = RelaySession(conn.sendall, self._run_id)
         with self._lock:
