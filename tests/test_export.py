@@ -435,3 +435,49 @@ def test_each_finding_that_holds_is_a_series_until_it_clears() -> None:
     cleared = snapshot_of(model)
     assert cleared is not None and cleared.findings == ()
     assert "torchtop_advice_finding" not in {n for n, _ in values(exposition([cleared]))}
+
+
+def test_peers_that_trickle_bytes_cannot_hold_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchtop.export.prometheus as prometheus
+
+    monkeypatch.setattr(prometheus, "CONNECTION_DEADLINE_S", 1.0)
+    snap = snapshot_of(model_of(job_messages()))
+    assert snap is not None
+    srv = MetricsServer(registry_for(lambda: [snap]), max_connections=4).start()
+    stop = threading.Event()
+    peers: list[socket.socket] = []
+
+    def trickle() -> None:
+        # Four peers, each a header byte every 0.5 s (within the read timeout), and new ones in
+        # their place when the server closes them: every slot is always asked for.
+        while not stop.is_set():
+            while len(peers) < 4:
+                s = socket.create_connection(("127.0.0.1", srv.port))
+                s.sendall(b"GET /metrics HTTP/1.1\r\nX-Slow: ")
+                peers.append(s)
+            for s in list(peers):
+                try:
+                    s.send(b"a")
+                except OSError:
+                    peers.remove(s)
+                    s.close()
+            stop.wait(0.5)
+
+    trickler = threading.Thread(target=trickle, daemon=True)
+    trickler.start()
+    try:
+        time.sleep(0.5)
+        answered = False
+        deadline = time.monotonic() + 30
+        while not answered and time.monotonic() < deadline:
+            try:
+                answered = fetch(srv.url)[0] == 200
+            except OSError:  # closed unanswered: every slot was held at that moment
+                time.sleep(0.05)
+        assert answered, "four trickling peers kept a scrape out for 30 s"
+    finally:
+        stop.set()
+        trickler.join()
+        for s in peers:
+            s.close()
+        srv.close()

@@ -10,8 +10,10 @@ or sends garbage costs at most its own connection.
 from __future__ import annotations
 
 import contextlib
+import io
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -36,6 +38,9 @@ MAX_CONNECTIONS = 64
 #: Seconds a connection may take to send its request and read the answer (a scrape takes
 #: milliseconds; a client that hangs holds its thread no longer than this).
 CONNECTION_TIMEOUT_S = 3.0
+#: Seconds a connection may take in all, however it paces its bytes: a peer that trickles a
+#: byte at a time gets no more.
+CONNECTION_DEADLINE_S = 5.0
 
 
 class MetricsError(Exception):
@@ -99,10 +104,33 @@ def registry_for(read: Callable[[], Iterable[JobSnapshot]]) -> CollectorRegistry
     return registry
 
 
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each given only what is left of the connection's deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the connection's deadline passed")
+        self._sock.settimeout(min(left, CONNECTION_TIMEOUT_S))
+        return self._sock.recv_into(buffer)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     timeout = CONNECTION_TIMEOUT_S
     protocol_version = "HTTP/1.0"
+
+    def setup(self) -> None:
+        super().setup()
+        deadline = time.monotonic() + CONNECTION_DEADLINE_S
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline))
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
