@@ -30,26 +30,11 @@ AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
 
 def _gdb_can_attach() -> str | None:
-    """Why gdb cannot attach in this container, or ``None`` when it can."""
-    if shutil.which("gdb") is None:
-        return "gdb is not installed"
+    """Why gdb cannot start an agent on this machine, or ``None`` when it can: torchtop's own
+    check (a function called in a throwaway process)."""
     if sys.version_info >= inject.REMOTE_EXEC_PYTHON:
         return None
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        time.sleep(0.3)
-        out = subprocess.run(
-            ["gdb", "-batch", "-nx", "-p", str(child.pid), "-iex=set auto-solib-add off"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    finally:
-        child.kill()
-        child.wait()
-    if "ptrace:" in out.stdout + out.stderr:
-        return "ptrace is not permitted in this container (CAP_SYS_PTRACE, Yama)"
-    return None
+    return inject.probe_gdb_call()
 
 
 NO_ATTACH = _gdb_can_attach()
@@ -477,3 +462,42 @@ def test_gdb_reads_no_init_file_and_loads_no_script(tmp_path: Path) -> None:
     assert command[0] == "gdb" and "-nx" in command
     assert "-iex=set auto-load off" in command
     assert command.index("-iex=set auto-load off") < command.index("-p")
+
+
+# gdb's output where it cannot write the CPU's extended register state back (gdb 13.1, a CPU
+# with AMX registers), recorded from `gdb -batch -p PID -ex "call (int)getpid()"`.
+XSTATE_OUTPUT = """\
+0x00007f3c1c2ed503 in clock_nanosleep () from /lib/x86_64-linux-gnu/libc.so.6
+Couldn't write extended state status: Bad address.
+[Inferior 1 (process 19296) detached]
+"""
+
+
+def test_a_gdb_that_cannot_restore_registers_is_named_with_the_fix() -> None:
+    problem = inject.gdb_call_problem(XSTATE_OUTPUT)
+    assert problem is not None
+    assert "cannot call a function in a process on this machine" in problem
+    assert "torchtop run" in problem
+    refusal = inject._gdb_failure(19296, XSTATE_OUTPUT)
+    assert str(refusal).startswith("cannot start an agent in pid 19296: gdb")
+    assert inject.gdb_call_problem("$1 = 19296\n") is None
+
+
+@pytest.mark.skipif(
+    NO_ATTACH is None or "extended state" not in NO_ATTACH,
+    reason="gdb can call into processes here: the refusal is for machines where it cannot",
+)
+def test_where_gdb_cannot_call_attach_refuses_before_touching_the_job(
+    tmp_path: Path, jobs: list[Job]
+) -> None:
+    job = Job(tmp_path, "--exit-code", "7")
+    jobs.append(job)
+    out = torchtop("attach", str(job.pid), "--yes", "--headless", "--record",
+                   str(tmp_path / "r.ttr"), "--duration", "1")  # fmt: skip
+    assert "cannot call a function in a process on this machine" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    # gdb never stopped the job: it runs on and ends as it would have, nothing raised into it.
+    code, stdout, stderr = job.finish()
+    assert code == 7
+    assert stdout == EXPECTED_STDOUT
+    assert stderr.strip() == "stderr is the job's own"

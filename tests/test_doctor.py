@@ -83,6 +83,22 @@ def test_ptrace_switched_off_names_the_way_that_still_works(tmp_path: Path) -> N
     assert "ptrace_scope=3" in attach.detail and "torchtop run" in (attach.fix or "")
 
 
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="3.14 attaches without gdb")
+def test_a_gdb_that_cannot_call_into_processes_is_named(tmp_path: Path) -> None:
+    from tests.test_attach import XSTATE_OUTPUT
+    from torchtop.attach.inject import gdb_call_problem
+
+    machine = Machine(
+        proc=_proc(tmp_path, 0),
+        which=lambda n: "/gdb",
+        gdb_call=lambda: gdb_call_problem(XSTATE_OUTPUT),
+    )
+    attach = _by_name(collect(machine))["attach"]
+    assert attach.status == "missing"
+    assert "cannot call a function in a process" in attach.detail
+    assert "torchtop run" in (attach.fix or "")
+
+
 def test_ptrace_scope_1_tells_how_to_allow_it(tmp_path: Path) -> None:
     machine = Machine(proc=_proc(tmp_path, 1), which=lambda n: "/gdb")
     attach = _by_name(collect(machine))["attach"]

@@ -69,6 +69,80 @@ STARTING_TIMEOUT_S = 120.0
 MARK_SCHEDULED = "TORCHTOP: scheduled"
 
 RUN_INSTEAD = "start the job with `torchtop run`"
+#: What gdb says when it cannot call a function in the process it attached to because it cannot
+#: write back the CPU's extended register state (seen with gdb 13 on CPUs with AMX registers):
+#: no injection can work with that gdb on that machine.
+GDB_XSTATE_ERROR = "Couldn't write extended state status"
+
+
+def gdb_call_problem(output: str) -> str | None:
+    """Why gdb's ``output`` shows it cannot call into processes here, or ``None``."""
+    if GDB_XSTATE_ERROR not in output:
+        return None
+    version = gdb_version()
+    return (
+        f"gdb{' ' + version if version else ''} cannot call a function in a process on this "
+        "machine (\"Couldn't write extended state status\": it cannot restore the CPU's "
+        "extended registers, as gdb 13 fails with AMX registers): try another gdb version, or "
+        + RUN_INSTEAD
+    )
+
+
+def gdb_version(gdb: str = "gdb") -> str | None:
+    """``13.1`` for GNU gdb 13.1; ``None`` when it does not answer."""
+    try:
+        out = subprocess.run([gdb, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"GNU gdb .*?(\d+\.\d+(?:\.\d+)?)", out.stdout)
+    return match.group(1) if match else None
+
+
+_GDB_CALL_CHECKED: list[str | None] = []
+
+
+def _gdb_call_checked() -> str | None:
+    """:func:`probe_gdb_call`, once per torchtop process."""
+    if not _GDB_CALL_CHECKED:
+        _GDB_CALL_CHECKED.append(probe_gdb_call())
+    return _GDB_CALL_CHECKED[0]
+
+
+def probe_gdb_call(timeout_s: float = 30.0) -> str | None:
+    """Attach gdb to a throwaway sleeping Python of ours and call a function in it: why that
+    fails here (in one line, with the fix), or ``None`` when gdb can inject on this machine."""
+    if shutil.which("gdb") is None:
+        return "gdb is not installed: install gdb, or " + RUN_INSTEAD
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(0.05)
+        try:
+            out = subprocess.run(
+                ["gdb", "-batch", "-nx", "-iex=set auto-load off", "-readnever",
+                 "-iex=set debuginfod enabled off", "-iex=set auto-solib-add off",
+                 "-p", str(child.pid), "-ex", "call (int)getpid()"],
+                capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return f"gdb did not attach to a test process within {timeout_s:g} s: " + RUN_INSTEAD
+        output = out.stdout + out.stderr
+    finally:
+        child.kill()
+        child.wait()
+    if "ptrace:" in output or "Could not attach" in output:
+        return _ptrace_denied(child.pid).args[0]
+    problem = gdb_call_problem(output)
+    if problem is not None:
+        return problem
+    if f"= {child.pid}" not in output:
+        last = next((line for line in reversed(output.splitlines()) if line.strip()), "no output")
+        return f"gdb could not call a function in a test process ({last}): " + RUN_INSTEAD
+    return None
 
 
 class AttachRefused(Exception):
@@ -359,6 +433,9 @@ def _gdb_failure(pid: int, output: str) -> AttachRefused:
             f"pid {pid} does not expose CPython's C API to gdb (not CPython, or stripped): "
             + RUN_INSTEAD
         )
+    problem = gdb_call_problem(output)
+    if problem is not None:
+        return AttachRefused(f"cannot start an agent in pid {pid}: {problem}")
     if "TORCHTOP: waking" in output:
         return AttachRefused(
             f"pid {pid}'s threads ran no Python for {GDB_WAKE_WAIT_S:.0f} s (all blocked in long "
@@ -441,6 +518,13 @@ def start_agent(
             f"gdb is not installed, and starting an agent in a Python {target.version} job "
             f"needs it: install gdb (e.g. `apt install gdb`), or {RUN_INSTEAD}"
         )
+    if use_gdb:
+        # Tried first on a throwaway process of ours: where gdb cannot call a function and
+        # restore the registers after (see gdb_call_problem), the job's own call would fail
+        # inside it, with an error raised into its code.
+        problem = _gdb_call_checked()
+        if problem is not None:
+            raise AttachRefused(f"cannot start an agent in pid {pid}: {problem}")
     directory = ensure_runtime_dir()
     status = directory / f"{pid}-attach-{secrets.token_hex(4)}.json"
     agent_options = {"capture_output": False, **(options or {})}

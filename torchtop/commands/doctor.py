@@ -17,6 +17,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -86,6 +87,8 @@ class Machine:
     terminal_size: Callable[[], os.terminal_size | None] | None = None
     stdout_isatty: Callable[[], bool] = field(default_factory=lambda: sys.stdout.isatty)
     torch_timeout_s: float = TORCH_TIMEOUT_S
+    #: Why gdb cannot call into a process here (None: it can); None: try it for real.
+    gdb_call: Callable[[], str | None] | None = None
 
 
 # -- torch, in a child ---------------------------------------------------------------------------
@@ -367,7 +370,7 @@ def _runtime_dir(machine: Machine) -> Check:
     return Check("runtime dir", "ok", f"{found}, owner {user_name(info.st_uid)}, mode {mode:o}")
 
 
-def _attach(machine: Machine) -> Check:
+def _attach(machine: Machine, gdb_call: Callable[[], str | None]) -> Check:
     from torchtop.attach.inject import _has_cap_sys_ptrace, _ptrace_scope
 
     gdb = machine.which("gdb")
@@ -404,6 +407,12 @@ def _attach(machine: Machine) -> Check:
             f"{scope_text}: only a process's parent may ptrace it, so attach is refused",
             "`sudo sysctl kernel.yama.ptrace_scope=0`, or start jobs with `torchtop run`",
         )
+    if not remote_exec:
+        problem = gdb_call()
+        if problem is not None:
+            # The probe's line ends with its fix, after the last ": ".
+            cause, _, fix = problem.rpartition(": ")
+            return Check("attach", "missing", f"{cause} ({scope_text})", fix)
     return Check("attach", "ok", f"with {how}; {scope_text}")
 
 
@@ -484,9 +493,10 @@ def collect(machine: Machine | None = None) -> list[Check]:
     machine = machine or Machine()
     child = _TorchChild(machine)  # first: it takes longest, and runs while the rest do
     checks = [_python(machine), _torchtop()]
+    gdb_call = _in_background(machine.gdb_call or _probe_gdb_call)
     here: list[Callable[[], list[Check]]] = [
         lambda: [_runtime_dir(machine)],
-        lambda: [_attach(machine)],
+        lambda: [_attach(machine, gdb_call)],
         lambda: _exporters(machine),
         lambda: [_terminal(machine)],
     ]
@@ -498,6 +508,34 @@ def collect(machine: Machine | None = None) -> list[Check]:
     uuids = [d.get("uuid") for d in (found or {}).get("devices") or []]
     checks.extend(_guarded(lambda: [_nvml(machine, uuids)], "nvml"))
     return checks + local
+
+
+def _probe_gdb_call() -> str | None:
+    if sys.version_info >= (3, 14):
+        return None  # attach uses sys.remote_exec there
+    from torchtop.attach.inject import probe_gdb_call
+
+    return probe_gdb_call() if shutil.which("gdb") else None
+
+
+def _in_background(probe: Callable[[], str | None]) -> Callable[[], str | None]:
+    """Start ``probe`` in a thread now; the returned call waits for its answer."""
+    answer: list[str | None] = []
+
+    def run() -> None:
+        try:
+            answer.append(probe())
+        except Exception as exc:  # the probe must not raise, whatever it meets
+            answer.append(f"the check failed: {type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=run, name="torchtop-doctor-gdb", daemon=True)
+    thread.start()
+
+    def wait() -> str | None:
+        thread.join()
+        return answer[0] if answer else None
+
+    return wait
 
 
 def _guarded(probe: Callable[[], list[Check]], name: str = "probe") -> list[Check]:
