@@ -574,6 +574,11 @@ class _Profiler:
         self._enable(config, self.cpu)
         return False
 
+    def sync(self) -> None:
+        """Wait for the kernels the job queued (what torch's ``profile.__exit__`` does
+        before it stops), so that they are inside the window."""
+        self._cuda.synchronize()
+
     def stop(self) -> Any:
         return self._disable()
 
@@ -970,6 +975,10 @@ class OpsSampler:
         if profiler is None:
             return
         t0 = time.perf_counter()
+        if self._device:
+            # Kernels still queued would fall outside the window; the wait is its cost.
+            with contextlib.suppress(Exception):
+                profiler.sync()
         try:
             result = profiler.stop()
         except Exception as exc:
