@@ -916,3 +916,31 @@ def test_the_profilers_sync_is_the_devices() -> None:
     profiler._cuda = SimpleNamespace(synchronize=lambda: synced.append("cuda"))
     profiler.sync()
     assert synced == ["cuda"]
+
+
+def test_on_a_cuda_build_no_window_opens_until_the_job_initializes_cuda(
+    sampler: OpsSampler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a CUDA build the profiler's start asks for the device count and loads CUPTI even for
+    # CPU-only activities: a window would initialize CUDA in a job that has not (or never
+    # does), breaking its forked CUDA children. Step windows, viewer requests and the job's
+    # own sections all wait, and the ops panel says why.
+    initialized = [False]
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized[0])
+    profiler = RecordingProfiler(device=False)
+    sampler._profiler = profiler  # type: ignore[assignment]
+    steps = FakeSteps()
+    sampler.request_window()
+    statuses = [m for m in sampler.tick(time.time(), steps) if isinstance(m, ProbeStatus)]
+    _boundary()
+    with sampler.window() as opened:
+        assert not opened
+    assert profiler.calls == [] and sampler._state == IDLE
+    (status,) = statuses
+    assert not status.available and "waiting for the job to use CUDA" in status.detail
+    initialized[0] = True
+    statuses = [m for m in sampler.tick(time.time(), steps) if isinstance(m, ProbeStatus)]
+    _boundary()
+    assert profiler.calls == ["start"] and sampler._state == OPEN
+    assert [s.available for s in statuses] == [True]
