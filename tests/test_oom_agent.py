@@ -20,6 +20,7 @@ from fakes.allocator import (
     ALLOCATOR_FILE,
     allocate,
     fail_into_job,
+    no_plan_fits,
     through_cleanups,
     with_retries,
 )
@@ -746,6 +747,19 @@ def test_an_oom_unwinding_through_torchs_cleanups_still_reaches_the_job(tmp_path
         )
     (event,) = of_kind(messages, OutOfMemory)
     assert event.requested_bytes == 4 * GiB and controller.handled == {}
+
+
+def test_a_failure_torch_handled_before_another_error_reached_the_job_is_not_an_oom(
+    tmp_path: Path,
+) -> None:
+    # torch caught the OOM (no plan's workspace fit) and raised something else: the job saw
+    # no out-of-memory error.
+    data = load("full")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    with pytest.raises(RuntimeError, match="unable to find an engine"):
+        no_plan_fits(controller.observe_cuda_oom, observer_args(data))
+    assert of_kind(messages, OutOfMemory) == [] and controller.handled == {"cuda:0": 1}
 
 
 def test_failures_torch_handles_are_counted_with_a_second_observer_attached(

@@ -43,6 +43,14 @@ def through_cleanups(observer, args):
         finally:
             cleaned = True
 
+def no_plan_fits(observer, args):
+    # cuDNN's try_plans: each plan's workspace fails, then another error is raised.
+    try:
+        allocate(observer, args)
+    except torch.OutOfMemoryError:
+        pass
+    raise RuntimeError("FIND was unable to find an engine to execute this computation")
+
 def with_retries(observer, args, succeeds_at, traced):
     size = args[1]
     for attempt in range(64):
@@ -64,6 +72,7 @@ exec(compile(_SOURCE, ALLOCATOR_FILE, "exec"), _TORCH_SIDE)
 allocate: Callable[..., int] = _TORCH_SIDE["allocate"]
 with_retries: Callable[..., int] = _TORCH_SIDE["with_retries"]
 through_cleanups: Callable[..., int] = _TORCH_SIDE["through_cleanups"]
+no_plan_fits: Callable[..., int] = _TORCH_SIDE["no_plan_fits"]
 
 
 def fail_into_job(

@@ -878,7 +878,9 @@ class _Watch:
             if frame is self._outermost or not is_library_frame(
                 frame.f_code.co_filename, self._torch_dir
             ):
-                self._finish(reached=True)
+                # Another error (torch caught the OOM, then failed otherwise): the job saw
+                # no out-of-memory error, so torch handled this one.
+                self._finish(reached=_is_oom(arg[1]))
                 return None
         elif event in ("line", "return") and not reached:
             # A frame the error never reached runs on (its callee, or the op, came back
@@ -923,6 +925,17 @@ class _Watch:
         else:
             self.pending.done = True
             controller._count_handled(self.pending.capture.device)
+
+
+def _is_oom(exc: BaseException | None) -> bool:
+    """An out-of-memory error, or an error raised from or while handling one."""
+    for _ in range(8):
+        if exc is None:
+            return False
+        if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _python_frames(frame: Any) -> list[Any]:
