@@ -524,8 +524,10 @@ OOM_ENV = {"async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}}
 
 
 def group_oom(s: Session) -> list[Check]:
-    """A full and a fragmented OOM, the job's error with and without torchtop, the pause, and
-    OOMs torch handles itself, run side by side (each under its own cap)."""
+    """A full and a fragmented OOM (the job's own observer attached beside the agent's), the
+    job's error with and without torchtop, the pause, OOMs torch handles itself, an OOM in
+    backward, one with a free block on another stream, one on the cudaMallocAsync backend,
+    and free memory under a memory fraction: run side by side, each under its own cap."""
     w = s.work
     source = JOBS.read_text()
 
@@ -578,13 +580,15 @@ def group_oom(s: Session) -> list[Check]:
         if truth is None:
             rows.append(failed(f"oom {key}: job", steps[key]))
             continue
+        s.keep(f"oom_{key}_h200.json", truth)
         rows.append(compare(load_frames(w / f"{key}.ttr"), truth))
-    rows.append(
-        cmp.async_backend(
-            steps["async"].rc, load_frames(w / "async.ttr"), load_json(w / "async.json")
-        )
-    )
+    async_truth = load_json(w / "async.json")
+    if async_truth is not None:
+        s.keep("oom_cuda_malloc_async_h200.json", async_truth)
+    rows.append(cmp.async_backend(steps["async"].rc, load_frames(w / "async.ttr"), async_truth))
     free = load_json(w / "free.json")
+    if free is not None:
+        s.keep("free_under_cap_h200.json", free)
     rows.append(
         cmp.free_under_cap_matches(load_frames(w / "free.ttr"), free and free.get("plateau"))
     )

@@ -79,13 +79,15 @@ class Observer:
         self.keep_snapshot = keep_snapshot
         self.snapshot: dict[str, Any] | None = None
         self.attach_error = ""
+        #: What could not be read in a call (the snapshot, on the cudaMallocAsync backend).
+        self.errors: list[str] = []
 
     def __call__(self, device: int, alloc: int, device_total: int, device_free: int) -> None:
         # Never raise: an exception here would replace the job's OutOfMemoryError.
         try:
             self._record(int(device), int(alloc), int(device_total), int(device_free))
         except Exception as exc:
-            self.calls.append({"t": time.time(), "error": repr(exc)})
+            self.errors.append(repr(exc))
 
     def _record(self, device: int, alloc: int, device_total: int, device_free: int) -> None:
         import torch
@@ -467,7 +469,7 @@ def job_oom_backward(out: str) -> None:
     fraction = _cap(torch.cuda.memory_reserved(0) + MIB)
     payload: dict[str, Any] = {"fraction": fraction, "raised": ""}
     try:
-        loss.backward()  # gpu_check: backward
+        loss.backward()
     except torch.OutOfMemoryError as exc:
         payload["raised"] = str(exc).splitlines()[0]
     payload["caught_at"] = time.time()
@@ -520,7 +522,11 @@ def job_oom_huge(out: str) -> None:
     except torch.OutOfMemoryError as exc:
         payload["message"] = str(exc).splitlines()[0]
     time.sleep(0.5)  # the agent's samples after the failure
-    payload.update(observer=observer.calls, observer_attach_error=observer.attach_error)
+    payload.update(
+        observer=observer.calls,
+        observer_errors=observer.errors,
+        observer_attach_error=observer.attach_error,
+    )
     _write(out, payload)
 
 
