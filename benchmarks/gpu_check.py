@@ -312,9 +312,16 @@ class SmiPoller:
             return None
         return cmp.parse_smi(out.stdout, self.fields)
 
-    def start(self) -> None:
-        if self.query() is None and "memory.reserved" in self.fields:
+    def first(self) -> list[dict[str, Any]] | None:
+        """One read, with the fields this nvidia-smi knows."""
+        rows = self.query()
+        if rows is None and "memory.reserved" in self.fields:
             self.fields.remove("memory.reserved")  # an older nvidia-smi
+            rows = self.query()
+        return rows
+
+    def start(self) -> None:
+        self.first()
         self._thread.start()
 
     def _loop(self) -> None:
@@ -472,7 +479,7 @@ def _visible_by_uuid(s: Session) -> list[Check]:
     if truth is None:
         return [failed(name, step)]
     frames = load_frames(record)
-    smi_rows = SmiPoller().query() or []
+    smi_rows = SmiPoller().first() or []
     nvml = f"nvml: job's GPU matched by UUID ({VISIBLE_LABEL})"
     return [
         cmp.hello_uuid(frames, truth["uuid"], smi_rows, job=VISIBLE_LABEL),
