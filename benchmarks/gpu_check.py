@@ -2,12 +2,15 @@
 
     PYTHONPATH=. python -m benchmarks.gpu_check --out DIR      # or: make gpu-check OUT=DIR
 
-Needs PyTorch with CUDA, nvidia-ml-py, psutil and nvidia-smi; no Textual, no network, no install
-step. It runs jobs under ``torchtop run --headless --record`` (see benchmarks/gpu_check_jobs.py)
-and the demos on CUDA, holds what the agent recorded against what the job and the machine read
-themselves (benchmarks/gpu_check_compare.py), and prints a table: check, expected, measured,
-result. Every step has a timeout and one failing check does not stop the others; the whole run
-is sized for about 4 minutes: no group starts after 5 and no step runs past 5.5. In ``DIR`` it
+Needs PyTorch with CUDA, nvidia-ml-py, psutil, rich and nvidia-smi; no Textual, no network, no
+install step. A preflight line says for each whether it is there; the rows that need a missing
+one are skipped, and say so. It runs jobs under ``torchtop run --headless --record`` (see
+benchmarks/gpu_check_jobs.py) and the demos on CUDA, holds what the agent recorded against what
+the job and the machine read themselves (benchmarks/gpu_check_compare.py), and prints a table:
+check, expected, measured, result. Every step has a timeout and one failing check does not stop
+the others. The clock starts before the preflight (importing torch may take a minute): no group
+starts after 5 minutes and no step runs past 5.5, so the whole check ends within 6, and the
+groups it had to leave out to fit are named at the end. In ``DIR`` it
 leaves four files: ``report.txt`` (the table), ``results.json``, ``fixtures.tar.gz`` (what it
 read, in the format of tests/fixtures/, at most 5 MB unpacked) and ``logs.tar.gz`` (each step's
 output). Exit 0 when every check passed, 1 when one failed, 2 when no CUDA device is visible.
@@ -28,7 +31,7 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +46,8 @@ JOBS = ROOT / "benchmarks" / "gpu_check_jobs.py"
 #: STEP_GRACE_S: the whole run stays under 6 minutes, even when a step hangs.
 DEADLINE_S = 300.0
 STEP_GRACE_S = 30.0
+#: The whole check, preflight and packing included, ends within this.
+TOTAL_S = 360.0
 #: Fixtures kept, unpacked, at most (the rest are left out and said so).
 FIXTURE_BUDGET = 5 * 1024 * 1024
 LOG_LIMIT = 200_000
@@ -55,9 +60,26 @@ MEMORY_DEMOS = tuple(
 )
 
 
+#: What the check needs on the GPU machine besides torch with CUDA: the name users install it
+#: by -> the module imported.
+DEPENDENCIES = {"psutil": "psutil", "rich": "rich", "nvidia-ml-py": "pynvml"}
+#: The groups that cannot run without a dependency: the agent reads the host with psutil,
+#: torchtop's commands print with rich. NVML's rows need nvidia-ml-py (see NVML_DEPENDENCY).
+GROUP_NEEDS = {
+    "allocator and NVML": ("psutil", "rich"),
+    "CPU job": ("psutil", "rich"),
+    "out of memory": ("psutil", "rich"),
+    "op windows": ("psutil", "rich"),
+    "cost": ("psutil",),
+    "demos": ("psutil", "rich"),
+}
+NVML_DEPENDENCY = "nvidia-ml-py"
+
+
 def no_cuda_reason() -> str | None:
     """Why no CUDA device is visible, at once where there is no NVIDIA device node; else asks
-    PyTorch in a child process (this process never imports torch)."""
+    PyTorch in a child process (this process never imports torch), which also says which of
+    DEPENDENCIES it can import (into ENVIRONMENT["dependencies"])."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
@@ -65,9 +87,17 @@ def no_cuda_reason() -> str | None:
     if not nodes and shutil.which("nvidia-smi") is None:
         return "this machine has no /dev/nvidia* device and no nvidia-smi"
     probe = (
-        "import json, platform, torch; print(json.dumps({'cuda': torch.cuda.is_available(), "
+        "import importlib, importlib.metadata as m, json, platform, torch\n"
+        "deps = {}\n"
+        f"for name, module in {DEPENDENCIES!r}.items():\n"
+        "    try:\n"
+        "        importlib.import_module(module)\n"
+        "        deps[name] = 'ok ' + m.version(name)\n"
+        "    except Exception as exc:\n"
+        "        deps[name] = f'missing ({type(exc).__name__}: {exc})'\n"
+        "print(json.dumps({'cuda': torch.cuda.is_available(), "
         "'torch': torch.__version__, 'cuda_runtime': torch.version.cuda, "
-        "'python': platform.python_version()}))"
+        "'python': platform.python_version(), 'dependencies': deps}))"
     )
     try:
         out = subprocess.run(
@@ -89,6 +119,31 @@ def no_cuda_reason() -> str | None:
 
 #: What ran where: PyTorch, CUDA and Python versions, the GPU and its driver (results.json).
 ENVIRONMENT: dict[str, Any] = {}
+
+
+def preflight() -> tuple[list[str], dict[str, str]]:
+    """One line per dependency, and the missing ones with why (from :func:`no_cuda_reason`'s
+    answer)."""
+    found = ENVIRONMENT.get("dependencies") or {}
+    lines = [
+        f"preflight: torch {ENVIRONMENT.get('torch', '?')} with CUDA "
+        f"{ENVIRONMENT.get('cuda_runtime', '?')}: ok"
+    ]
+    missing: dict[str, str] = {}
+    for name in DEPENDENCIES:
+        state = str(found.get(name, "missing (not reported)"))
+        if state.startswith("ok"):
+            lines.append(f"preflight: {name} {state[3:]}: ok")
+            continue
+        missing[name] = state
+        needing = [group for group, needs in GROUP_NEEDS.items() if name in needs]
+        if name == NVML_DEPENDENCY:
+            needing.append("the NVML rows")
+        lines.append(
+            f"preflight: {name}: {state}; skipped: {', '.join(needing)} "
+            f"(pip install {name} to run them)"
+        )
+    return lines, missing
 
 
 def read_gpu_environment() -> None:
@@ -123,6 +178,8 @@ class Session:
 
     work: Path
     started: float = field(default_factory=time.monotonic)
+    #: Dependencies that are not there -> why (the rows that need them are skipped).
+    missing: dict[str, str] = field(default_factory=dict)
     steps: list[Step] = field(default_factory=list)
     fixtures: dict[str, bytes] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -144,14 +201,27 @@ class Session:
             "TMPDIR": str(self.work),
         }
 
-    def run(self, name: str, command: Sequence[str], timeout: float) -> Step:
-        """Run a command with a timeout (killed with its process group past it)."""
+    def needs(self, dependency: str, name: str) -> Check | None:
+        """A skip row for ``name`` when ``dependency`` is missing, else ``None``."""
+        if dependency not in self.missing:
+            return None
+        return check(name, "runs", f"skipped: needs {dependency}, which is missing", None)
+
+    def run(
+        self,
+        name: str,
+        command: Sequence[str],
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+    ) -> Step:
+        """Run a command with a timeout (killed with its process group past it); ``env`` is
+        added to the environment."""
         timeout = max(1.0, min(timeout, self.left() + STEP_GRACE_S))
         t0 = time.monotonic()
         proc = subprocess.Popen(
             list(command),
             cwd=ROOT,
-            env=self.env(),
+            env={**self.env(), **(env or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -171,9 +241,16 @@ class Session:
             self.steps.append(step)
         return step
 
-    def torchtop(self, name: str, record: Path, args: Sequence[str], timeout: float) -> Step:
+    def torchtop(
+        self,
+        name: str,
+        record: Path,
+        args: Sequence[str],
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+    ) -> Step:
         command = [sys.executable, "-m", "torchtop", "run", "--headless", "--record", str(record)]
-        return self.run(name, [*command, *args], timeout)
+        return self.run(name, [*command, *args], timeout, env)
 
     def keep(self, name: str, payload: Any) -> None:
         data = payload if isinstance(payload, bytes) else json.dumps(payload, indent=1).encode()
@@ -235,9 +312,16 @@ class SmiPoller:
             return None
         return cmp.parse_smi(out.stdout, self.fields)
 
-    def start(self) -> None:
-        if self.query() is None and "memory.reserved" in self.fields:
+    def first(self) -> list[dict[str, Any]] | None:
+        """One read, with the fields this nvidia-smi knows."""
+        rows = self.query()
+        if rows is None and "memory.reserved" in self.fields:
             self.fields.remove("memory.reserved")  # an older nvidia-smi
+            rows = self.query()
+        return rows
+
+    def start(self) -> None:
+        self.first()
         self._thread.start()
 
     def _loop(self) -> None:
@@ -319,11 +403,23 @@ def group_allocator(s: Session) -> list[Check]:
         s.keep("recording_allocator_h200.ttr", record.read_bytes())
     plateaus = truth["plateaus"]
     smi_rows = poller.reads[-1]["rows"] if poller.reads else []
-    rows = [
-        cmp.allocator_matches_job(frames, plateaus),
-        cmp.nvml_memory_matches_smi(frames, poller.reads, plateaus),
-        cmp.nvml_utilization_matches_smi(frames, poller.reads, plateaus),
-        cmp.nvml_gpu_matched_by_uuid(frames, truth["uuid"], smi_rows),
+    nvml_rows: list[tuple[str, Callable[[], Check]]] = [
+        (
+            "nvml: used memory = nvidia-smi",
+            lambda: cmp.nvml_memory_matches_smi(frames, poller.reads, plateaus),
+        ),
+        (
+            "nvml: utilization = nvidia-smi",
+            lambda: cmp.nvml_utilization_matches_smi(frames, poller.reads, plateaus),
+        ),
+        (
+            "nvml: job's GPU matched by UUID",
+            lambda: cmp.nvml_gpu_matched_by_uuid(frames, truth["uuid"], smi_rows),
+        ),
+    ]
+    rows = [cmp.allocator_matches_job(frames, plateaus)]
+    rows += [s.needs(NVML_DEPENDENCY, name) or row() for name, row in nvml_rows]
+    rows += [
         cmp.hello_uuid(frames, truth["uuid"], smi_rows),
         cmp.shown_devices_match(_shown(record), [f"cuda:{truth['current_device']}"], "CUDA job"),
     ]
@@ -340,12 +436,56 @@ def _shown(record: Path) -> list[str] | None:
 
 
 def group_cpu_job(s: Session) -> list[Check]:
+    """A CPU job on the GPU machine, long enough for op windows: the view shows the CPU and
+    the agent never initializes CUDA in it; and a CUDA job that sees its GPU by UUID
+    (``CUDA_VISIBLE_DEVICES=GPU-…``), matched to NVML's and nvidia-smi's."""
     record, out = s.work / "cpu.ttr", s.work / "cpu.json"
-    step = s.torchtop("cpu job", record, [str(JOBS), "cpu", str(out)], timeout=90)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        cpu = pool.submit(s.torchtop, "cpu job", record, [str(JOBS), "cpu", str(out)], 90)
+        visible = pool.submit(_visible_by_uuid, s)
+        step = cpu.result()
+        rows = visible.result()
     truth = load_json(out)
     if truth is None:
-        return [failed("view: devices shown (CPU job)", step)]
-    return [cmp.shown_devices_match(_shown(record), ["cpu"], "CPU job on a GPU machine")]
+        return [failed("view: devices shown (CPU job)", step), *rows]
+    frames = load_frames(record)
+    return [
+        cmp.shown_devices_match(_shown(record), ["cpu"], "CPU job on a GPU machine"),
+        cmp.never_initialised_cuda(frames, truth, CPU_JOB_MIN_S),
+        *rows,
+    ]
+
+
+#: The CPU job runs at least this long: past the first op windows by time (5 s).
+CPU_JOB_MIN_S = 6.0
+VISIBLE_LABEL = "CUDA_VISIBLE_DEVICES=UUID"
+
+
+def _visible_by_uuid(s: Session) -> list[Check]:
+    gpus = ENVIRONMENT.get("gpus")
+    uuid = gpus[0].get("uuid") if isinstance(gpus, list) and gpus else None
+    name = f"devices: {VISIBLE_LABEL}"
+    if not uuid:
+        return [check(name, "a GPU's UUID", "nvidia-smi gave no UUID", None)]
+    record, out = s.work / "visible.ttr", s.work / "visible.json"
+    step = s.torchtop(
+        "visible by uuid",
+        record,
+        ["--nvml-interval", "0.25", "--no-ops", str(JOBS), "visible", str(out)],
+        90,
+        env={"CUDA_VISIBLE_DEVICES": uuid},
+    )
+    truth = load_json(out)
+    if truth is None:
+        return [failed(name, step)]
+    frames = load_frames(record)
+    smi_rows = SmiPoller().first() or []
+    nvml = f"nvml: job's GPU matched by UUID ({VISIBLE_LABEL})"
+    return [
+        cmp.hello_uuid(frames, truth["uuid"], smi_rows, job=VISIBLE_LABEL),
+        s.needs(NVML_DEPENDENCY, nvml)
+        or cmp.nvml_gpu_matched_by_uuid(frames, truth["uuid"], smi_rows, job=VISIBLE_LABEL),
+    ]
 
 
 def _observer_fixture(truth: dict[str, Any]) -> dict[str, Any] | None:
@@ -377,12 +517,24 @@ OOM_RUNS: dict[str, tuple[str, list[str] | None, list[str]]] = {
     ),
     "fragmented": ("oom fragmented", [], ["oom-fragmented"]),
     "handled": ("oom handled by cuDNN", [], ["oom-handled"]),
+    "backward": ("oom in backward", [], ["oom-backward"]),
+    "stream": ("oom with a free block on another stream", [], ["oom-stream"]),
+    "async": ("oom on cudaMallocAsync", [], ["oom-huge"]),
+    "free": (
+        "free under a memory fraction",
+        ["--interval", "0.05", "--no-ops", "--no-oom-capture"],
+        ["free"],
+    ),
 }
+#: Environment for some of OOM_RUNS.
+OOM_ENV = {"async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}}
 
 
 def group_oom(s: Session) -> list[Check]:
-    """A full and a fragmented OOM, the job's error with and without torchtop, the pause, and
-    OOMs torch handles itself, run side by side (each under its own cap)."""
+    """A full and a fragmented OOM (the job's own observer attached beside the agent's), the
+    job's error with and without torchtop, the pause, OOMs torch handles itself, an OOM in
+    backward, one with a free block on another stream, one on the cudaMallocAsync backend,
+    and free memory under a memory fraction: run side by side, each under its own cap."""
     w = s.work
     source = JOBS.read_text()
 
@@ -391,7 +543,7 @@ def group_oom(s: Session) -> list[Check]:
         args = [str(JOBS), job, str(w / f"{key}.json"), *rest]
         if options is None:
             return s.run(label, [sys.executable, *args], 120)
-        return s.torchtop(label, w / f"{key}.ttr", [*options, *args], 120)
+        return s.torchtop(label, w / f"{key}.ttr", [*options, *args], 120, OOM_ENV.get(key))
 
     with ThreadPoolExecutor(max_workers=len(OOM_RUNS)) as pool:
         steps = dict(zip(OOM_RUNS, pool.map(launch, OOM_RUNS), strict=True))
@@ -414,6 +566,7 @@ def group_oom(s: Session) -> list[Check]:
         )
         if key == "full":
             rows.append(_memory_viz(s, frames))
+            rows.append(cmp.published_with_second_observer(frames, truth))
     plain = (steps["plain"].rc, steps["plain"].stderr)
     for key, label in (("watched", "torchtop run"), ("paused", "--pause-on-oom")):
         rows.append(cmp.job_error_unchanged(label, plain, (steps[key].rc, steps[key].stderr)))
@@ -426,6 +579,26 @@ def group_oom(s: Session) -> list[Check]:
         rows.append(
             cmp.handled_ooms_not_published(load_frames(w / "handled.ttr"), handled["trials"])
         )
+    for key, compare in (
+        ("backward", cmp.backward_oom),
+        ("stream", cmp.free_blocks_on_the_failing_stream),
+    ):
+        truth = load_json(w / f"{key}.json")
+        if truth is None:
+            rows.append(failed(f"oom {key}: job", steps[key]))
+            continue
+        s.keep(f"oom_{key}_h200.json", truth)
+        rows.append(compare(load_frames(w / f"{key}.ttr"), truth))
+    async_truth = load_json(w / "async.json")
+    if async_truth is not None:
+        s.keep("oom_cuda_malloc_async_h200.json", async_truth)
+    rows.append(cmp.async_backend(steps["async"].rc, load_frames(w / "async.ttr"), async_truth))
+    free = load_json(w / "free.json")
+    if free is not None:
+        s.keep("free_under_cap_h200.json", free)
+    rows.append(
+        cmp.free_under_cap_matches(load_frames(w / "free.ttr"), free and free.get("plateau"))
+    )
     return rows
 
 
@@ -459,8 +632,11 @@ def group_ops(s: Session) -> list[Check]:
             "key_averages": truth["key_averages"],
         },
     )
+    queued = truth.get("queued") or {}
+    queued_window = cmp.window_in(frames, queued["span"]) if queued.get("span") else None
     return [
         cmp.kernels_attributed(windows["item"], truth["key_averages"]),
+        cmp.queued_kernels_counted(queued_window, queued.get("kernel_s")),
         cmp.per_step(windows["item"], "sync_points", 1.0, ".item() every step -> syncs"),
         cmp.per_step(windows["pinned"], "copies", 1.0, "one H2D copy a step -> copies"),
         cmp.per_step(windows["pinned"], "sync_points", 0.0, "pinned non_blocking -> no sync"),
@@ -518,8 +694,8 @@ def group_cost(s: Session) -> list[Check]:
 #: (name, function, seconds it needs at least): run in this order.
 GROUPS: list[tuple[str, Callable[[Session], list[Check]], float]] = [
     ("allocator and NVML", group_allocator, 40),
-    ("CPU job", group_cpu_job, 15),
-    ("out of memory", group_oom, 30),
+    ("CPU job", group_cpu_job, 25),
+    ("out of memory", group_oom, 40),
     ("op windows", group_ops, 25),
     ("cost", group_cost, 50),
     ("demos", group_demos, 40),
@@ -531,8 +707,12 @@ def run_groups(s: Session, only: set[str] | None) -> list[Check]:
     for name, fn, needs in GROUPS:
         if only and not any(word in name for word in only):
             continue
+        lacking = [d for d in GROUP_NEEDS.get(name, ()) if d in s.missing]
+        if lacking:
+            rows.append(check(name, "runs", f"skipped: needs {', '.join(lacking)}, missing", None))
+            continue
         if s.left() < needs:
-            rows.append(check(name, "runs", f"not started: {s.left():.0f} s left", None))
+            rows.append(check(name, "runs", f"not started: {max(0.0, s.left()):.0f} s left", None))
             continue
         t0 = time.monotonic()
         try:
@@ -618,19 +798,28 @@ def main(argv: list[str] | None = None) -> int:
         "--only", action="append", help="run only the groups whose name contains this (repeatable)"
     )
     args = parser.parse_args(argv)
+    started = time.monotonic()  # the preflight (torch's import) counts against the deadline
     reason = no_cuda_reason()
     if reason is not None:
         print(f"gpu_check: no CUDA device is visible: {reason}; run it where one is")
         return 2
+    lines, missing = preflight()
+    print("\n".join(lines), flush=True)
     read_gpu_environment()
     print(f"gpu_check: {json.dumps(ENVIRONMENT)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as folder:
-        s = Session(Path(folder))
+        s = Session(Path(folder), started=started, missing=missing)
         rows = run_groups(s, set(args.only) if args.only else None)
         report = cmp.table(rows)
         print(report, flush=True)
         write_outputs(args.out, s, rows, report)
-    print(f"report, fixtures and logs in {args.out}")
+    left_out = [r.name for r in rows if r.measured.startswith("not started")]
+    if left_out:
+        print(
+            f"gpu_check: to end within {TOTAL_S / 60:.0f} minutes, these groups did not "
+            f"start: {', '.join(left_out)}"
+        )
+    print(f"report, fixtures and logs in {args.out} ({time.monotonic() - started:.0f} s)")
     return 1 if any(r.failed for r in rows) else 0
 
 

@@ -256,12 +256,13 @@ def nvml_gpu_matched_by_uuid(
     job_uuid: str,
     smi_rows: Sequence[Mapping[str, Any]],
     device: str = "cuda:0",
+    job: str = "",
 ) -> Check:
     """Issue 19, point 9: the NVML GPU the job runs on is found by its UUID (torch's
     ``get_device_properties(i).uuid`` = NVML's), listed first, and marked as the job's: its
     ``cuda_device`` is the job's device and ``in_job`` is true; no other GPU claims that
     device."""
-    name = "nvml: job's GPU matched by UUID"
+    name = "nvml: job's GPU matched by UUID" + (f" ({job})" if job else "")
     expected = f"the job's UUID listed first, as {device}, in_job"
     gpu_frames = of_kind(frames, "gpu")
     if not gpu_frames:
@@ -292,12 +293,12 @@ def nvml_gpu_matched_by_uuid(
 
 
 def hello_uuid(
-    frames: Sequence[Frame], job_uuid: str, smi_rows: Sequence[Mapping[str, Any]]
+    frames: Sequence[Frame], job_uuid: str, smi_rows: Sequence[Mapping[str, Any]], job: str = ""
 ) -> Check:
     """The devices the agent describes (the hello's, or any later frame's ``devices``) give
     ``cuda:0`` the UUID torch gives the job's device, which is the one nvidia-smi lists: the
     key that joins CUDA devices to NVML's and DCGM's GPUs."""
-    name = "devices: cuda:0 UUID = torch's = nvidia-smi's"
+    name = "devices: cuda:0 UUID = torch's = nvidia-smi's" + (f" ({job})" if job else "")
     expected = job_uuid or "?"
     uuids = [
         d.get("uuid")
@@ -543,8 +544,9 @@ def handled_ooms_not_published(
     handled = [t for t in trials if t["ooms"] > 0 and not t["raised"]]
     raised = [t for t in trials if t["raised"]]
     if not handled:
+        # The job is built to provoke one: without it nothing here was proven.
         return check(
-            name, expected, f"no OOM was handled inside torch ({len(trials)} trials)", None
+            name, expected, f"no OOM was handled inside torch ({len(trials)} trials)", False
         )
     wrong = sum(published(t) for t in handled)
     missing = sum(1 for t in raised if published(t) == 0)
@@ -560,6 +562,159 @@ def handled_ooms_not_published(
     )
     ok = wrong == 0 and missing == 0 and max(counted, default=0) > 0
     return check(name, expected, measured, ok)
+
+
+def _handled_counted(frames: Sequence[Frame]) -> int:
+    """The most failures the agent's samples counted as handled inside torch."""
+    return max(
+        (
+            int(m["handled_ooms"])
+            for f in of_kind(frames, "sample")
+            for m in f.get("memory", [])
+            if isinstance(m.get("handled_ooms"), int)
+        ),
+        default=0,
+    )
+
+
+def published_with_second_observer(frames: Sequence[Frame], truth: Mapping[str, Any]) -> Check:
+    """The job attached its own OOM observer after the agent's (as PyTorch's docs suggest, to
+    dump a snapshot): the allocator calls both, then throws. The failure that reached the job
+    is still published, and not counted as handled."""
+    name = "oom: published with the job's own observer"
+    expected = "the job's observer ran; one oom event; 0 counted handled"
+    calls = len(truth.get("observer") or [])
+    events = len(of_kind(frames, "oom"))
+    handled = _handled_counted(frames)
+    measured = f"job's observer {calls} calls; {events} oom events; {handled} counted handled"
+    if calls == 0:
+        return check(name, expected, measured + " (no second observer ran)", False)
+    return check(name, expected, measured, events >= 1 and handled == 0)
+
+
+def backward_oom(frames: Sequence[Frame], truth: Mapping[str, Any]) -> Check:
+    """An OOM in backward: the allocator fails in the autograd engine's device thread (no
+    Python frames there), the error reaches the job at ``loss.backward()``. The agent
+    publishes it, marked as in backward, with the request the snapshot's ``oom`` entry holds."""
+    name = "oom: in backward (autograd's thread)"
+    calls = truth.get("observer") or []
+    requested = calls[0].get("trace_oom_size") if calls else None
+    expected = f"published, in_backward, {mib(requested)}"
+    if not calls or not truth.get("raised"):
+        return check(name, expected, "the job saw no OOM in backward", False)
+    if calls[0].get("main_thread"):
+        return check(name, expected, "the OOM came in the main thread, not the engine's", None)
+    oom = of_kind(frames, "oom")
+    if not oom:
+        return check(name, expected, "no oom event", False)
+    event = oom[0]
+    measured = f"in_backward {event.get('in_backward')}, {mib(event.get('requested_bytes'))}"
+    ok = event.get("in_backward") is True and event.get("requested_bytes") == requested
+    return check(name, expected, measured, ok)
+
+
+def free_blocks_on_the_failing_stream(frames: Sequence[Frame], truth: Mapping[str, Any]) -> Check:
+    """Free blocks on another stream cannot serve the request (the allocator keeps blocks per
+    stream): the event's largest free block is the failing stream's, which the job's
+    observer read from the snapshot, not the device's largest."""
+    name = "oom: free blocks counted on the failing stream"
+    calls = truth.get("observer") or []
+    if not calls:
+        return check(name, "an OOM", "the job saw no OOM", False)
+    call = calls[0]
+    on_stream, anywhere = call.get("largest_free_block_on_stream"), call.get("largest_free_block")
+    expected = f"{mib(on_stream)} (the device's largest: {mib(anywhere)})"
+    if on_stream is None or on_stream == anywhere:
+        return check(name, expected, "no larger free block on another stream", None)
+    oom = of_kind(frames, "oom")
+    if not oom:
+        return check(name, expected, "no oom event", False)
+    got = oom[0].get("largest_free_block_bytes")
+    return check(name, expected, mib(got), got == on_stream)
+
+
+def async_backend(
+    rc: int | None, frames: Sequence[Frame], truth: Mapping[str, Any] | None
+) -> Check:
+    """``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``: the job runs to its end and sees its
+    own OOM, and the agent either captures it or says why it cannot (no history, no observer
+    on this backend); never silence, never a broken job."""
+    name = "oom: cudaMallocAsync backend"
+    expected = "the job ends normally; an oom event or the reason there is none"
+    if rc != 0 or truth is None:
+        return check(name, expected, f"the job failed (exit {rc})", False)
+    if not truth.get("message"):
+        return check(name, expected, "the job saw no OOM", False)
+    events = of_kind(frames, "oom")
+    reasons = [
+        str(f.get("detail") or "")
+        for f in of_kind(frames, "probe_status")
+        if f.get("probe") == "oom_capture" and not f.get("available", True)
+    ]
+    if events:
+        return check(name, expected, f"{len(events)} oom event(s)", True)
+    if reasons:
+        return check(name, expected, f"no event: {reasons[0][:80]}", True)
+    return check(name, expected, "no oom event and no reason given", False)
+
+
+def never_initialised_cuda(
+    frames: Sequence[Frame], truth: Mapping[str, Any], seconds: float
+) -> Check:
+    """A CPU job on a CUDA build, long enough for op windows to come due: the agent never
+    initialized CUDA in it (``libcuda.so`` is not mapped, ``torch.cuda.is_initialized()`` is
+    false at the end), and the ops panel says why there are no windows, or there are windows
+    that did not need CUDA."""
+    name = "agent: never initializes CUDA in a CPU job"
+    expected = f"ran >= {seconds:.0f} s; libcuda.so not mapped; ops windows or the reason"
+    ran = float(truth.get("seconds") or 0.0)
+    mapped = truth.get("libcuda_mapped")
+    initialized = truth.get("cuda_initialized")
+    windows = len(of_kind(frames, "ops"))
+    waiting = [
+        str(f.get("detail") or "")
+        for f in of_kind(frames, "probe_status")
+        if f.get("probe") == "ops"
+        and not f.get("available", True)
+        and "CUDA" in str(f.get("detail"))
+    ]
+    measured = (
+        f"ran {ran:.1f} s; libcuda.so {'mapped' if mapped else 'not mapped'}; CUDA "
+        f"{'initialized' if initialized else 'not initialized'}; {windows} ops windows"
+        + ("; waiting for CUDA" if waiting else "")
+    )
+    if ran < seconds:
+        return check(name, expected, measured + " (too short to prove it)", False)
+    ok = mapped is False and initialized is False and (windows > 0 or bool(waiting))
+    return check(name, expected, measured, ok)
+
+
+def free_under_cap_matches(frames: Sequence[Frame], plateau: Mapping[str, Any] | None) -> Check:
+    """Under ``set_per_process_memory_fraction``, the memory panel's free figure is what the
+    job can still allocate: held against the largest allocation the job then really got
+    (found by trying, to within ``plateau["resolution"]``), while ``mem_get_info()`` in the
+    job shows far more free on the device."""
+    name = "allocator: free under a memory fraction"
+    if plateau is None:
+        return check(name, "a plateau under a cap", "the job gave none", False)
+    allocatable = int(plateau["allocatable"])
+    device_free = int(plateau["mem_get_info"][0])
+    tolerance = int(plateau.get("resolution", 2 * MIB)) + 2 * MIB
+    expected = f"{mib(allocatable)} +- {mib(tolerance)} (device free {mib(device_free)})"
+    if device_free <= allocatable + tolerance:
+        return check(name, expected, "the cap did not bind (the device had no more free)", None)
+    got = [
+        m.get("free_bytes")
+        for f in of_kind(frames, "sample")
+        if plateau["t0"] < f["t"] < plateau["t1"]
+        for m in f.get("memory", [])
+        if m.get("device") == plateau.get("device", "cuda:0")
+    ]
+    if not got:
+        return check(name, expected, "no sample inside the plateau", False)
+    worst = max(got, key=lambda v: abs((v if v is not None else -1) - allocatable))
+    ok = all(v is not None and abs(v - allocatable) <= tolerance for v in got)
+    return check(name, expected, f"{len(got)} samples, furthest {mib(worst)}", ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -615,6 +770,21 @@ def per_step(window: Frame | None, field: str, expected: float, label: str) -> C
     value = (window.get(field) or 0) / steps if steps else None
     measured = "no steps" if value is None else f"{value:.2f}/step ({steps} steps)"
     return check(name, f"{expected:.1f}/step", measured, value == expected)
+
+
+def queued_kernels_counted(window: Frame | None, kernel_s: float | None) -> Check:
+    """A window that closes while a long kernel still runs (launched, not waited for): the
+    kernel's device time, which CUDA events in the job measured, is in the window."""
+    name = "ops: kernels queued at the close counted"
+    expected = f">= 90% of {'-' if kernel_s is None else f'{kernel_s * 1000:.0f} ms'}"
+    if window is None:
+        return check(name, expected, "no ops window recorded", False)
+    if not kernel_s:
+        return check(name, expected, "the job measured no kernel time", False)
+    ops = window.get("ops") or []
+    counted = sum(op.get("self_device_s") or 0 for op in ops if _is_kernel(op))
+    measured = f"{counted * 1000:.0f} ms of kernels in the window"
+    return check(name, expected, measured, counted >= 0.9 * kernel_s)
 
 
 def copies_kinds(pinned: Frame | None, pageable: Frame | None) -> Check:

@@ -10,10 +10,12 @@ their marker comment (``# gpu_check: ...``) must keep it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -54,47 +56,75 @@ def _bounded_snapshot(snapshot: dict[str, Any], entries: int = 300) -> dict[str,
     return {"segments": segments, "device_traces": traces}
 
 
+def free_blocks(snapshot: dict[str, Any], device: int, stream: int | None = None) -> list[int]:
+    """The sizes of the free (``inactive``) blocks in a snapshot's segments on ``device``, on
+    ``stream`` only if given: the allocator serves a request from its own stream's blocks."""
+    return [
+        int(b["size"])
+        for s in snapshot.get("segments", [])
+        if s.get("device", device) == device and (stream is None or s.get("stream") == stream)
+        for b in s.get("blocks", [])
+        if b.get("state") == "inactive"
+    ]
+
+
 class Observer:
-    """The job's own out-of-memory observer, attached beside the agent's: the allocator's
-    arguments and its counters at the moment of the failure."""
+    """The job's own out-of-memory observer, attached beside the agent's as users attach one
+    (PyTorch's docs suggest it, to dump a snapshot): the allocator calls every observer, in the
+    order attached, then throws. It records the allocator's arguments, its counters and the
+    snapshot's figures at the moment of the failure, and the thread it was called in."""
 
     def __init__(self, keep_snapshot: bool) -> None:
         self.calls: list[dict[str, Any]] = []
         self.keep_snapshot = keep_snapshot
         self.snapshot: dict[str, Any] | None = None
+        self.attach_error = ""
+        #: What could not be read in a call (the snapshot, on the cudaMallocAsync backend).
+        self.errors: list[str] = []
 
     def __call__(self, device: int, alloc: int, device_total: int, device_free: int) -> None:
+        # Never raise: an exception here would replace the job's OutOfMemoryError.
+        try:
+            self._record(int(device), int(alloc), int(device_total), int(device_free))
+        except Exception as exc:
+            self.errors.append(repr(exc))
+
+    def _record(self, device: int, alloc: int, device_total: int, device_free: int) -> None:
         import torch
 
         call: dict[str, Any] = {
             "t": time.time(),
-            "device": int(device),
-            "alloc": int(alloc),
-            "device_total": int(device_total),
-            "device_free": int(device_free),
+            "device": device,
+            "alloc": alloc,
+            "device_total": device_total,
+            "device_free": device_free,
             "memory_stats": dict(torch.cuda.memory_stats(device)),
+            "main_thread": threading.current_thread() is threading.main_thread(),
         }
-        snapshot = torch.cuda.memory._snapshot()
+        self.calls.append(call)
+        snapshot = torch.cuda.memory._snapshot()  # not on the cudaMallocAsync backend
         ooms = [e for e in snapshot["device_traces"][device] if e.get("action") == "oom"]
+        stream = ooms[-1].get("stream") if ooms else None
         call["trace_oom_size"] = int(ooms[-1]["size"]) if ooms else None
         call["trace_oom_device_free"] = int(ooms[-1].get("device_free", -1)) if ooms else None
-        free_blocks = [
-            int(b["size"])
-            for s in snapshot["segments"]
-            if s.get("device", device) == device
-            for b in s["blocks"]
-            if b["state"] == "inactive"
-        ]
-        call["largest_free_block"] = max(free_blocks, default=0)
-        call["free_in_segments"] = sum(free_blocks)
+        call["oom_stream"] = stream
+        blocks = free_blocks(snapshot, device)
+        call["largest_free_block"] = max(blocks, default=0)
+        call["free_in_segments"] = sum(blocks)
+        if stream is not None:
+            call["largest_free_block_on_stream"] = max(
+                free_blocks(snapshot, device, stream), default=0
+            )
         if self.keep_snapshot and self.snapshot is None:
             self.snapshot = _bounded_snapshot(snapshot)
-        self.calls.append(call)
 
     def attach(self) -> None:
         import torch
 
-        torch._C._cuda_attach_out_of_memory_observer(self)  # type: ignore[attr-defined]
+        try:
+            torch._C._cuda_attach_out_of_memory_observer(self)  # type: ignore[attr-defined]
+        except Exception as exc:  # the cudaMallocAsync backend may not take one
+            self.attach_error = repr(exc)
 
 
 def _cap(fraction_bytes: int) -> float:
@@ -187,22 +217,69 @@ def job_allocator(out: str) -> None:
     )
 
 
-def job_cpu(out: str) -> None:
-    """A CPU job on a GPU machine: imports torch, never touches CUDA."""
+#: Long enough for every kind of op window to come due (time windows 5 s after the start).
+CPU_JOB_S = 6.5
+
+
+def _libcuda_mapped() -> bool:
+    """Whether the CUDA driver library is mapped into this process: CUDA was initialized."""
+    try:
+        return "libcuda.so" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
+def job_cpu(out: str, seconds: float = CPU_JOB_S) -> None:
+    """A CPU job on a GPU machine: imports torch and trains on the CPU for ``seconds``, never
+    touching CUDA, with steps for op windows over steps and time enough for windows by time.
+    It writes whether the CUDA driver ended up in the process."""
     import torch
     from torch import nn
 
+    started = time.time()
     model = nn.Linear(256, 256)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(64, 256)
-    end = time.time() + 2.0
+    end = started + seconds
     steps = 0
     while time.time() < end:
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
         steps += 1
-    _write(out, {"steps": steps, "cuda_initialized": torch.cuda.is_initialized()})
+    _write(
+        out,
+        {
+            "steps": steps,
+            "seconds": time.time() - started,
+            "cuda_initialized": torch.cuda.is_initialized(),
+            "libcuda_mapped": _libcuda_mapped(),
+        },
+    )
+
+
+def job_visible(out: str) -> None:
+    """A short CUDA job (run with ``CUDA_VISIBLE_DEVICES`` set to a GPU's UUID): allocates,
+    computes, holds still long enough for NVML reads, and writes the UUID torch gives its
+    device."""
+    import torch
+
+    device = torch.device("cuda", 0)
+    a = torch.randn(2048, 2048, device=device)
+    for _ in range(10):
+        a = a @ a
+        a /= a.norm()
+    torch.cuda.synchronize()
+    time.sleep(2.5)
+    props = torch.cuda.get_device_properties(0)
+    _write(
+        out,
+        {
+            "uuid": _uuid(props),
+            "device_count": torch.cuda.device_count(),
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        },
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,29 +365,55 @@ def job_oom_fragmented(out: str) -> None:
     _write(out, payload)
 
 
+#: Convolutions whose first plan (cuDNN's heuristics, no benchmarking) likely needs a
+#: workspace: (in channels, out channels, kernel, batch, height and width, half precision,
+#: channels last).
+HANDLED_CONVS = (
+    (64, 64, 5, 16, 192, False, False),
+    (64, 64, 7, 8, 192, False, False),
+    (128, 128, 3, 32, 128, False, False),
+    (256, 256, 3, 16, 96, False, False),
+    (64, 64, 5, 16, 192, True, True),
+    (128, 128, 3, 32, 128, True, True),
+    (32, 64, 11, 8, 224, False, False),
+    (256, 512, 1, 32, 64, True, False),
+)
+
+
 def job_oom_handled(out: str) -> None:
-    """OOMs torch handles itself: cuDNN's algorithm search under a tight cap, where a workspace
-    that does not fit is retried smaller. Each trial records whether the allocator counted an
-    OOM (``num_ooms``) and whether an error reached this code."""
+    """OOMs torch handles itself: with ``cudnn.benchmark`` off, cuDNN runs the plans its
+    heuristics rank, each with its workspace, and moves to the next when the workspace cannot
+    be allocated (``try_plans`` catches the OOM). Each convolution runs under a cap that leaves
+    room for its output and nothing more, so a plan that needs any workspace fails. Each trial
+    records the allocator's count of OOMs (``num_ooms``), the job's own observer's calls, and
+    whether an OutOfMemoryError reached this code (another error, when no plan fits, apart)."""
     import torch
     from torch import nn
 
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = False
     torch.cuda.init()
+    observer = Observer(keep_snapshot=False)
+    observer.attach()
     device = torch.device("cuda", 0)
-    conv = nn.Conv2d(64, 64, 5, padding=2).to(device)
     trials: list[dict[str, Any]] = []
     total = torch.cuda.get_device_properties(0).total_memory
-    for i, headroom in enumerate((128 * MIB, 512 * MIB, 2 * GIB)):
-        batch = 16 + i  # a new shape: cuDNN searches again
-        x = torch.randn(batch, 64, 192, 192, device=device)
+    for cin, cout, kernel, batch, size, half, channels_last in HANDLED_CONVS:
+        dtype = torch.float16 if half else torch.float32
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        conv = nn.Conv2d(cin, cout, kernel, padding=kernel // 2).to(
+            device, dtype, memory_format=fmt
+        )
+        x = torch.randn(batch, cin, size, size, device=device, dtype=dtype).to(memory_format=fmt)
         torch.cuda.synchronize()
-        out_bytes = x.numel() * 4
-        cap = torch.cuda.memory_reserved(0) + out_bytes + headroom
+        torch.cuda.empty_cache()
+        out_bytes = batch * cout * size * size * (2 if half else 4)
+        segment = -(-out_bytes // (2 * MIB)) * 2 * MIB
+        cap = torch.cuda.memory_reserved(0) + segment + MIB  # 1 MiB: no segment fits in it
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
         before = int(_stats().get("num_ooms", 0))
+        calls = len(observer.calls)
         t0 = time.time()
-        raised = ""
+        raised = other = ""
         try:
             with torch.no_grad():
                 y = conv(x)
@@ -318,14 +421,159 @@ def job_oom_handled(out: str) -> None:
             del y
         except torch.OutOfMemoryError as exc:
             raised = str(exc).splitlines()[0]
+        except RuntimeError as exc:  # no plan fits at all
+            other = str(exc).splitlines()[0][:200]
         t1 = time.time()
         after = int(_stats().get("num_ooms", 0))
-        trials.append({"t0": t0, "t1": t1, "ooms": after - before, "raised": raised})
-        del x
+        trials.append(
+            {
+                "t0": t0,
+                "t1": t1,
+                "ooms": after - before,
+                "observer_calls": len(observer.calls) - calls,
+                "raised": raised,
+                "other_error": other,
+                "conv": [cin, cout, kernel, batch, size, half, channels_last],
+            }
+        )
+        del x, conv
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
         torch.cuda.empty_cache()
     time.sleep(0.5)  # one more sample: the agent's count of handled OOMs
-    _write(out, {"trials": trials})
+    _write(out, {"trials": trials, "observer_attach_error": observer.attach_error})
+
+
+BACKWARD_WIDTH = 8192
+
+
+def job_oom_backward(out: str) -> None:
+    """An OOM in backward: the forward fits, then the cap is set to what the job holds, so
+    the first large gradient, allocated in the autograd engine's device thread, fails. The job
+    catches the error at ``loss.backward()``."""
+    import torch
+    from torch import nn
+
+    observer = Observer(keep_snapshot=False)
+    torch.cuda.init()
+    observer.attach()
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0)
+    layer = nn.Linear(BACKWARD_WIDTH, BACKWARD_WIDTH).to(device)
+    x = torch.randn(BACKWARD_WIDTH, BACKWARD_WIDTH, device=device)
+    loss = layer(x).square().mean()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    # A small block kept alive: small allocations in the training thread (the root gradient)
+    # find room; the engine's large ones do not.
+    keep = torch.empty(16, device=device)
+    fraction = _cap(torch.cuda.memory_reserved(0) + MIB)
+    payload: dict[str, Any] = {"fraction": fraction, "raised": ""}
+    try:
+        loss.backward()
+    except torch.OutOfMemoryError as exc:
+        payload["raised"] = str(exc).splitlines()[0]
+    payload["caught_at"] = time.time()
+    del keep
+    payload.update(observer=observer.calls)
+    _write(out, payload)
+
+
+def job_oom_stream(out: str) -> None:
+    """A free block on a side stream that the default stream's request would fit in: the
+    allocator cannot use it (blocks are per stream), and the segment holding it cannot be
+    released (a live block shares it). Under a cap at what the job holds, the request fails."""
+    import torch
+
+    observer = Observer(keep_snapshot=False)
+    torch.cuda.init()
+    observer.attach()
+    device = torch.device("cuda", 0)
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        # 4 MiB in a new 20 MiB segment: the other 16 MiB stay free, on the side stream.
+        kept = torch.empty(4 * MIB // 4, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    _cap(torch.cuda.memory_reserved(0) + MIB)
+    payload: dict[str, Any] = {"raised": ""}
+    try:
+        torch.empty(12 * MIB // 4, device=device)  # fits in 16 MiB, on the wrong stream
+    except torch.OutOfMemoryError as exc:
+        payload["raised"] = str(exc).splitlines()[0]
+    del kept
+    payload.update(observer=observer.calls)
+    _write(out, payload)
+
+
+def job_oom_huge(out: str) -> None:
+    """One allocation larger than the device, caught: an OOM on any allocator backend (the
+    GPU check runs it on ``cudaMallocAsync``)."""
+    import torch
+
+    torch.cuda.init()
+    observer = Observer(keep_snapshot=False)
+    observer.attach()
+    total = torch.cuda.get_device_properties(0).total_memory
+    payload: dict[str, Any] = {"message": "", "backend": ""}
+    with contextlib.suppress(Exception):
+        payload["backend"] = torch.cuda.get_allocator_backend()
+    try:
+        torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as exc:
+        payload["message"] = str(exc).splitlines()[0]
+    time.sleep(0.5)  # the agent's samples after the failure
+    payload.update(
+        observer=observer.calls,
+        observer_errors=observer.errors,
+        observer_attach_error=observer.attach_error,
+    )
+    _write(out, payload)
+
+
+FREE_CAP = 4 * GIB
+FREE_RESOLUTION = 2 * MIB
+
+
+def job_free_under_cap(out: str) -> None:
+    """Free memory under ``set_per_process_memory_fraction``: 1 GiB held under a 4 GiB cap, the
+    cache emptied, memory still for 2 s (the agent samples it); then the largest allocation
+    the job can really get is found by trying (to within FREE_RESOLUTION). ``mem_get_info()``
+    read in the job shows the device's free memory, far above it."""
+    import torch
+
+    torch.cuda.init()
+    _cap(FREE_CAP)
+    device = torch.device("cuda", 0)
+    held = torch.empty(GIB, dtype=torch.uint8, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(0)
+    t0 = time.time()
+    time.sleep(2.0)
+    t1 = time.time()
+    low, high = 0, FREE_CAP
+    while high - low > FREE_RESOLUTION:
+        middle = (low + high) // 2 // FREE_RESOLUTION * FREE_RESOLUTION
+        if middle <= low:
+            break
+        try:
+            probe = torch.empty(middle, dtype=torch.uint8, device=device)
+            del probe
+            low = middle
+        except torch.OutOfMemoryError:
+            high = middle
+        torch.cuda.empty_cache()
+    del held
+    plateau = {
+        "t0": t0,
+        "t1": t1,
+        "device": "cuda:0",
+        "allocatable": low,
+        "resolution": FREE_RESOLUTION,
+        "mem_get_info": [int(free), int(total)],
+        "cap": FREE_CAP,
+    }
+    _write(out, {"plateau": plateau})
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,6 +644,9 @@ def job_ops(out: str, device_name: str = "cuda") -> None:
         synchronize()
         phases[name] = [t0, time.time(), float(opened)]
         time.sleep(0.3)
+    queued: dict[str, Any] = {}
+    if cuda:
+        queued = _queued_window(torch, window)
     time.sleep(1.0)  # the agent's thread reads the windows
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with profile(activities=activities) as prof:
@@ -416,6 +667,7 @@ def job_ops(out: str, device_name: str = "cuda") -> None:
         out,
         {
             "phases": phases,
+            "queued": queued,
             "steps": OPS_STEPS,
             "key_averages": table,
             "events": [
@@ -432,6 +684,34 @@ def job_ops(out: str, device_name: str = "cuda") -> None:
             ],
         },
     )
+
+
+QUEUED_SIZE = 8192
+QUEUED_MATMULS = 24
+
+
+def _queued_window(torch: Any, window: Any) -> dict[str, Any]:
+    """A window that closes while long kernels still run: matmuls launched inside it and not
+    waited for. CUDA events around them measure their device time in the job."""
+    a = torch.randn(QUEUED_SIZE, QUEUED_SIZE, device="cuda")
+    b = torch.randn(QUEUED_SIZE, QUEUED_SIZE, device="cuda")
+    c = torch.empty(QUEUED_SIZE, QUEUED_SIZE, device="cuda")
+    torch.matmul(a, b, out=c)  # cuBLAS's handle and workspace, before the window
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.time()
+    with window() as opened:
+        start.record()
+        for _ in range(QUEUED_MATMULS):
+            torch.matmul(a, b, out=c)
+        end.record()
+        launched = time.time()
+    end.synchronize()
+    return {
+        "span": [t0, time.time(), float(opened)],
+        "kernel_s": start.elapsed_time(end) / 1000.0,
+        "launch_s": launched - t0,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,10 +791,15 @@ def job_history(out: str, arm: str) -> None:
 
 JOBS = {
     "allocator": lambda a: job_allocator(a[0]),
-    "cpu": lambda a: job_cpu(a[0]),
+    "cpu": lambda a: job_cpu(a[0], *(float(v) for v in a[1:])),
+    "visible": lambda a: job_visible(a[0]),
     "oom-full": lambda a: job_oom_full(a[0], catch=len(a) > 1 and a[1] == "catch"),
     "oom-fragmented": lambda a: job_oom_fragmented(a[0]),
     "oom-handled": lambda a: job_oom_handled(a[0]),
+    "oom-backward": lambda a: job_oom_backward(a[0]),
+    "oom-stream": lambda a: job_oom_stream(a[0]),
+    "oom-huge": lambda a: job_oom_huge(a[0]),
+    "free": lambda a: job_free_under_cap(a[0]),
     "ops": lambda a: job_ops(a[0], *a[1:]),
     "overhead": lambda a: job_overhead(a[0], *a[1:]),
     "history": lambda a: job_history(a[0], a[1]),

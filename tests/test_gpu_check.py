@@ -79,7 +79,9 @@ def test_a_job_runs_under_torchtop_headless_without_textual(
     (tmp_path / "work").mkdir()
     session = gpu_check.Session(tmp_path / "work")
     rows = gpu_check.group_cpu_job(session)
-    assert statuses(rows) == [cmp.PASS], (rows, session.steps[0].stderr)
+    # The view shows the CPU; CUDA never initialized (here: no CUDA build, so windows opened);
+    # no GPU to see by UUID.
+    assert statuses(rows) == [cmp.PASS, cmp.PASS, cmp.SKIP], (rows, session.steps[0].stderr)
     assert session.steps[0].rc == 0
 
 
@@ -260,19 +262,8 @@ def test_shown_devices_reads_a_recording_through_the_model(tmp_path: Path) -> No
 
 def agent_oom_event(tmp_path: Path, data: dict[str, Any]) -> dict[str, Any]:
     """The agent's own flow, fed the fixture's observer call, memory_stats() and snapshot."""
-    messages: list[Message] = []
-    controller = OomController(AgentConfig(), messages.append, pid=4242, snapshot_dir=tmp_path)
-    controller.cuda_sources = {
-        "snapshot": lambda: data["snapshot"],
-        "stats": lambda device: data["memory_stats"],
-        "grad_enabled": lambda: True,
-    }
-    obs = data["observer"]
-    # As torch does: the observer, then the error raised into the job's code.
-    args = (obs["device"], obs["alloc"], obs["device_total"], obs["device_free"])
-    fail_into_job(controller.observe_cuda_oom, args)
-    (event,) = [m for m in messages if isinstance(m, OutOfMemory)]
-    return to_dict(event)
+    (event,) = [f for f in agent_frames(tmp_path, data) if f["kind"] == "oom"]
+    return event
 
 
 def truth_of(data: dict[str, Any]) -> dict[str, Any]:
@@ -402,7 +393,9 @@ def test_ooms_handled_inside_torch_are_not_published() -> None:
     assert cmp.handled_ooms_not_published([sample], trials).failed  # the job's one is missing
     uncounted = [right[0], {**sample, "memory": [{"device": "cuda:0", "handled_ooms": None}]}]
     assert cmp.handled_ooms_not_published(uncounted, trials).failed
-    assert cmp.handled_ooms_not_published([], trials[2:]).status == cmp.SKIP
+    # The job is built to provoke a handled OOM: none observed proves nothing, so it fails.
+    row = cmp.handled_ooms_not_published([], trials[2:])
+    assert row.failed and "no OOM was handled" in row.measured
 
 
 # -- op windows --------------------------------------------------------------------------------
@@ -670,3 +663,242 @@ def test_the_oom_fixtures_it_saves_feed_the_agents_flow(tmp_path: Path) -> None:
         del a[key], b[key]
     assert a == b
     assert gpu_check._observer_fixture({**truth, "observer": []}) is None
+
+
+# -- the rows added for the second reading of the CUDA paths ------------------------------------
+
+
+def agent_frames(
+    tmp_path: Path, data: dict[str, Any], others: list[Any] | None = None, handled: int = 0
+) -> list[dict[str, Any]]:
+    """The agent's frames for a failure from a snapshot fixture: its ``oom`` event (observers
+    called as the allocator calls them: the agent's, then ``others``) and a sample with its
+    count of handled failures."""
+    messages: list[Message] = []
+    controller = OomController(AgentConfig(), messages.append, pid=4242, snapshot_dir=tmp_path)
+    controller.cuda_sources = {
+        "snapshot": lambda: data["snapshot"],
+        "stats": lambda device: data["memory_stats"],
+        "grad_enabled": lambda: True,
+    }
+    obs = data["observer"]
+    args = (obs["device"], obs["alloc"], obs["device_total"], obs["device_free"])
+    fail_into_job([controller.observe_cuda_oom, *(others or [])], args)
+    probe = CudaMemoryProbe(
+        cuda_module(data["memory_stats"], obs["device_free"], obs["device_total"]),
+        handled_ooms=lambda device: controller.handled_ooms(device) + handled,
+    )
+    sample = to_dict(Sample(t=2.0, host=None, memory=probe.read()))
+    return [to_dict(m) for m in messages if isinstance(m, OutOfMemory)] + [sample]
+
+
+def test_an_oom_is_published_with_the_jobs_own_observer_attached(tmp_path: Path) -> None:
+    data = fixture("cuda_snapshot_full.json")
+    calls: list[tuple[int, ...]] = []
+    frames = agent_frames(tmp_path, data, others=[lambda *args: calls.append(args)])
+    truth = {"observer": [{"t": 1.0}] * len(calls)}
+    row = cmp.published_with_second_observer(frames, truth)
+    assert row.status == cmp.PASS and len(calls) == 1, row
+    # What an agent that took the second observer's call for torch going on would record.
+    hidden = [{**frames[-1], "memory": [{**frames[-1]["memory"][0], "handled_ooms": 1}]}]
+    row = cmp.published_with_second_observer(hidden, truth)
+    assert row.failed and "0 oom events; 1 counted handled" in row.measured
+    assert cmp.published_with_second_observer(frames, {"observer": []}).failed
+
+
+def test_an_oom_in_backward(tmp_path: Path) -> None:
+    data = fixture("cuda_snapshot_full.json")
+    (event, _) = agent_frames(tmp_path, data)
+    requested = event["requested_bytes"]
+    call = {"main_thread": False, "trace_oom_size": requested}
+    truth = {"observer": [call], "raised": "CUDA out of memory. Tried to allocate 4.00 GiB."}
+    in_backward = {**event, "in_backward": True}
+    assert cmp.backward_oom([in_backward], truth).status == cmp.PASS
+    assert cmp.backward_oom([event], truth).failed  # not marked as in backward
+    assert cmp.backward_oom([], truth).failed
+    assert cmp.backward_oom([{**in_backward, "requested_bytes": requested + MIB}], truth).failed
+    assert cmp.backward_oom([in_backward], {**truth, "raised": ""}).failed
+    in_main = {**truth, "observer": [{**call, "main_thread": True}]}
+    assert cmp.backward_oom([in_backward], in_main).status == cmp.SKIP
+
+
+def test_free_blocks_on_the_failing_stream(tmp_path: Path) -> None:
+    # The fixture's side stream holds a free 16 MiB block; the failing stream's largest is
+    # 2 MiB. The job's observer reads both from the snapshot as below.
+    from benchmarks.gpu_check_jobs import free_blocks
+
+    data = fixture("cuda_snapshot_rounded.json")
+    (oom_entry,) = [e for e in data["snapshot"]["device_traces"][0] if e["action"] == "oom"]
+    stream = oom_entry["stream"]
+    call = {
+        "largest_free_block": max(free_blocks(data["snapshot"], 0)),
+        "largest_free_block_on_stream": max(free_blocks(data["snapshot"], 0, stream)),
+    }
+    assert (call["largest_free_block"], call["largest_free_block_on_stream"]) == (
+        16 * MIB,
+        2 * MIB,
+    )
+    frames = agent_frames(tmp_path, data)
+    truth = {"observer": [call]}
+    assert cmp.free_blocks_on_the_failing_stream(frames, truth).status == cmp.PASS
+    every_stream = [{**frames[0], "largest_free_block_bytes": 16 * MIB}]
+    assert cmp.free_blocks_on_the_failing_stream(every_stream, truth).failed
+    assert cmp.free_blocks_on_the_failing_stream([], truth).failed
+    same = {"observer": [{**call, "largest_free_block": 2 * MIB}]}
+    assert cmp.free_blocks_on_the_failing_stream(frames, same).status == cmp.SKIP
+
+
+def test_the_cuda_malloc_async_backend(tmp_path: Path) -> None:
+    # On cudaMallocAsync, history and maybe the observer are refused: the agent says so.
+    messages: list[Message] = []
+    controller = OomController(AgentConfig(), messages.append, pid=1, snapshot_dir=tmp_path)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("not supported by the cudaMallocAsync backend")
+
+    cuda = SimpleNamespace(memory=SimpleNamespace(_record_memory_history=refuse))
+    controller.install_cuda(cuda, SimpleNamespace(_cuda_attach_out_of_memory_observer=refuse))
+    reasons = [to_dict(m) for m in messages]
+    truth = {"message": "CUDA out of memory. Tried to allocate 280.00 GiB."}
+    row = cmp.async_backend(0, reasons, truth)
+    assert row.status == cmp.PASS and "no event" in row.measured, row
+    assert cmp.async_backend(0, [{"kind": "oom", "t": 1.0}], truth).status == cmp.PASS
+    assert cmp.async_backend(0, [], truth).failed  # silence
+    assert cmp.async_backend(1, reasons, truth).failed  # the job broke
+    assert cmp.async_backend(0, reasons, {"message": ""}).failed
+    assert cmp.async_backend(0, reasons, None).failed
+
+
+def test_the_agent_never_initialises_cuda_in_a_cpu_job() -> None:
+    from torchtop.agent.ops import PROBE, WAITING_FOR_CUDA
+    from torchtop.protocol import ProbeStatus
+
+    waiting = to_dict(
+        ProbeStatus(t=1.0, probe=PROBE, available=False, detail=f"op timings: {WAITING_FOR_CUDA}")
+    )
+    truth = {"seconds": 6.6, "libcuda_mapped": False, "cuda_initialized": False}
+    assert cmp.never_initialised_cuda([waiting], truth, 6.0).status == cmp.PASS
+    assert cmp.never_initialised_cuda([{"kind": "ops"}], truth, 6.0).status == cmp.PASS
+    assert cmp.never_initialised_cuda([waiting], {**truth, "libcuda_mapped": True}, 6.0).failed
+    assert cmp.never_initialised_cuda([waiting], {**truth, "cuda_initialized": True}, 6.0).failed
+    assert cmp.never_initialised_cuda([waiting], {**truth, "seconds": 2.0}, 6.0).failed
+    assert cmp.never_initialised_cuda([], truth, 6.0).failed  # no window and no reason
+
+
+def test_free_under_a_memory_fraction_against_what_the_job_could_allocate() -> None:
+    # 4 GiB cap on an H200, 1 GiB held; the job then found it could get 3 GiB - 2 MiB more.
+    stats = fixture("cuda_memory_stats_untouched.json")
+    stats = {**stats, "reserved_bytes.all.current": GIB, "reserved_bytes.all.peak": GIB}
+    total, device_free = 150_754_820_096, 130 * GIB
+    fraction = 4 * GIB / total
+    plateau = {"t0": 10.0, "t1": 12.0, "device": "cuda:0", "allocatable": 3 * GIB - 2 * MIB,
+               "resolution": 2 * MIB, "mem_get_info": [device_free, total]}  # fmt: skip
+
+    def frames(cuda: SimpleNamespace) -> list[dict[str, Any]]:
+        probe = CudaMemoryProbe(cuda)
+        return [to_dict(Sample(t=t, host=None, memory=probe.read())) for t in (10.5, 11.5)]
+
+    capped = cuda_module(stats, device_free, total)
+    capped.get_per_process_memory_fraction = lambda device: fraction
+    row = cmp.free_under_cap_matches(frames(capped), plateau)
+    assert row.status == cmp.PASS and row.measured.startswith("2 samples"), row
+    # The device's free memory, the cap ignored: what the panel showed before.
+    row = cmp.free_under_cap_matches(frames(cuda_module(stats, device_free, total)), plateau)
+    assert row.failed, row
+    assert cmp.free_under_cap_matches([], plateau).failed
+    assert cmp.free_under_cap_matches(frames(capped), None).failed
+    unbound = {**plateau, "mem_get_info": [3 * GIB, total]}
+    assert cmp.free_under_cap_matches(frames(capped), unbound).status == cmp.SKIP
+
+
+def test_kernels_queued_at_a_windows_close_are_counted() -> None:
+    def window(kernel_end: int) -> dict[str, Any]:
+        # 24 matmul kernels launched at once; the window holds those that ended before its
+        # close (without a sync, the first only).
+        events = [ev("aten::mm", 0, 100, correlation=1)]
+        events += [
+            ev("sm90_xmma_gemm", 200 + i * 15_000, 200 + (i + 1) * 15_000, device=True, linked=1)
+            for i in range(kernel_end)
+        ]
+        totals = aggregate(events)
+        ops, _ = ranked(totals.ops, device=totals.device)
+        return {"kind": "ops", "began": 1.0, "ops": [to_dict_op(op) for op in ops]}
+
+    kernel_s = 24 * 15_000 / 1e9
+    assert cmp.queued_kernels_counted(window(24), kernel_s).status == cmp.PASS
+    row = cmp.queued_kernels_counted(window(1), kernel_s)
+    assert row.failed and row.measured.startswith("0 ms"), row
+    assert cmp.queued_kernels_counted(None, kernel_s).failed
+    assert cmp.queued_kernels_counted(window(24), None).failed
+
+
+def test_rows_for_a_gpu_seen_by_uuid_say_so() -> None:
+    rows = smi_read(1.0, [FakeGpu()])["rows"]
+    label = gpu_check.VISIBLE_LABEL
+    row = cmp.nvml_gpu_matched_by_uuid([], "x", rows, job=label)
+    assert row.name.endswith(f"({label})") and row.failed
+    assert cmp.hello_uuid([], "x", rows, job=label).name.endswith(f"({label})")
+
+
+# -- the preflight ---------------------------------------------------------------------------------
+
+
+def test_the_preflight_says_each_dependency_and_skips_what_needs_a_missing_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ran: list[str] = []
+
+    def group(name: str) -> Any:
+        def run(s: gpu_check.Session) -> list[cmp.Check]:
+            ran.append(name)
+            nvml = s.needs(gpu_check.NVML_DEPENDENCY, "nvml: a row")
+            return [nvml or cmp.check("nvml: a row", "1", "1", True)]
+
+        return run
+
+    def answer() -> None:
+        gpu_check.ENVIRONMENT.update(
+            torch="2.13.0", cuda_runtime="12.8",
+            dependencies={"psutil": "ok 7.0.0", "rich": "missing (ModuleNotFoundError: No "
+                          "module named 'rich')", "nvidia-ml-py": "missing (ImportError: x)"},
+        )  # fmt: skip
+
+    monkeypatch.setattr(gpu_check, "no_cuda_reason", answer)
+    monkeypatch.setattr(
+        gpu_check, "GROUPS", [("cost", group("cost"), 1), ("demos", group("demos"), 1)]
+    )
+    assert gpu_check.main(["--out", str(tmp_path / "g")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    preflight = [line for line in out if line.startswith("preflight:")]
+    assert preflight[0] == "preflight: torch 2.13.0 with CUDA 12.8: ok"
+    assert preflight[1] == "preflight: psutil 7.0.0: ok"
+    assert preflight[2].startswith("preflight: rich: missing (ModuleNotFoundError")
+    assert "demos" in preflight[2] and "pip install rich" in preflight[2]
+    assert "the NVML rows" in preflight[3]
+    assert ran == ["cost"]  # demos need rich
+    report = (tmp_path / "g" / "report.txt").read_text()
+    assert "skipped: needs rich, missing" in report
+    assert "skipped: needs nvidia-ml-py" in report
+    assert "0 passed, 0 failed, 2 skipped" in report
+
+
+def test_the_clock_starts_before_the_preflight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Importing torch took most of the time: the groups that no longer fit do not start, and
+    # the check says so at the end.
+    def slow_answer() -> None:
+        gpu_check.ENVIRONMENT.update(dependencies=dict.fromkeys(gpu_check.DEPENDENCIES, "ok 1"))
+        monkeypatch.setattr(time, "monotonic", lambda: real() + gpu_check.DEADLINE_S - 10)
+
+    real = time.monotonic
+    monkeypatch.setattr(gpu_check, "no_cuda_reason", slow_answer)
+    monkeypatch.setattr(
+        gpu_check,
+        "GROUPS",
+        [("quick", lambda s: [cmp.check("q", "1", "1", True)], 5), ("long", lambda s: [], 40)],
+    )
+    assert gpu_check.main(["--out", str(tmp_path / "g")]) == 0
+    out = capsys.readouterr().out
+    assert "these groups did not start: long" in out
+    assert "1 passed, 0 failed, 1 skipped" in out

@@ -16,7 +16,14 @@ from typing import Any
 
 import pytest
 import torch
-from fakes.allocator import ALLOCATOR_FILE, allocate, fail_into_job, with_retries
+from fakes.allocator import (
+    ALLOCATOR_FILE,
+    allocate,
+    fail_into_job,
+    no_plan_fits,
+    through_cleanups,
+    with_retries,
+)
 from torch.cuda import _memory_viz
 
 from torchtop.agent.core import AgentConfig
@@ -726,6 +733,33 @@ def test_an_oom_reaches_the_job_with_other_python_between_the_observer_and_the_t
     assert bool(job_observer.calls) == (second != "finalizer")
     assert bool(Finalized.ran) == (second != "snapshot-observer")
     assert sys.gettrace() is None or "torchtop" not in repr(sys.gettrace())
+
+
+def test_an_oom_unwinding_through_torchs_cleanups_still_reaches_the_job(tmp_path: Path) -> None:
+    # A context manager's exit and a finally in torch's frames run lines while the error
+    # unwinds: they are not torch going on.
+    data = load("full")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    with pytest.raises(torch.OutOfMemoryError):
+        through_cleanups(
+            [controller.observe_cuda_oom, SnapshotOnOom(tmp_path)], observer_args(data)
+        )
+    (event,) = of_kind(messages, OutOfMemory)
+    assert event.requested_bytes == 4 * GiB and controller.handled == {}
+
+
+def test_a_failure_torch_handled_before_another_error_reached_the_job_is_not_an_oom(
+    tmp_path: Path,
+) -> None:
+    # torch caught the OOM (no plan's workspace fit) and raised something else: the job saw
+    # no out-of-memory error.
+    data = load("full")
+    controller, messages = make_controller(tmp_path)
+    with_fixture(controller, data)
+    with pytest.raises(RuntimeError, match="unable to find an engine"):
+        no_plan_fits(controller.observe_cuda_oom, observer_args(data))
+    assert of_kind(messages, OutOfMemory) == [] and controller.handled == {"cuda:0": 1}
 
 
 def test_failures_torch_handles_are_counted_with_a_second_observer_attached(

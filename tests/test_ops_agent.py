@@ -863,3 +863,84 @@ def test_runtime_calls_by_name_where_torch_has_no_activity_type() -> None:
     runtime = ["cudaDeviceSynchronize", "cudaLaunchKernel", "cuLaunchKernel", "hipMemcpyAsync"]
     ops = ["aten::cumsum", "cumulative_loss", "Optimizer.step#AdamW.step", "custom_block"]
     assert [_runtime_call(n) for n in runtime + ops] == [True] * 4 + [False] * 4
+
+
+class RecordingProfiler:
+    """The sampler's view of torch's profiler, recording the calls in order. ``sync`` takes
+    ``sync_s``, as a device sync does while kernels are still queued."""
+
+    def __init__(self, *, device: bool, sync_s: float = 0.0) -> None:
+        self.device = device
+        self.sync_s = sync_s
+        self.calls: list[str] = []
+
+    def cuda_initialized(self) -> bool:
+        return self.device
+
+    def get_num_threads(self) -> int:
+        return 1
+
+    def start(self, *, inputs: bool = False) -> bool:
+        self.calls.append("start")
+        return self.device
+
+    def sync(self) -> None:
+        self.calls.append("sync")
+        time.sleep(self.sync_s)
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+
+@pytest.mark.parametrize("device", [True, False], ids=["device", "cpu-only"])
+def test_a_window_that_recorded_device_activity_syncs_before_it_stops(
+    sampler: OpsSampler, device: bool
+) -> None:
+    # Kernels still queued when a window closes would fall outside it: torch's own profiler
+    # synchronizes before it stops, and so does the window, at its own cost.
+    profiler = RecordingProfiler(device=device, sync_s=0.05)
+    sampler._profiler = profiler  # type: ignore[assignment]
+    with sampler.window() as opened:
+        assert opened
+    assert profiler.calls == (["start", "sync", "stop"] if device else ["start", "stop"])
+    (closed,) = sampler._closed
+    if device:
+        assert closed.stop_cost_s >= 0.05
+
+
+def test_the_profilers_sync_is_the_devices() -> None:
+    from types import SimpleNamespace
+
+    synced: list[str] = []
+    profiler = ops_module._Profiler(record_shapes=False, with_stack=False)
+    profiler._cuda = SimpleNamespace(synchronize=lambda: synced.append("cuda"))
+    profiler.sync()
+    assert synced == ["cuda"]
+
+
+def test_on_a_cuda_build_no_window_opens_until_the_job_initializes_cuda(
+    sampler: OpsSampler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a CUDA build the profiler's start asks for the device count and loads CUPTI even for
+    # CPU-only activities: a window would initialize CUDA in a job that has not (or never
+    # does), breaking its forked CUDA children. Step windows, viewer requests and the job's
+    # own sections all wait, and the ops panel says why.
+    initialized = [False]
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized[0])
+    profiler = RecordingProfiler(device=False)
+    sampler._profiler = profiler  # type: ignore[assignment]
+    steps = FakeSteps()
+    sampler.request_window()
+    statuses = [m for m in sampler.tick(time.time(), steps) if isinstance(m, ProbeStatus)]
+    _boundary()
+    with sampler.window() as opened:
+        assert not opened
+    assert profiler.calls == [] and sampler._state == IDLE
+    (status,) = statuses
+    assert not status.available and "waiting for the job to use CUDA" in status.detail
+    initialized[0] = True
+    statuses = [m for m in sampler.tick(time.time(), steps) if isinstance(m, ProbeStatus)]
+    _boundary()
+    assert profiler.calls == ["start"] and sampler._state == OPEN
+    assert [s.available for s in statuses] == [True]

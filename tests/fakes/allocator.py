@@ -14,6 +14,7 @@ finalizer or an observer that allocates runs where it would on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from operator import methodcaller
 from typing import Any
@@ -33,6 +34,23 @@ def allocate(observer, args, fails=True, traced=None):
         list(map(each, observers)); raise torch.OutOfMemoryError("CUDA out of memory")
     return args[1]
 
+def through_cleanups(observer, args):
+    # torch's Python code around an op: a context manager and a finally, which run their
+    # cleanup lines while the error unwinds through them.
+    with contextlib.suppress(KeyError):
+        try:
+            return allocate(observer, args)
+        finally:
+            cleaned = True
+
+def no_plan_fits(observer, args):
+    # cuDNN's try_plans: each plan's workspace fails, then another error is raised.
+    try:
+        allocate(observer, args)
+    except torch.OutOfMemoryError:
+        pass
+    raise RuntimeError("FIND was unable to find an engine to execute this computation")
+
 def with_retries(observer, args, succeeds_at, traced):
     size = args[1]
     for attempt in range(64):
@@ -44,11 +62,17 @@ def with_retries(observer, args, succeeds_at, traced):
             size //= 2
 """
 
-_TORCH_SIDE: dict[str, Any] = {"torch": torch, "methodcaller": methodcaller}
+_TORCH_SIDE: dict[str, Any] = {
+    "torch": torch,
+    "methodcaller": methodcaller,
+    "contextlib": contextlib,
+}
 exec(compile(_SOURCE, ALLOCATOR_FILE, "exec"), _TORCH_SIDE)
 
 allocate: Callable[..., int] = _TORCH_SIDE["allocate"]
 with_retries: Callable[..., int] = _TORCH_SIDE["with_retries"]
+through_cleanups: Callable[..., int] = _TORCH_SIDE["through_cleanups"]
+no_plan_fits: Callable[..., int] = _TORCH_SIDE["no_plan_fits"]
 
 
 def fail_into_job(

@@ -823,10 +823,12 @@ class _Watch:
     PyTorch's docs suggest), a finalizer, garbage collection. So only the frames that were on
     the stack at the failure are followed, and only where the error goes decides: an
     ``exception`` event in one of the job's frames (not torch's, not torchtop's) means it
-    reached the job (published, and paused there with ``--pause-on-oom``); one of those frames
-    moving on to another line or returning with no error in flight means torch handled it
-    (counted). Calls into new frames decide nothing. Tracing ends at the first of these, and
-    whatever trace function was there before (a debugger, coverage) is put back.
+    reached the job (published, and paused there with ``--pause-on-oom``); a frame the error
+    has not gone through moving on to another line or returning means torch handled it
+    (counted). Lines that torch's frames run while the error goes through them (a finally, a
+    context manager's exit, a handler) and calls into new frames decide nothing. Tracing ends
+    at the first decision, and whatever trace function was there before (a debugger,
+    coverage) is put back.
     """
 
     def __init__(self, controller: OomController, pending: _Pending, frames: list[Any]) -> None:
@@ -837,7 +839,8 @@ class _Watch:
         self._saved = [(f, f.f_trace, f.f_trace_lines) for f in frames]
         self._previous = sys.gettrace()
         self._torch_dir = _torch_dir()
-        self._in_flight: BaseException | None = None
+        #: The frames the error has gone through so far (torch's).
+        self._raised_through: list[Any] = []
         self._done = False
         # One bound method, so that the trace function set can be recognised again.
         self._tracer = self._global
@@ -868,26 +871,28 @@ class _Watch:
     def _local(self, frame: Any, event: str, arg: Any) -> Any:
         if self._done:
             return None
+        reached = any(frame is f for f in self._raised_through)
         if event == "exception":
-            if self._in_flight is None:
-                self._in_flight = arg[1]
+            if not reached:
+                self._raised_through.append(frame)
             if frame is self._outermost or not is_library_frame(
                 frame.f_code.co_filename, self._torch_dir
             ):
-                self._finish(reached=True)
+                # Another error (torch caught the OOM, then failed otherwise): the job saw
+                # no out-of-memory error, so torch handled this one.
+                self._finish(reached=_is_oom(arg[1]))
                 return None
-        elif event == "line":
-            # A frame runs a new line: with no error in flight, or after torch's code caught
-            # it (outside the handler, nothing is being handled), the failure was handled. In
-            # a handler or a finally while the error unwinds, it may still be raised.
-            if self._in_flight is None or sys.exc_info()[1] is not self._in_flight:
-                self._finish(reached=False)
-                return None
-        elif event == "return" and (self._in_flight is None or frame is self._outermost):
-            # Returning with no error in flight: it was handled. Out of the thread's last
-            # frame with one: the thread ends by it.
-            self._finish(reached=self._in_flight is not None)
+        elif event in ("line", "return") and not reached:
+            # A frame the error never reached runs on (its callee, or the op, came back
+            # normally): torch handled the failure.
+            self._finish(reached=False)
             return None
+        elif event == "return" and frame is self._outermost:
+            # Out of the thread's last frame with the error in it: the thread ends by it.
+            self._finish(reached=True)
+            return None
+        # Otherwise a frame of torch's the error went through: its cleanups (a finally, a
+        # context manager's exit) or a handler run; what decides is where it goes next.
         return self._frame_tracer
 
     def _stop(self) -> None:
@@ -903,6 +908,7 @@ class _Watch:
         # Hold no frame (nor the tensors in their locals) past the end of the watch.
         self._saved = []
         self._frames = []
+        self._raised_through = []
 
     def _finish(self, *, reached: bool) -> None:
         self._stop()
@@ -919,6 +925,17 @@ class _Watch:
         else:
             self.pending.done = True
             controller._count_handled(self.pending.capture.device)
+
+
+def _is_oom(exc: BaseException | None) -> bool:
+    """An out-of-memory error, or an error raised from or while handling one."""
+    for _ in range(8):
+        if exc is None:
+            return False
+        if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _python_frames(frame: Any) -> list[Any]:

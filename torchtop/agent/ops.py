@@ -76,6 +76,10 @@ IGNORED = frozenset(
     }
 )
 OWN_PROFILER = "the job is running its own torch.profiler"
+WAITING_FOR_CUDA = (
+    "waiting for the job to use CUDA: on this CUDA build of PyTorch, a window opened earlier "
+    "would initialize CUDA in the job"
+)
 #: Distinct ops kept in the cumulative table; past that, new ones go to "other".
 MAX_CUMULATIVE_KEYS = 5000
 #: The ops whose input dtype tells whether matmuls run in float32 or a 16-bit type: the
@@ -520,6 +524,17 @@ def user_profiler_running() -> bool:
         return False
 
 
+def cuda_not_started() -> bool:
+    """On a CUDA (or ROCm) build of torch, the job has not initialized CUDA yet. Starting the
+    profiler then, even for CPU activities only, asks for the device count and loads CUPTI:
+    it would initialize CUDA in the job (and break the CUDA of children it forks later)."""
+    cuda = sys.modules.get("torch.cuda")
+    try:
+        return cuda is not None and bool(cuda._is_compiled()) and not cuda.is_initialized()
+    except Exception:
+        return False
+
+
 class _Profiler:
     """torch's profiler entry points, found once torch is loaded."""
 
@@ -573,6 +588,11 @@ class _Profiler:
         self._prepare(config, self.cpu)
         self._enable(config, self.cpu)
         return False
+
+    def sync(self) -> None:
+        """Wait for the kernels the job queued (what torch's ``profile.__exit__`` does
+        before it stops), so that they are inside the window."""
+        self._cuda.synchronize()
 
     def stop(self) -> Any:
         return self._disable()
@@ -834,6 +854,8 @@ class OpsSampler:
         #: when a window was due to open.
         self._user_profiler = False
         self._blocked = False
+        #: On a CUDA build, the job has not initialized CUDA: no window may open yet.
+        self._cuda_wait = False
         self._reported: str | None = None
         self._failures = 0
         self._stopped = False
@@ -970,6 +992,10 @@ class OpsSampler:
         if profiler is None:
             return
         t0 = time.perf_counter()
+        if self._device:
+            # Kernels still queued would fall outside the window; the wait is its cost.
+            with contextlib.suppress(Exception):
+                profiler.sync()
         try:
             result = profiler.stop()
         except Exception as exc:
@@ -1022,6 +1048,7 @@ class OpsSampler:
             and not self._user_profiler
             and self._failures < 3
             and not inside_torch_callback(sys._getframe(2))
+            and not cuda_not_started()
         ):
             self._open(time_based=False)
             opened = self._state == OPEN
@@ -1141,6 +1168,7 @@ class OpsSampler:
         messages.extend(self._measured(getattr(steps, "ends", None)))
         if self._blocked and not user_profiler_running():
             self._blocked = False  # the job's profiler has ended
+        self._cuda_wait = self._state == IDLE and cuda_not_started()
         status = self._status(now)
         if status is not None:
             messages.append(status)
@@ -1157,7 +1185,7 @@ class OpsSampler:
             return messages
         if self._state == ARMED and self._time_armed and not self._opening:
             self._opening = self._in_main_thread(self._open_time_window)
-        if self._state != IDLE or self._user_profiler or self._blocked:
+        if self._state != IDLE or self._user_profiler or self._blocked or self._cuda_wait:
             return messages
         # A viewer's request is honoured at most once a second.
         requested = self._request.is_set() and monotonic - self._last_closed >= REQUEST_GAP_S
@@ -1186,7 +1214,10 @@ class OpsSampler:
         self._state = ARMED
 
     def _status(self, now: float) -> ProbeStatus | None:
-        reason = OWN_PROFILER if self._user_profiler or self._blocked else self._failure
+        if self._user_profiler or self._blocked:
+            reason: str | None = OWN_PROFILER
+        else:
+            reason = WAITING_FOR_CUDA if self._cuda_wait else self._failure
         if self._failures >= 3 and reason is not None:
             reason = f"{reason}; op sampling stopped after {self._failures} failures"
         if reason == self._reported:
