@@ -645,21 +645,28 @@ def cmd_ps(args: argparse.Namespace) -> int:
     if not agents:
         print("no running agents (start one with `torchtop run SCRIPT` or torchtop.start())")
         return 0
+    from torchtop.text import printable
+
+    def shown(text: str) -> str:  # another process's text: escapes shown, one row per agent
+        return printable(text, one_line=True)
+
     # Ranks of a distributed run: which rank of how many, and which run, before the command
     # (every rank runs the same one). The columns appear only when some agent is a rank.
     ranked = any(a.rank_label for a in agents)
-    rank_w = max([len("RANK"), *(len(a.rank_label) for a in agents)])
-    run_w = max([len("RUN"), *(len(a.run_label) for a in agents)])
+    rank_w = max([len("RANK"), *(len(shown(a.rank_label)) for a in agents)])
+    run_w = max([len("RUN"), *(len(shown(a.run_label)) for a in agents)])
     rank_head = f"{'RANK':>{rank_w}}  {'RUN':{run_w}}  " if ranked else ""
     print(f"{'PID':>8}  {'STARTED':19}  {rank_head}{'ADDRESS':40}  COMMAND")
     for run, members in _by_run(agents):
         if run:
             # The ranks of one run together, under a line that says what they are.
-            print(f"run {run}: {_ranks_line(members)}")
+            print(f"run {shown(run)}: {_ranks_line(members)}")
         for a in members:
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.started_at))
-            rank = f"{a.rank_label:>{rank_w}}  {a.run_label:{run_w}}  " if ranked else ""
-            print(f"{a.pid:>8}  {started:19}  {rank}{a.address:40}  {a.command}")
+            rank = (
+                f"{shown(a.rank_label):>{rank_w}}  {shown(a.run_label):{run_w}}  " if ranked else ""
+            )
+            print(f"{a.pid:>8}  {started:19}  {rank}{shown(a.address):40}  {shown(a.command)}")
     return 0
 
 
