@@ -7,6 +7,7 @@ them visibly escaped (``\\x1b``), the markup as it is, and never the escape itse
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -141,3 +142,100 @@ def test_ps_shows_another_jobs_command_escaped(runtime_dir: Path) -> None:
     assert as_json.returncode == 0, as_json.stderr
     assert b"\x1b" not in as_json.stdout.encode()
     assert json.loads(as_json.stdout)[0]["argv"] == argv
+
+
+# -- the viewer ----------------------------------------------------------------------------------
+
+
+def _viewer_keys() -> list[list[str]]:
+    # The main screen, then each screen that shows the job's text: the OOM screen, advice,
+    # help, the log alone, the ops panel alone.
+    return [[], ["o"], ["a"], ["question_mark"], ["l"], ["t"]]
+
+
+@pytest.mark.parametrize("keys", _viewer_keys(), ids=lambda keys: "+".join(keys) or "main")
+def test_viewer_shows_markup_and_escapes_as_text(keys: list[str]) -> None:
+    """Every panel, title, table cell and notification holding a job's text draws it as it is:
+    a closing tag that opens nothing crashed the memory panel's title, the OOM screen's
+    sites and the run view's rows, which Textual reads as markup."""
+    from fakes.source import FakeSource
+
+    from torchtop.tui.app import TorchtopApp
+
+    messages = with_text(job_stream(), _hostile)
+
+    async def scenario() -> str:
+        app = TorchtopApp(FakeSource(messages, mode="replay"), title=_hostile("train.py"))
+        async with app.run_test(size=(160, 50)) as pilot:
+            app.drain()
+            await pilot.pause()
+            for key in keys:
+                await pilot.press(key)
+                await pilot.pause()
+            return app.export_screenshot()
+
+    screen = asyncio.run(scenario())
+    assert "\x1b" not in screen and "\x07" not in screen
+    assert "[/bogus]" in screen
+    assert SHOWN[0] in screen
+
+
+def test_a_snapshots_notification_quotes_its_path_as_text() -> None:
+    from fakes.source import FakeSource
+
+    from torchtop.protocol import OutOfMemory
+    from torchtop.tui.app import TorchtopApp
+
+    messages = [m for m in with_text(job_stream(), _hostile) if not isinstance(m, OutOfMemory)]
+
+    async def scenario() -> list[str]:
+        app = TorchtopApp(FakeSource(messages, mode="replay"))
+        async with app.run_test(size=(160, 50), notifications=True) as pilot:
+            app.drain()
+            await pilot.pause()
+            return [str(n.message) for n in app._notifications]
+
+    shown = asyncio.run(scenario())
+    assert any(_shown("/tmp/42-oom-1.pickle") in message for message in shown)
+
+
+def test_run_view_rows_show_markup_as_text() -> None:
+    """A rank's row names its node, as given on the command line or by its hello."""
+    from textual.widgets import DataTable
+
+    from tests.test_nodes_view import TwoNodes, hello
+    from torchtop.tui.run_view import RunView
+
+    run = TwoNodes()
+    node = _hostile("b")
+    run.feed("100", hello(0, 100, "a"))
+    run.feed("b/100", hello(1, 100, "b"), node=node)
+
+    async def drive() -> list[list[str]]:
+        app = RunView(run, title=_hostile("run"))
+        async with app.run_test(size=(300, 30)) as pilot:
+            await pilot.pause(0.6)
+            table: DataTable[Any] = app.query_one("#ranks", DataTable)
+            return [list(map(str, table.get_row_at(i))) for i in range(table.row_count)]
+
+    cells = [cell for row in asyncio.run(drive()) for cell in row]
+    assert _shown("b") in cells
+    assert not [cell for cell in cells if "\x1b" in cell]
+
+
+def test_the_picker_lists_another_jobs_command_as_text(runtime_dir: Path) -> None:
+    from textual.widgets import OptionList
+
+    from torchtop.tui.picker import AgentPicker
+
+    argv = ["train.py", *MARKUP, TITLE]
+
+    async def shown() -> str:
+        app = AgentPicker()
+        async with app.run_test(size=(200, 10)) as pilot:
+            await pilot.pause()
+            return str(app.query_one(OptionList).get_option_at_index(0).prompt)
+
+    with _fake_agent(runtime_dir, argv, {}):
+        prompt = asyncio.run(shown())
+    assert f"train.py {' '.join(MARKUP)} {SHOWN[0]}" in prompt
