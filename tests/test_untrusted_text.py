@@ -239,3 +239,66 @@ def test_the_picker_lists_another_jobs_command_as_text(runtime_dir: Path) -> Non
     with _fake_agent(runtime_dir, argv, {}):
         prompt = asyncio.run(shown())
     assert f"train.py {' '.join(MARKUP)} {SHOWN[0]}" in prompt
+
+
+# -- errors that quote a peer --------------------------------------------------------------------
+
+
+def _fake_ssh(tmp_path: Path, stdout: bytes, stderr: bytes, code: int) -> list[str]:
+    """An ``ssh`` that prints ``stdout`` and ``stderr`` as a node's relay (or shell) would."""
+    (tmp_path / "out").write_bytes(stdout)
+    (tmp_path / "err").write_bytes(stderr)
+    script = tmp_path / "ssh"
+    script.write_text(
+        f"#!/bin/sh\ncat {tmp_path / 'out'}\ncat {tmp_path / 'err'} >&2\nexit {code}\n"
+    )
+    script.chmod(0o755)
+    return [str(script)]
+
+
+@pytest.mark.parametrize(
+    ("stdout", "stderr", "code"),
+    [
+        (b"", f"{TITLE}Permission denied{CLEAR}\n".encode(), 255),
+        (b"", f"sh: torchtop{CLIPBOARD}: not found\n".encode(), 127),
+        (b"", f"{TITLE}something else\n".encode(), 1),
+    ],
+    ids=["ssh", "no-torchtop", "other"],
+)
+def test_a_nodes_words_in_an_error_show_their_escapes(
+    tmp_path: Path, stdout: bytes, stderr: bytes, code: int
+) -> None:
+    from torchtop.nodes import NodeError, NodeFeed, NodeSpec
+
+    ssh = _fake_ssh(tmp_path, stdout, stderr, code)
+    with pytest.raises(NodeError) as caught:
+        NodeFeed(NodeSpec("node1"), ssh=ssh).connect(timeout=20)
+    text = str(caught.value)
+    assert "\x1b" not in text and "\x07" not in text
+    assert "\\x1b" in text
+
+
+def test_a_relays_refusal_and_version_show_their_escapes(tmp_path: Path) -> None:
+    from torchtop.nodes import NodeError, NodeFeed, NodeSpec
+    from torchtop.protocol import Refused, RelayHello, encode
+
+    refusal = encode(Refused(reason=f"go away {TITLE}{CLEAR}"))
+    with pytest.raises(NodeError) as caught:
+        NodeFeed(NodeSpec("node1"), ssh=_fake_ssh(tmp_path, refusal, b"", 0)).connect(timeout=20)
+    assert str(caught.value).endswith(f"refused this viewer: go away {SHOWN[0]}{SHOWN[2]}")
+
+    other = encode(RelayHello(protocol=99, version=f"9{CLIPBOARD}", host="n", pid=1))
+    with pytest.raises(NodeError) as caught:
+        NodeFeed(NodeSpec("node1"), ssh=_fake_ssh(tmp_path, other, b"", 0)).connect(timeout=20)
+    assert f"runs torchtop 9{SHOWN[1]} (protocol 99)" in str(caught.value)
+
+
+def test_an_error_line_shows_the_escapes_it_quotes(tmp_path: Path) -> None:
+    """A file named by someone else (``torchtop report *.ttr``) is quoted in the error."""
+    path = tmp_path / f"x{TITLE}.ttr"
+    path.write_bytes(b"")
+    out = torchtop("report", str(path))
+    assert out.returncode == 1
+    assert out.stderr == f"torchtop: {tmp_path}/x{SHOWN[0]}.ttr is empty: " + (
+        "nothing was recorded in it; record a job with `torchtop run --record FILE`\n"
+    )
