@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,6 +30,10 @@ from tests.fakes.untrusted import (
     job_stream,
     with_text,
     write_recording,
+)
+from tests.test_tui_tmux import (
+    Terminal,
+    terminal,  # noqa: F401 (a fixture: tests name it)
 )
 
 SHOWN = ("\\x1b]0;PWNED\\x07", "\\x1b]52;c;cm0gLXJmIH4K\\x07", "\\x1b[2J")
@@ -302,3 +307,40 @@ def test_an_error_line_shows_the_escapes_it_quotes(tmp_path: Path) -> None:
     assert out.stderr == f"torchtop: {tmp_path}/x{SHOWN[0]}.ttr is empty: " + (
         "nothing was recorded in it; record a job with `torchtop run --record FILE`\n"
     )
+
+
+# -- the real viewer in tmux ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_replay_in_tmux_writes_none_of_the_recordings_escapes(
+    recording: Path,
+    terminal: Terminal,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Every byte the viewer writes to its terminal is logged (``pipe-pane``): none of the
+    recording's sequences; the pane's title is not the one the recording asks for; the
+    screen shows the escapes as text and the markup as it is."""
+    from tests.test_untrusted_property import FORBIDDEN_IN_VIEWER
+
+    log = tmp_path / "pane.log"
+    subprocess.run(["tmux", "pipe-pane", "-o", "-t", terminal.session, f"cat >> {log}"], check=True)
+    terminal.keys(f"{sys.executable} -m torchtop replay {recording}; echo EXIT=$?", "Enter")
+    terminal.wait_for(lambda s: "Log" in s and "Memory" in s)
+    terminal.keys("e")  # the end of the recording: every message shown
+    screen = terminal.wait_for(lambda s: "\\x1b]0;PWNED" in s)
+    terminal.keys("l")  # the log alone, full width
+    log_screen = terminal.wait_for(lambda s: "epoch 1 loss" in s and "warning" in s)
+    assert "[link=https://example.com/x]click[/link]" in log_screen
+    title = subprocess.run(
+        ["tmux", "display-message", "-p", "-t", terminal.session, "#{pane_title}"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    terminal.keys("q")
+    terminal.wait_for(lambda s: "EXIT=0" in s, timeout=15)
+    written = log.read_bytes()
+    assert b"\\x1b]0;PWNED" in written and "Memory" in screen
+    found = FORBIDDEN_IN_VIEWER.search(written)
+    assert found is None, written[max(0, found.start() - 80) : found.end() + 20]
+    assert "PWNED" not in title
