@@ -344,3 +344,21 @@ def test_replay_in_tmux_writes_none_of_the_recordings_escapes(
     found = FORBIDDEN_IN_VIEWER.search(written)
     assert found is None, written[max(0, found.start() - 80) : found.end() + 20]
     assert "PWNED" not in title
+
+
+def test_headless_passes_the_jobs_output_on_unchanged_and_its_recording_shows_it_escaped(
+    tmp_path: Path,
+) -> None:
+    """The job's own output is the user's terminal stream: ``run --headless`` copies it as it
+    is. What reads it back from the recording (the model: viewer, report) shows the escapes."""
+    from torchtop.recording import read_recording
+    from torchtop.report import fold
+
+    script = tmp_path / "job.py"
+    script.write_text(f"import sys\nsys.stdout.write({f'before {TITLE} after'!r} + '\\n')\n")
+    record = tmp_path / "job.ttr"
+    out = torchtop("run", "--headless", "--record", str(record), str(script))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"before {TITLE} after\n"
+    model = fold(read_recording(record).messages)
+    assert [entry.text for entry in model.logs] == [f"before {SHOWN[0]} after"]
