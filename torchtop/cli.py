@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from torchtop.text import printable
+
 EXIT_USAGE = 2
 #: What a shell reports for a process that died by SIGINT.
 EXIT_INTERRUPTED = 128 + 2
@@ -683,21 +685,27 @@ def cmd_ps(args: argparse.Namespace) -> int:
     if not agents:
         print("no running agents (start one with `torchtop run SCRIPT` or torchtop.start())")
         return 0
+
+    def shown(text: str) -> str:  # another process's text: escapes shown, one row per agent
+        return printable(text, one_line=True)
+
     # Ranks of a distributed run: which rank of how many, and which run, before the command
     # (every rank runs the same one). The columns appear only when some agent is a rank.
     ranked = any(a.rank_label for a in agents)
-    rank_w = max([len("RANK"), *(len(a.rank_label) for a in agents)])
-    run_w = max([len("RUN"), *(len(a.run_label) for a in agents)])
+    rank_w = max([len("RANK"), *(len(shown(a.rank_label)) for a in agents)])
+    run_w = max([len("RUN"), *(len(shown(a.run_label)) for a in agents)])
     rank_head = f"{'RANK':>{rank_w}}  {'RUN':{run_w}}  " if ranked else ""
     print(f"{'PID':>8}  {'STARTED':19}  {rank_head}{'ADDRESS':40}  COMMAND")
     for run, members in _by_run(agents):
         if run:
             # The ranks of one run together, under a line that says what they are.
-            print(f"run {run}: {_ranks_line(members)}")
+            print(f"run {shown(run)}: {_ranks_line(members)}")
         for a in members:
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.started_at))
-            rank = f"{a.rank_label:>{rank_w}}  {a.run_label:{run_w}}  " if ranked else ""
-            print(f"{a.pid:>8}  {started:19}  {rank}{a.address:40}  {a.command}")
+            rank = (
+                f"{shown(a.rank_label):>{rank_w}}  {shown(a.run_label):{run_w}}  " if ranked else ""
+            )
+            print(f"{a.pid:>8}  {started:19}  {rank}{shown(a.address):40}  {shown(a.command)}")
     return 0
 
 
@@ -885,7 +893,7 @@ def _record_run(run: Any, writer: Any, duration: float | None) -> int:
     line, _going = run.status()
     print(
         f"recorded {writer.frames} frames of {ranks} ranks on {nodes} nodes to {writer.path} "
-        f"({line})",
+        f"({printable(line)})",
         file=sys.stderr,
     )
     return 0 if ranks else 1
@@ -924,13 +932,13 @@ def _attach_target(args: argparse.Namespace, ask: bool) -> Any:
         started = start_agent(
             args.pid,
             python_path=args.python_path,
-            progress=lambda text: print(f"torchtop: {text}", file=sys.stderr),
+            progress=lambda text: print(f"torchtop: {printable(text)}", file=sys.stderr),
         )
     except AttachRefused as exc:
         if not os.path.exists(f"/proc/{args.pid}"):
             raise CliError(str(exc), code=1) from None
         # Say why, then show what can be read from outside (exit code 1 all the same).
-        print(f"torchtop: {exc}", file=sys.stderr)
+        print(f"torchtop: {printable(str(exc))}", file=sys.stderr)
         print(
             f"torchtop: watching pid {args.pid} from outside instead (/proc and NVML only)",
             file=sys.stderr,
@@ -979,7 +987,8 @@ def _record_outside(target: _Outside, path: Path, duration: float | None) -> int
 def _confirm_start(target: Any) -> bool:
     """Ask before starting an agent in someone's job (the live viewer; --yes skips this)."""
     print(
-        f"pid {target.pid} ({target.exe or 'unknown'}) runs without torchtop. Start an agent in it"
+        f"pid {target.pid} ({printable(target.exe or 'unknown', one_line=True)}) runs without "
+        "torchtop. Start an agent in it"
         " (it stays until the job ends; see README: Attach)? [y/N] ",
         end="",
         file=sys.stderr,
@@ -1029,7 +1038,7 @@ def _record_headless(info: Any, path: Path, duration: float | None) -> int:
         print(file=sys.stderr)
     print(
         f"recorded {feed.frames} frames from pid {info.pid} to {path} "
-        f"({feed.end_reason or 'stopped'})",
+        f"({printable(feed.end_reason or 'stopped')})",
         file=sys.stderr,
     )
     if feed.frames == 0:
@@ -1236,7 +1245,8 @@ def run_command(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         return COMMANDS[args.command](args)
     except CliError as exc:
-        print(f"torchtop: {exc}", file=sys.stderr)
+        # The line may quote a job, a file or a peer: its escapes are shown, never obeyed.
+        print(f"torchtop: {printable(str(exc))}", file=sys.stderr)
         return exc.code
     except BrokenPipeError:
         # `torchtop report x | head`: the reader went away; that is not an error.

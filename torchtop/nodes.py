@@ -38,6 +38,7 @@ from torchtop.protocol import (
     encode,
 )
 from torchtop.recording import FrameSink, frame_source, retag_frame
+from torchtop.text import printable
 from torchtop.transport import keep_alive
 
 #: The command that reaches a node (the host and the remote command are appended), unless
@@ -84,8 +85,9 @@ def ssh_command(given: str | None = None) -> list[str]:
 
 
 def _tail(lines: deque[str]) -> str:
+    """The last words of the node's side (ssh, its shell, its relay), escapes shown."""
     text = " / ".join(line.strip() for line in list(lines)[-2:] if line.strip())
-    return text or "no message"
+    return printable(text, one_line=True) or "no message"
 
 
 class _SshLink:
@@ -344,7 +346,8 @@ class NodeFeed:
             except ProtocolError:
                 message = None
             if isinstance(message, Refused):
-                raise NodeError(f"node {name} refused this viewer: {message.reason}")
+                reason = printable(message.reason, one_line=True)
+                raise NodeError(f"node {name} refused this viewer: {reason}")
             if not isinstance(message, RelayHello):
                 shown = first[:60].decode(errors="replace")
                 raise NodeError(
@@ -353,7 +356,8 @@ class NodeFeed:
                 )
             if message.protocol != PROTOCOL_VERSION:
                 raise NodeError(
-                    f"node {name} runs torchtop {message.version} (protocol {message.protocol}), "
+                    f"node {name} runs torchtop {printable(message.version, one_line=True)} "
+                    f"(protocol {message.protocol}), "
                     f"this viewer torchtop {_version()} (protocol {PROTOCOL_VERSION}): install "
                     "the same version on both"
                 )

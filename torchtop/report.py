@@ -278,7 +278,8 @@ def render_text(report: dict[str, Any]) -> Any:
         devices.add_column(col, justify="right" if col not in ("device", "kind") else "left")
     for d in report["devices"]:
         kind = {"cpu-heap": "heap / RSS", "cpu-rss": "RSS / RSS"}.get(d["source"], "allocator")
-        devices.add_row(
+        add_text_row(
+            devices,
             f"{d['id']} {d['name']}",
             kind,
             format_bytes(d["peak_allocated_bytes"]),
@@ -294,7 +295,8 @@ def render_text(report: dict[str, Any]) -> Any:
             phases.add_column(col, justify="left" if col == "phase" else "right")
         for p in report["phases"]:
             duration = f"{p['duration_s']:.2f} s" if p["duration_s"] is not None else "unfinished"
-            phases.add_row(
+            add_text_row(
+                phases,
                 p["name"],
                 f"{p['start_s']:.2f} s",
                 duration,
@@ -310,6 +312,14 @@ def render_text(report: dict[str, Any]) -> Any:
         if probe != "ops":  # given with its time span above
             parts.append(Text(f"{probe}: {detail}", style="dim"))
     return Group(*parts)
+
+
+def add_text_row(table: Any, *cells: str) -> None:
+    """A row of ``table`` whose cells are plain text: a phase or loader named ``[/bogus]`` or
+    ``[warmup] epoch 1`` is shown as it is, never read as Rich markup."""
+    from rich.text import Text
+
+    table.add_row(*(Text(cell) for cell in cells))
 
 
 def _ms(seconds: float | None) -> str:
@@ -344,7 +354,8 @@ def training_parts(report: dict[str, Any]) -> list[Any]:
             workers = str(x["num_workers"])
             if x["start_method"]:
                 workers += f" {x['start_method']}"
-            table.add_row(
+            add_text_row(
+                table,
                 x["name"],
                 x["dataset"],
                 str(x["batch_size"] if x["batch_size"] is not None else "-"),
@@ -401,7 +412,7 @@ def ops_parts(report: dict[str, Any]) -> list[Any]:
         ]
         if device:
             row.append(_us(op["self_device_s"]))
-        table.add_row(*row)
+        add_text_row(table, *row)
     return [*parts, line, table]
 
 

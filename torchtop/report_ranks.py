@@ -17,7 +17,7 @@ from torchtop.model import JobModel
 from torchtop.model.ranks import died, exit_status, launcher_exits
 from torchtop.model.run import RunModel
 from torchtop.protocol import Message
-from torchtop.report import fold, report_json
+from torchtop.report import add_text_row, fold, report_json
 
 
 def is_multi_rank(sources: Sequence[str | None]) -> bool:
@@ -131,7 +131,8 @@ def ranks_parts(report: dict[str, Any]) -> list[Any]:
     for r in report["ranks"]:
         step = r["step_time_s"]
         wait = r["wait_fraction"]
-        table.add_row(
+        add_text_row(
+            table,
             str(r["rank"] if r["rank"] is not None else "?"),
             str(r["pid"]),
             str(r["steps"]),

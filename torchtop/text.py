@@ -18,8 +18,10 @@ string to Rich or Textual passes it as ``Text``, never as markup.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 import typing
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -31,7 +33,7 @@ def _escape(code: int) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
-def _table(codes: typing.Iterable[int]) -> dict[int, str]:
+def _table(codes: Iterable[int]) -> dict[int, str]:
     return {code: _escape(code) for code in codes}
 
 
@@ -101,7 +103,45 @@ def printable_message(value: T) -> T:
     """``value`` (a message: a dataclass, or a list, dict or string within one) with every string
     in it passed through :func:`printable`; the same object when nothing needed escaping, so a
     message of plain text costs a look at its strings and no copy."""
+    if _is_plain(value):  # the common case, for every frame of a day-long job: a quick look
+        return value
     return typing.cast(T, _printable_value(value))
+
+
+#: For each dataclass, a function that gives the values of its fields that may hold text.
+_GETTERS: dict[type, Callable[[Any], Iterable[Any]]] = {}
+
+
+def _getter(cls: type) -> Callable[[Any], Iterable[Any]] | None:
+    getter = _GETTERS.get(cls)
+    if getter is None:
+        if not dataclasses.is_dataclass(cls):
+            return None
+        names = _text_fields(cls)
+        if len(names) == 1:
+            one = operator.attrgetter(names[0])
+            getter = lambda obj: (one(obj),)  # noqa: E731
+        elif names:
+            getter = typing.cast(Callable[[Any], Iterable[Any]], operator.attrgetter(*names))
+        else:
+            getter = lambda obj: ()  # noqa: E731
+        _GETTERS[cls] = getter
+    return getter
+
+
+def _is_plain(value: Any) -> bool:
+    """True when no string in ``value`` has anything to escape (``False`` when unsure)."""
+    kind = type(value)
+    if kind is str:
+        return value.isprintable()
+    if kind in _PLAIN_TYPES:
+        return True
+    if kind is list or kind is tuple:
+        return all(map(_is_plain, value))
+    if kind is dict:
+        return all(map(_is_plain, value)) and all(map(_is_plain, value.values()))
+    getter = _getter(kind)
+    return getter is not None and all(map(_is_plain, getter(value)))
 
 
 def _printable_value(value: Any) -> Any:

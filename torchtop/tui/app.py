@@ -40,6 +40,7 @@ from torchtop.protocol import (
     Message,
     OpsWindow,
 )
+from torchtop.text import printable
 from torchtop.tui.advice_screen import AdviceScreen
 from torchtop.tui.commands import Action, ViewerCommands, actions, help_rows
 from torchtop.tui.heap import SettledHeap
@@ -315,8 +316,8 @@ class TorchtopApp(App[int]):
         super().__init__()
         self.source = source
         self.state = JobModel(mode=source.mode)
-        if title is not None:
-            self.title = title
+        if title is not None:  # a job's command line, or a file's name: not ours
+            self.title = printable(title, one_line=True)
         # deque.append and popleft are atomic in CPython: the source's thread appends, the
         # app's timer pops, and neither needs a lock.
         self._pending: deque[Message] = deque()
@@ -567,10 +568,11 @@ class TorchtopApp(App[int]):
         title: str = "",
         severity: SeverityLevel = "information",
         timeout: float | None = None,
-        markup: bool = True,
+        markup: bool = False,
     ) -> None:
         """Show ``message`` in the one-line notification over the footer, in place of the one
-        shown before (two at once would stack over the log's rows)."""
+        shown before (two at once would stack over the log's rows). Plain text unless
+        ``markup``: a notification may quote the job (a snapshot's path, why ops are off)."""
         self.clear_notifications()
         super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
 

@@ -233,7 +233,9 @@ class OomScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         yield Static(id="oom-banner")
         with Horizontal(id="oom-middle"):
-            table: DataTable[str] = DataTable(id="oom-sites", cursor_type="row", zebra_stripes=True)
+            table: DataTable[Text] = DataTable(
+                id="oom-sites", cursor_type="row", zebra_stripes=True
+            )
             table.border_title = " Live allocations by site "
             yield table
             with VerticalScroll(id="oom-stack-pane") as pane:
@@ -264,7 +266,8 @@ class OomScreen(Screen[None]):
             table = self.query_one("#oom-sites", DataTable)
             table.clear()
             for i, row in enumerate(site_rows(capture)):
-                table.add_row(*row, key=str(i))
+                # Plain text: a DataTable reads a string cell as markup, and a site is the job's.
+                table.add_row(*(Text(cell) for cell in row), key=str(i))
             table.border_subtitle = (
                 f" {len(capture.top_sites)} sites · {capture.live_count} live "
                 if capture.live_count is not None

@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import time
 
+from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widgets import Footer, Header, OptionList
 from textual.widgets.option_list import Option
 
+from torchtop.text import printable
 from torchtop.transport import AgentInfo, list_agents
 
 
 def describe(agent: AgentInfo) -> str:
-    """One line per agent: pid, start, and for a rank of a distributed run its rank and run."""
+    """One line per agent: pid, start, and for a rank of a distributed run its rank and run
+    (the job's own words with their escapes shown, on one line)."""
     started = time.strftime("%H:%M:%S", time.localtime(agent.started_at))
     rank = ""
     if agent.rank_label:
         run = f" of run {agent.run_label}" if agent.run_label else ""
         rank = f"  rank {agent.rank_label}{run}"
-    return f"{agent.pid:>8}  {started}{rank}  {agent.command}"
+    return printable(f"{agent.pid:>8}  {started}{rank}  {agent.command}", one_line=True)
 
 
 class AgentPicker(App[AgentInfo | None]):
@@ -34,7 +37,8 @@ class AgentPicker(App[AgentInfo | None]):
 
     def compose(self) -> ComposeResult:
         yield Header()
-        options = [Option(describe(a), id=str(a.pid)) for a in self.agents]
+        # Plain text: an option's string would be read as markup.
+        options = [Option(Text(describe(a)), id=str(a.pid)) for a in self.agents]
         yield OptionList(*options)
         yield Footer()
 

@@ -28,6 +28,7 @@ from textual.widgets import DataTable, Footer, RichLog, Static
 from torchtop.job_output import rank_prefix, split_rank
 from torchtop.model.ranks import died
 from torchtop.sizes import format_bytes
+from torchtop.text import printable
 from torchtop.tui.format import format_span
 from torchtop.tui.heap import SettledHeap
 from torchtop.tui.widgets.chart import AXIS_WIDTH, ChartSeries, render_chart
@@ -246,7 +247,7 @@ class RunView(App[int]):
     def __init__(self, run: RunFold, title: str) -> None:
         super().__init__()
         self.run_ = run
-        self.sub_title = title
+        self.sub_title = printable(title, one_line=True)  # a run's id: not ours
         self._logged = 0
         self._drawn = -1
         #: The pid of the rank to open once this view has closed (``None``: quit).
@@ -264,14 +265,14 @@ class RunView(App[int]):
 
     def compose(self) -> ComposeResult:
         yield Static("starting the launcher…", id="run-head")
-        yield DataTable[str](id="ranks", cursor_type="row", zebra_stripes=True)
+        yield DataTable[Text](id="ranks", cursor_type="row", zebra_stripes=True)
         yield Static("", id="run-findings")
         yield RankStepChart(id="run-chart")
         yield RichLog(id="run-log", max_lines=2000, wrap=False)
         yield Footer()
 
     def on_mount(self) -> None:
-        table: DataTable[str] = self.query_one("#ranks", DataTable)
+        table: DataTable[Text] = self.query_one("#ranks", DataTable)
         for column in COLUMNS:
             table.add_column(column, key=column)
         if not self.run_.started:
@@ -310,7 +311,7 @@ class RunView(App[int]):
         self._table_at = moment
         jobs = run.model.jobs
         now = max((j.now for j in jobs.values() if j.now is not None), default=None)
-        table: DataTable[str] = self.query_one("#ranks", DataTable)
+        table: DataTable[Text] = self.query_one("#ranks", DataTable)
         exits = run.model.ranks.launcher_exits
         every = [d for job in jobs.values() for d in recent_durations(job)]
         scale = (min(every), max(every)) if every else (0.0, 0.0)
@@ -326,18 +327,22 @@ class RunView(App[int]):
             if run.is_lost(stream):
                 row = (*row[:2], "lost", *row[3:])
             if "node" in self._columns:
-                row = (run.node_of(stream), *row)
+                row = (printable(run.node_of(stream), one_line=True), *row)
             old = self._rows.get(stream)
+            # Plain text: a DataTable reads a string cell as markup, and a node's name, a
+            # rank's exit reason are not ours.
             if old is None:
-                table.add_row(*row, key=stream)
+                table.add_row(*(Text(cell) for cell in row), key=stream)
                 added = True
             else:
                 for column, before, after in zip(self._columns, old, row, strict=True):
                     if before != after:
-                        table.update_cell(stream, column, after)
+                        table.update_cell(stream, column, Text(after))
             self._rows[stream] = row
         if added:
-            table.sort("rank", key=lambda rank: int(rank) if rank.isdigit() else 1 << 30)
+            table.sort(
+                "rank", key=lambda rank: int(rank.plain) if rank.plain.isdigit() else 1 << 30
+            )
         self.query_one("#run-head", Static).update(self._head(list(jobs.values())))
         if findings != self._shown_findings:
             self._shown_findings = findings
@@ -391,15 +396,15 @@ class RunView(App[int]):
         return text
 
     def action_open_rank(self) -> None:
-        table: DataTable[str] = self.query_one("#ranks", DataTable)
+        table: DataTable[Text] = self.query_one("#ranks", DataTable)
         if table.row_count == 0:
             return
         stream = table.coordinate_to_cell_key(Coordinate(table.cursor_row, 0)).row_key.value
         elsewhere = self.run_.opens_elsewhere(stream or "")
         if elsewhere is not None:
-            self.notify(elsewhere, timeout=8)
+            self.notify(elsewhere, timeout=8, markup=False)  # it names a node
             return
-        pid = table.get_row_at(table.cursor_row)[self._columns.index("pid")]
+        pid = str(table.get_row_at(table.cursor_row)[self._columns.index("pid")])
         if pid.isdigit():
             self.open_pid = int(pid)
             self.exit(0)

@@ -271,7 +271,7 @@ class MemoryPanel(Vertical):
     def show_state(self, state: JobModel, *, chart: bool = True) -> None:
         """Redraw the figures from ``state``, and the chart too when ``chart``."""
         device = state.primary_device
-        set_titles(self, f" Memory · {device} ", other_devices(state))
+        set_titles(self, Text(f" Memory · {device} "), Text(other_devices(state)))
         self._state = state
         self._show_figures()
         if not chart:

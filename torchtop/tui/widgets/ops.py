@@ -406,8 +406,9 @@ class OpsPanel(Vertical):
         self._show_table(state, width)
         set_titles(self, self._title())
 
-    def _title(self) -> str:
-        """Which table, its order, the filter and how many ops pass it; ``w``'s other table."""
+    def _title(self) -> Text:
+        """Which table, its order, the filter and how many ops pass it; ``w``'s other table
+        (plain text: the filter is the user's typing)."""
         view, other = ("all windows", "last window") if self.cumulative else ("last window", "all")
         title = f" Ops · {view} · by {SORT_LABELS[self.sort]} "
         window = self.state.ops if self.state is not None else None
@@ -415,7 +416,7 @@ class OpsPanel(Vertical):
             total = len(window.cumulative if self.cumulative else window.ops)
             shown = sum(1 for row in self.rows if row.name != OTHER_LABEL)
             title += f"· “{self.filter_text.strip()}” {shown}/{total} "
-        return title + f"· w: {other} "
+        return Text(title + f"· w: {other} ")
 
     def _show_table(self, state: JobModel, width: int) -> None:
         window = state.ops

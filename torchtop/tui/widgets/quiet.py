@@ -64,10 +64,13 @@ def forget(widget: Widget) -> None:
 
 
 #: Each widget's border title and subtitle as last set here.
-_titles: WeakKeyDictionary[Widget, tuple[str | None, str | None]] = WeakKeyDictionary()
+_titles: WeakKeyDictionary[Widget, tuple[Title | None, Title | None]] = WeakKeyDictionary()
+#: A border title: Textual markup (``str``, torchtop's own words only) or ``Text``, which is
+#: what a title holding a job's text (a device, a filter) must be.
+Title = str | Text
 
 
-def set_titles(widget: Widget, title: str | None = None, subtitle: str | None = None) -> bool:
+def set_titles(widget: Widget, title: Title | None = None, subtitle: Title | None = None) -> bool:
     """Set the border title (and subtitle, when given) unless they are set so already:
     Textual redraws a widget whenever either is assigned. True if set."""
     shown_title, shown_subtitle = _titles.get(widget, (None, None))
