@@ -83,7 +83,10 @@ def eval_job(no_grad: bool) -> None:
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     train = DataLoader(Items(4 * 60, 0.0), batch_size=4)
-    held_out = DataLoader(Items(8 * 100, 0.0), batch_size=8)
+    # 200 batches of 20 ms: 4 s of evaluation. The advisor reads a loader's counts about once a
+    # second and takes its first report as a start, so it needs two readings inside one pass
+    # with no training step between them; 2 s passes left that to chance on a loaded machine.
+    held_out = DataLoader(Items(8 * 200, 0.0), batch_size=8)
     for _epoch in range(2):
         for x, y in train:
             opt.zero_grad()
