@@ -35,7 +35,6 @@ import secrets
 import select
 import signal
 import socket
-import stat
 import sys
 import threading
 import time
@@ -44,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from torchtop.private_files import open_private
+from torchtop.private_files import UnsafeFile, open_private, read_private
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
@@ -98,20 +97,23 @@ def _version() -> str:
 
 
 def read_token(path: Path) -> str:
-    """The token in ``path``, which must be private to the user (no access for others)."""
+    """The token in ``path``, which must be the user's own file (not a link, not another
+    user's) with no access for others."""
     try:
-        info = path.stat()
-        text = path.read_text().strip()
+        data, mode = read_private(path)
+        text = data.decode().strip()
     except FileNotFoundError:
         raise RelayError(
             f"no token file at {path}: give the file the relay wrote (it printed where)"
         ) from None
+    except UnsafeFile as exc:
+        raise RelayError(f"cannot read the token file {path}: {exc.strerror}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise RelayError(f"cannot read the token file {path}: {exc}") from None
-    if stat.S_IMODE(info.st_mode) & 0o077:
+    if mode & 0o077:
         raise RelayError(
             f"the token file {path} is open to other users (mode "
-            f"{stat.S_IMODE(info.st_mode):o}): `chmod 600 {path}`, or a new token is needed"
+            f"{mode:o}): `chmod 600 {path}`, or a new token is needed"
         )
     if len(text) < MIN_TOKEN_CHARS:
         raise RelayError(
@@ -124,7 +126,7 @@ def read_token(path: Path) -> str:
 def token_for(path: Path) -> tuple[str, bool]:
     """The relay's token: the one in ``path``, or a new random one written there (0600);
     and whether it is new."""
-    if path.exists():
+    if os.path.lexists(path):
         return read_token(path), False
     token = secrets.token_urlsafe(TOKEN_BYTES)
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import re
 import socket
 import stat
@@ -25,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchtop.private_files import open_private
+from torchtop.private_files import open_private, user_name
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
@@ -377,14 +376,6 @@ def _check_peer(sock: socket.socket, path: str) -> None:
     )
 
 
-def user_name(uid: int) -> str:
-    """The login name of ``uid``, or ``uid N`` when it has none."""
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
-
-
 class AgentConnection:
     """A viewer's connection to an agent: send our hello, then read messages.
 
@@ -512,7 +503,6 @@ __all__ = [
     "pid_alive",
     "remove_server_files",
     "runtime_dir",
-    "user_name",
     "wait_for_agent",
 ]
 
