@@ -106,8 +106,9 @@ def _check_private_dir(path: Path, info: os.stat_result) -> None:
 #: What the files of ended jobs may take together in the runtime directory; the oldest go first.
 ENDED_JOBS_CAP_BYTES = 64 << 20
 #: The files torchtop names in the runtime directory after a job's pid: its description, its live
-#: run's log, its op traces and OOM snapshots. Nothing else there is ever deleted.
-_JOB_FILE = re.compile(r"(\d+)(\.json|-job\.log|-ops-(last|\d+)\.json|-oom-\d+\.pickle)")
+#: run's log, its op traces, and its memory snapshots (at an OOM, or asked for from the viewer).
+#: Nothing else there is ever deleted.
+_JOB_FILE = re.compile(r"(\d+)(\.json|-job\.log|-ops-(last|\d+)\.json|-(oom|snapshot)-\d+\.pickle)")
 
 
 def prune_runtime_dir(directory: Path, cap_bytes: int = ENDED_JOBS_CAP_BYTES) -> list[Path]:
