@@ -706,3 +706,27 @@ def test_ssh_gets_the_host_after_the_end_of_its_options(tmp_path: Path) -> None:
         argv = said.read_text().splitlines()
         head = ["-T", "--", "node1"] if name == "ssh" else ["-T", "node1"]
         assert argv[: len(head)] == head and argv[len(head)].startswith("tt relay")
+
+
+def test_a_relay_refuses_a_runtime_dir_that_is_not_its_users_own(tmp_path: Path) -> None:
+    """A relay reads its node's runtime directory as `ps` does: one that is not the user's own
+    private folder (here a symlink) is refused, the reason sent to the viewer, never relayed."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "run").symlink_to(real)
+    env = {**os.environ, "TORCHTOP_RUNTIME_DIR": str(tmp_path / "run")}
+    out = subprocess.run(
+        [sys.executable, "-m", "torchtop", "relay"],
+        input=encode(ClientHello(protocol=PROTOCOL_VERSION)), capture_output=True, env=env,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1
+    refused = decode(out.stdout.splitlines()[0])
+    assert isinstance(refused, Refused) and "is not a directory owned by you" in refused.reason
+    listen = subprocess.run(
+        [sys.executable, "-m", "torchtop", "relay", "--listen", "127.0.0.1:0",
+         "--token-file", str(tmp_path / "t.token")],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert listen.returncode == 1
+    assert listen.stderr.startswith(f"torchtop: {tmp_path / 'run'} is not a directory owned by you")

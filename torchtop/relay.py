@@ -56,7 +56,13 @@ from torchtop.protocol import (
     encode,
 )
 from torchtop.ranks import RankFeeds
-from torchtop.transport import AgentInfo, keep_alive, runtime_dir
+from torchtop.transport import (
+    AgentInfo,
+    TransportError,
+    existing_runtime_dir,
+    keep_alive,
+    runtime_dir,
+)
 
 #: Bytes of frames waiting for a slow viewer before the oldest are dropped.
 QUEUE_BYTES = 8 << 20
@@ -373,7 +379,8 @@ def serve_stdio(run_id: str | None = None, log: Callable[[str], None] | None = N
     try:
         frame = read_first_frame(_fd_receiver(0, HELLO_TIMEOUT_S), "the viewer")
         check_hello(frame, token=None)
-    except Refusal as exc:
+        existing_runtime_dir()  # the agents' folder must be the user's own, as for `ps`
+    except (Refusal, TransportError) as exc:
         with contextlib.suppress(OSError):
             send(encode(Refused(reason=str(exc))))
         say(f"refused the viewer: {exc}")
@@ -525,14 +532,14 @@ def serve_tcp(listen: str, token_file: Path | None, run_id: str | None = None) -
     """``torchtop relay --listen``: until SIGINT or SIGTERM. The token comes from
     ``token_file`` (made there if missing) or is new, written 0600 under the runtime
     directory and removed at the end."""
-    from torchtop.transport import TransportError, ensure_runtime_dir
+    from torchtop.transport import ensure_runtime_dir
 
     host, port = parse_listen(listen)
     server = bind_tcp(host, port)
     made: Path | None = None
     try:
+        ensure_runtime_dir()  # the agents' folder, checked before anything is served from it
         if token_file is None:
-            ensure_runtime_dir()
             made = default_token_file(server.getsockname()[1])
         path = token_file or made
         assert path is not None
