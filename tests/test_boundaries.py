@@ -137,3 +137,54 @@ def test_the_model_does_no_io() -> None:
             else:
                 continue
             assert not names & IO_MODULES, f"{path.name}:{node.lineno} imports {names}"
+
+
+#: Calls that turn data into code: torchtop never makes them on anything it reads (a recording,
+#: a snapshot, a frame, a token file). ``pickle.dumps`` (the OOM snapshot it writes) is fine.
+LOADS_CODE = {
+    "eval",
+    "exec",
+    "pickle.load",
+    "pickle.loads",
+    "pickle.Unpickler",
+    "marshal.load",
+    "marshal.loads",
+    "torch.load",
+    "shelve.open",
+    "yaml.load",
+    "yaml.unsafe_load",
+}
+
+
+def _calls_that_load_code(source: str, name: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source, name)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name):
+            called = func.id
+            # ``from pickle import loads``: a bare name that loads is suspect wherever it is from.
+            suspect = called in LOADS_CODE or called in {"load", "loads", "Unpickler"}
+        elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            called = f"{func.value.id}.{func.attr}"
+            suspect = called in LOADS_CODE
+        else:
+            continue
+        if suspect:
+            found.append(f"{name}:{node.lineno} {called}()")
+    return found
+
+
+def test_nothing_torchtop_reads_is_unpickled_or_evaluated() -> None:
+    """No unpickling, ``eval`` or ``exec`` anywhere in the package or its demos (the attach
+    payload is a string run in the job, written by torchtop; the job's own script runs through
+    ``runpy``, as ``python`` would run it)."""
+    root = Path(__file__).resolve().parent.parent
+    files = sorted([*(root / "torchtop").rglob("*.py"), *(root / "demos").rglob("*.py")])
+    assert len(files) > 50
+    found = [f for p in files for f in _calls_that_load_code(p.read_text(), str(p))]
+    assert found == []
+    # The check finds what it looks for.
+    sample = "import pickle\nfrom pickle import loads\npickle.load(f)\neval(s)\nloads(b)\n"
+    assert _calls_that_load_code(sample, "x") == ["x:3 pickle.load()", "x:4 eval()", "x:5 loads()"]

@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import SCRIPTS, torchtop
 from tests.conftest import report_json as _report
+from torchtop.launch import python_module
 from torchtop.protocol import AgentStats
 from torchtop.recording import read_recording
 from torchtop.transport import AgentConnection, list_agents
@@ -291,9 +292,7 @@ def test_stalled_viewer_does_not_grow_the_agent() -> None:
     queue = 64
     job = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "torchtop.agent.bootstrap",
+            *python_module("torchtop.agent.bootstrap"),
             TRAIN,
             "--steps",
             "100000",

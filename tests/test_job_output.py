@@ -147,3 +147,77 @@ def test_the_detached_copy_writes_whole_lines_when_the_streams_interleave(tmp_pa
     os.close(log_fd)
     lines = log.read_text().splitlines()
     assert sorted(lines) == ["after the viewer left", "and on stderr", "no newline at the end"]
+
+
+def test_torchtops_own_children_do_not_import_torchtop_from_the_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``torchtop/`` folder in the directory a job starts from is not imported by the job's
+    bootstrap nor by the detached copy of its output (plain ``python job.py`` would not)."""
+    planted = tmp_path / "torchtop"
+    planted.mkdir()
+    mark = tmp_path / "imported"
+    (planted / "__init__.py").write_text(f"open({str(mark)!r}, 'a').write('planted\\n')\n")
+    (tmp_path / "job.py").write_text(
+        "import sys, time\n"
+        "print('first', flush=True)\n"
+        "time.sleep(1.5)\n"
+        "print('after the viewer left', flush=True)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    lines: list[tuple[str, str]] = []
+    job = started(tmp_path, lambda stream, text: lines.append((stream, text)))
+    deadline = time.monotonic() + 60
+    while ("stdout", "first") not in lines and job.running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.detach()
+    assert job.process is not None and job.process.wait(60) == 0
+    assert job.log_path is not None
+    deadline = time.monotonic() + 30  # the detached copy writes the last line once it comes
+    while "viewer left" not in job.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert job.log_path.read_text() == "first\nafter the viewer left\n"
+    assert not mark.exists()
+
+
+@pytest.mark.parametrize("form", ["3.11+", "3.10"])
+def test_the_jobs_bootstrap_runs_it_as_plain_python_would_without_the_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, form: str
+) -> None:
+    """Both launchers (``-P -m``, and the ``-c`` that stands in for it on Python 3.10): the
+    job's argv, ``sys.path[0]`` and traceback are plain python's; a ``torchtop/`` in the cwd
+    is not imported."""
+    import os
+    import subprocess
+    import sys
+
+    from torchtop import launch
+
+    planted = tmp_path / "torchtop"
+    planted.mkdir()
+    (planted / "__init__.py").write_text("raise SystemExit('the planted torchtop ran')\n")
+    (tmp_path / "job.py").write_text(
+        "import os, sys\n"
+        "print(sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)), flush=True)\n"
+        "raise ValueError('boom')\n"
+    )
+    monkeypatch.chdir(tmp_path)  # where torchtop starts the job from
+    if form == "3.10":
+        command = [sys.executable, "-c", launch._WITHOUT_CWD, "torchtop.agent.bootstrap"]
+    else:
+        command = launch.python_module("torchtop.agent.bootstrap")
+    out = subprocess.run(
+        [*command, "job.py", "a"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "TORCHTOP_AGENT_OPTIONS": '{"ops": false}'},
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stderr
+    assert out.stdout == f"['{tmp_path / 'job.py'}', 'a'] True\n", out.stderr
+    assert out.stderr.splitlines()[:2] == [
+        "Traceback (most recent call last):",
+        f'  File "{tmp_path / "job.py"}", line 3, in <module>',
+    ]
+    assert "planted" not in out.stderr

@@ -668,3 +668,65 @@ def test_a_tcp_relay_listens_on_loopback_unless_told_and_tokens_stay_private(
         read_token(path)
     with pytest.raises(NodeError, match="chmod 600"):
         read_node_token(path)
+
+
+def test_a_node_name_that_reads_as_an_option_is_refused(tmp_path: Path) -> None:
+    """``--node=-oProxyCommand=...`` would be an ssh option (a command ssh runs here): refused
+    in one line before anything is run."""
+    with pytest.raises(NodeError, match="cannot start with '-'"):
+        NodeSpec("-oProxyCommand=true")
+    mark = tmp_path / "ran"
+    ssh = tmp_path / "ssh"
+    ssh.write_text(f"#!/bin/sh\ntouch {mark}\n")
+    ssh.chmod(0o700)
+    out = subprocess.run(
+        [sys.executable, "-m", "torchtop", "attach", f"--node=-oProxyCommand=touch {mark}",
+         "--ssh-command", str(ssh), "--headless", "--record", str(tmp_path / "r.ttr")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert out.stderr == (
+        f"torchtop: --node -oProxyCommand=touch {mark}: a node name cannot start with '-' (ssh "
+        "would read it as an option); give a host, user@host or tcp://ADDR:PORT\n"
+    )
+    assert not mark.exists()
+
+
+def test_ssh_gets_the_host_after_the_end_of_its_options(tmp_path: Path) -> None:
+    """``ssh [options] -- HOST COMMAND``: nothing after ``--`` is read as an option. A command
+    that is not ssh (``--ssh-command``) gets the host and the command as before."""
+    said = tmp_path / "argv"
+    for name in ("ssh", "my-connect"):
+        command = tmp_path / name
+        command.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {said}\n')
+        command.chmod(0o700)
+        feed = NodeFeed(NodeSpec("node1"), ssh=[str(command), "-T"], remote_torchtop="tt")
+        with pytest.raises(NodeError):
+            feed.connect(timeout=20)
+        argv = said.read_text().splitlines()
+        head = ["-T", "--", "node1"] if name == "ssh" else ["-T", "node1"]
+        assert argv[: len(head)] == head and argv[len(head)].startswith("tt relay")
+
+
+def test_a_relay_refuses_a_runtime_dir_that_is_not_its_users_own(tmp_path: Path) -> None:
+    """A relay reads its node's runtime directory as `ps` does: one that is not the user's own
+    private folder (here a symlink) is refused, the reason sent to the viewer, never relayed."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "run").symlink_to(real)
+    env = {**os.environ, "TORCHTOP_RUNTIME_DIR": str(tmp_path / "run")}
+    out = subprocess.run(
+        [sys.executable, "-m", "torchtop", "relay"],
+        input=encode(ClientHello(protocol=PROTOCOL_VERSION)), capture_output=True, env=env,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1
+    refused = decode(out.stdout.splitlines()[0])
+    assert isinstance(refused, Refused) and "is not a directory owned by you" in refused.reason
+    listen = subprocess.run(
+        [sys.executable, "-m", "torchtop", "relay", "--listen", "127.0.0.1:0",
+         "--token-file", str(tmp_path / "t.token")],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert listen.returncode == 1
+    assert listen.stderr.startswith(f"torchtop: {tmp_path / 'run'} is not a directory owned by you")

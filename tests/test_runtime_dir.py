@@ -42,6 +42,7 @@ def test_a_run_prunes_ended_jobs_files_oldest_first(tmp_path: Path, runtime_dir:
     oldest = _file(runtime_dir, f"{old}-ops-last.json", 30 * MIB, 300)
     kept = [
         _file(runtime_dir, f"{old}-oom-1.pickle", 20 * MIB, 200),
+        _file(runtime_dir, f"{newer}-snapshot-2.pickle", 1 * MIB, 100),
         _file(runtime_dir, f"{newer}-ops-3.json", 30 * MIB, 100),
         _file(runtime_dir, f"{newer}-job.log", 1 * MIB, 100),
         # The test's own process stands for a running job: never touched, however big.
@@ -57,6 +58,22 @@ def test_a_run_prunes_ended_jobs_files_oldest_first(tmp_path: Path, runtime_dir:
     assert out.returncode == 0 and out.stdout == "ran\n", out.stderr
     assert not oldest.exists()  # 80 MiB of ended jobs' files: the oldest 30 MiB went
     assert [p.name for p in kept if not p.exists()] == []
+
+
+def test_requested_snapshots_of_ended_jobs_are_pruned_like_oom_snapshots(
+    tmp_path: Path, runtime_dir: Path
+) -> None:
+    """A snapshot asked for from the viewer (``PID-snapshot-N.pickle``, up to 64 MiB each) is an
+    ended job's file like its OOM snapshots: the oldest go first past the cap."""
+    runtime_dir.mkdir(mode=0o700)
+    ended = _dead_pid()
+    snapshots = [
+        _file(runtime_dir, f"{ended}-snapshot-{n}.pickle", 30 * MIB, 500 - n) for n in range(1, 4)
+    ]
+    (tmp_path / "job.py").write_text("print('ran')\n")
+    out = torchtop("run", "--headless", "--no-ops", "job.py", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert [p.exists() for p in snapshots] == [False, True, True]  # 90 MiB: the oldest went
 
 
 def test_only_an_agents_own_file_is_read_as_an_agent(runtime_dir: Path) -> None:

@@ -6,11 +6,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 from tests.conftest import SCRIPTS
+from torchtop.launch import python_module
 from torchtop.model.events import SourceSilent
 from torchtop.model.job import JobModel
 from torchtop.protocol import Message, Sample
@@ -43,7 +43,7 @@ class Collector:
 
 def test_a_stopped_job_shows_no_data_then_live_again() -> None:
     job = subprocess.Popen(
-        [sys.executable, "-m", "torchtop.agent.bootstrap", str(SCRIPTS / "idle_job.py"), "120"],
+        [*python_module("torchtop.agent.bootstrap"), str(SCRIPTS / "idle_job.py"), "120"],
         env={**os.environ, "TORCHTOP_AGENT_OPTIONS": json.dumps({"ops": False, "nvml": False})},
         stdout=subprocess.DEVNULL,
     )

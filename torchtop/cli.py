@@ -924,11 +924,14 @@ def _attach_target(args: argparse.Namespace, ask: bool) -> Any:
 
     if args.pid is None or find_agent(args.pid) is not None:
         return _pick_agent(args.pid, interactive=not args.headless)
-    from torchtop.attach.inject import AttachRefused, read_target, start_agent
+    from torchtop.attach.inject import AttachRefused, check_ptrace, read_target, start_agent
 
     try:
-        if ask and not _confirm_start(read_target(args.pid)):
-            return _Outside(args.pid, "no agent started")
+        if ask:
+            target = read_target(args.pid)
+            check_ptrace(target)  # refused before the question, not after it
+            if not _confirm_start(target):
+                return _Outside(args.pid, "no agent started")
         started = start_agent(
             args.pid,
             python_path=args.python_path,

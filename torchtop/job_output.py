@@ -24,6 +24,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+from torchtop.launch import python_module
+
 #: A longer line is cut: frames stay far below the protocol's size limit.
 MAX_LINE_CHARS = 16_384
 #: Once the job has exited, a pipe quiet this long is done: a forked worker that outlived the
@@ -169,13 +171,7 @@ class JobOutput:
         if remaining:
             with contextlib.suppress(OSError):
                 subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "torchtop.job_output",
-                        str(log_fd),
-                        *map(str, remaining),
-                    ],
+                    [*python_module("torchtop.job_output"), str(log_fd), *map(str, remaining)],
                     pass_fds=(log_fd, *remaining),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,

@@ -63,6 +63,13 @@ class NodeSpec:
 
     name: str
 
+    def __post_init__(self) -> None:
+        if self.name.startswith("-"):
+            raise NodeError(
+                f"--node {self.name}: a node name cannot start with '-' (ssh would read it as an "
+                "option); give a host, user@host or tcp://ADDR:PORT"
+            )
+
     @property
     def tcp(self) -> tuple[str, int] | None:
         if not self.name.startswith("tcp://"):
@@ -90,6 +97,12 @@ def _tail(lines: deque[str]) -> str:
     return printable(text, one_line=True) or "no message"
 
 
+def _end_of_options(command: list[str]) -> list[str]:
+    """``--`` for ssh, so that nothing after it (the host) is read as an option; another
+    command (``--ssh-command``) gets the host and the remote command only, as documented."""
+    return ["--"] if os.path.basename(command[0]) == "ssh" else []
+
+
 class _SshLink:
     """The relay as a child process: ``SSH HOST 'TORCHTOP relay ...'``."""
 
@@ -98,7 +111,7 @@ class _SshLink:
         self.stderr: deque[str] = deque(maxlen=STDERR_LINES)
         try:
             self.process = subprocess.Popen(
-                [*command, host, remote],
+                [*command, *_end_of_options(command), host, remote],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

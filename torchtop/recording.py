@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
-from torchtop.private_files import open_private
+from torchtop.private_files import UnsafeFile, open_private
 from torchtop.protocol import MAX_FRAME_BYTES, Message, decode, encode
 
 FLUSH_INTERVAL_S = 0.5
@@ -63,6 +63,9 @@ class RecordingWriter:
         self.path = Path(path)
         try:
             self._file: IO[bytes] = open_private(self.path)  # closed in close()
+        except UnsafeFile as exc:
+            message = f"cannot write the recording {self.path}: {exc.strerror}"
+            raise RecordingError(message) from None
         except OSError as exc:
             raise RecordingError(
                 f"cannot write the recording {self.path}: {exc.strerror}; "

@@ -35,7 +35,6 @@ import secrets
 import select
 import signal
 import socket
-import stat
 import sys
 import threading
 import time
@@ -44,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from torchtop.private_files import open_private
+from torchtop.private_files import UnsafeFile, open_private, read_private
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
@@ -58,7 +57,13 @@ from torchtop.protocol import (
 )
 from torchtop.ranks import RankFeeds
 from torchtop.text import printable
-from torchtop.transport import AgentInfo, keep_alive, runtime_dir
+from torchtop.transport import (
+    AgentInfo,
+    TransportError,
+    existing_runtime_dir,
+    keep_alive,
+    runtime_dir,
+)
 
 #: Bytes of frames waiting for a slow viewer before the oldest are dropped.
 QUEUE_BYTES = 8 << 20
@@ -111,20 +116,23 @@ def _version() -> str:
 
 
 def read_token(path: Path) -> str:
-    """The token in ``path``, which must be private to the user (no access for others)."""
+    """The token in ``path``, which must be the user's own file (not a link, not another
+    user's) with no access for others."""
     try:
-        info = path.stat()
-        text = path.read_text().strip()
+        data, mode = read_private(path)
+        text = data.decode().strip()
     except FileNotFoundError:
         raise RelayError(
             f"no token file at {path}: give the file the relay wrote (it printed where)"
         ) from None
+    except UnsafeFile as exc:
+        raise RelayError(f"cannot read the token file {path}: {exc.strerror}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise RelayError(f"cannot read the token file {path}: {exc}") from None
-    if stat.S_IMODE(info.st_mode) & 0o077:
+    if mode & 0o077:
         raise RelayError(
             f"the token file {path} is open to other users (mode "
-            f"{stat.S_IMODE(info.st_mode):o}): `chmod 600 {path}`, or a new token is needed"
+            f"{mode:o}): `chmod 600 {path}`, or a new token is needed"
         )
     if len(text) < MIN_TOKEN_CHARS:
         raise RelayError(
@@ -137,7 +145,7 @@ def read_token(path: Path) -> str:
 def token_for(path: Path) -> tuple[str, bool]:
     """The relay's token: the one in ``path``, or a new random one written there (0600);
     and whether it is new."""
-    if path.exists():
+    if os.path.lexists(path):
         return read_token(path), False
     token = secrets.token_urlsafe(TOKEN_BYTES)
     try:
@@ -384,7 +392,8 @@ def serve_stdio(run_id: str | None = None, log: Callable[[str], None] | None = N
     try:
         frame = read_first_frame(_fd_receiver(0, HELLO_TIMEOUT_S), "the viewer")
         check_hello(frame, token=None)
-    except Refusal as exc:
+        existing_runtime_dir()  # the agents' folder must be the user's own, as for `ps`
+    except (Refusal, TransportError) as exc:
         with contextlib.suppress(OSError):
             send(encode(Refused(reason=str(exc))))
         say(f"refused the viewer: {exc}")
@@ -605,14 +614,14 @@ def serve_tcp(listen: str, token_file: Path | None, run_id: str | None = None) -
     """``torchtop relay --listen``: until SIGINT or SIGTERM. The token comes from
     ``token_file`` (made there if missing) or is new, written 0600 under the runtime
     directory and removed at the end."""
-    from torchtop.transport import TransportError, ensure_runtime_dir
+    from torchtop.transport import ensure_runtime_dir
 
     host, port = parse_listen(listen)
     server = bind_tcp(host, port)
     made: Path | None = None
     try:
+        ensure_runtime_dir()  # the agents' folder, checked before anything is served from it
         if token_file is None:
-            ensure_runtime_dir()
             made = default_token_file(server.getsockname()[1])
         path = token_file or made
         assert path is not None

@@ -28,6 +28,7 @@ from torchtop.agent.rank_start import rank_environment
 from torchtop.exit_summary import JobEnd, StderrTail
 from torchtop.feed import AgentFeed
 from torchtop.job_output import JobOutput
+from torchtop.launch import python_module
 from torchtop.private_files import open_private
 from torchtop.protocol import JobExited, LogLine, Message, OutOfMemory
 from torchtop.ranks import RankFeeds, RunFold, below
@@ -173,7 +174,7 @@ class Job:
         else:
             env = dict(os.environ)
             env[OPTIONS_ENV] = json.dumps(options)
-            cmd = [sys.executable, "-m", "torchtop.agent.bootstrap", *spec.target]
+            cmd = [*python_module("torchtop.agent.bootstrap"), *spec.target]
         env.setdefault("PYTHONUNBUFFERED", "1")
         try:
             # The agent listens there: a folder that is not the user's own is refused up front.

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import re
 import socket
 import stat
@@ -25,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchtop.private_files import open_private
+from torchtop.private_files import open_private, user_name
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
@@ -107,8 +106,9 @@ def _check_private_dir(path: Path, info: os.stat_result) -> None:
 #: What the files of ended jobs may take together in the runtime directory; the oldest go first.
 ENDED_JOBS_CAP_BYTES = 64 << 20
 #: The files torchtop names in the runtime directory after a job's pid: its description, its live
-#: run's log, its op traces and OOM snapshots. Nothing else there is ever deleted.
-_JOB_FILE = re.compile(r"(\d+)(\.json|-job\.log|-ops-(last|\d+)\.json|-oom-\d+\.pickle)")
+#: run's log, its op traces, and its memory snapshots (at an OOM, or asked for from the viewer).
+#: Nothing else there is ever deleted.
+_JOB_FILE = re.compile(r"(\d+)(\.json|-job\.log|-ops-(last|\d+)\.json|-(oom|snapshot)-\d+\.pickle)")
 
 
 def prune_runtime_dir(directory: Path, cap_bytes: int = ENDED_JOBS_CAP_BYTES) -> list[Path]:
@@ -377,14 +377,6 @@ def _check_peer(sock: socket.socket, path: str) -> None:
     )
 
 
-def user_name(uid: int) -> str:
-    """The login name of ``uid``, or ``uid N`` when it has none."""
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
-
-
 class AgentConnection:
     """A viewer's connection to an agent: send our hello, then read messages.
 
@@ -512,7 +504,6 @@ __all__ = [
     "pid_alive",
     "remove_server_files",
     "runtime_dir",
-    "user_name",
     "wait_for_agent",
 ]
 

@@ -5,7 +5,9 @@ agent's options arrive as JSON in ``TORCHTOP_AGENT_OPTIONS``, removed from the e
 the user's code runs so that processes the job starts do not inherit them. The script runs as
 ``__main__`` with the ``sys.argv``, ``sys.path[0]`` and (absolute) ``__file__`` it would have under
 plain ``python``; its exit code and its own traceback come through unchanged, and on Ctrl-C it
-ends as Python does: the job's frames only, then death by SIGINT.
+ends as Python does: the job's frames only, then death by SIGINT. It is started by
+:func:`torchtop.launch.python_module`, without the current directory on ``sys.path``, so the
+script's directory (or, for ``-m``, the current directory) goes first, as plain ``python`` puts it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ def _exit_code(exc: SystemExit) -> int:
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
     """Drop the leading frames of this module and runpy so the traceback starts in user code."""
-    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__ or ""), "<frozen runpy>"}
+    ours = {
+        os.path.abspath(__file__),
+        os.path.abspath(runpy.__file__ or ""),
+        "<frozen runpy>",
+        "<string>",  # the launcher's `-c` on Python 3.10, before everything else
+    }
 
     def is_ours(filename: str) -> bool:
         return filename in ours or os.path.abspath(filename) in ours
@@ -76,7 +83,7 @@ def main(argv: list[str]) -> int:
     if module is not None:
         import importlib.util
 
-        sys.path[0] = os.getcwd()
+        sys.path.insert(0, os.getcwd())
         try:
             spec = importlib.util.find_spec(module)
         except (ImportError, ValueError):
@@ -86,7 +93,7 @@ def main(argv: list[str]) -> int:
             core.finish(EXIT_NOT_FOUND, f"no module named {module}")
             return EXIT_NOT_FOUND
     else:
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
 
     try:
         if module is not None:

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtop.private_files import open_private
-from torchtop.transport import AgentInfo, ensure_runtime_dir, find_agent, user_name
+from torchtop.private_files import open_private, user_name
+from torchtop.transport import AgentInfo, ensure_runtime_dir, find_agent
 
 #: The first Python that ``sys.remote_exec`` exists in.
 REMOTE_EXEC_PYTHON = (3, 14)
