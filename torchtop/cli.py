@@ -904,7 +904,12 @@ def _attach_target(args: argparse.Namespace, ask: bool) -> Any:
     from torchtop.attach.inject import AttachRefused, read_target, start_agent
 
     try:
-        if ask and not _confirm_start(read_target(args.pid)):
+        target = read_target(args.pid)
+    except AttachRefused as exc:
+        raise CliError(str(exc), code=1) from None
+    _require_python(target)  # before asking: there is nothing to start an agent in
+    try:
+        if ask and not _confirm_start(target):
             return _Outside(args.pid, "no agent started")
         started = start_agent(
             args.pid,
@@ -922,6 +927,31 @@ def _attach_target(args: argparse.Namespace, ask: bool) -> Any:
         )
         return _Outside(args.pid, str(exc))
     return started.info
+
+
+def _require_python(target: Any) -> None:
+    """A process that is not Python (a shell, a launcher script) gets no agent: say which of
+    its children are, or how to start the job under torchtop."""
+    if target.python is not None or target.exe is None:
+        return  # Python, or another user's process: the attach itself says why not
+    import psutil
+
+    from torchtop.attach.inject import AttachRefused, read_target
+
+    pythons: list[int] = []
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(target.pid).children(recursive=True):
+            with contextlib.suppress(AttachRefused):
+                if read_target(child.pid).python is not None:
+                    pythons.append(child.pid)
+    where = (
+        f"attach to its Python process ({', '.join(map(str, pythons[:4]))}), or " if pythons else ""
+    )
+    raise CliError(
+        f"pid {target.pid} ({target.exe}) is not a Python process, so no agent can start in "
+        f"it: {where}start the training job under torchtop with `torchtop run SCRIPT`",
+        code=1,
+    )
 
 
 class _RunOfRanks:
@@ -1031,13 +1061,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.metrics is None and args.otlp is None:
         args.metrics = (DEFAULT_HOST, DEFAULT_PORT)
-    pid: int | None = None
-    run: str | None = None
-    target = args.target
-    if target is not None and target.isdigit() and find_agent(int(target)) is not None:
-        pid = int(target)
-    elif target is not None:
-        run = target  # a run id (a single process's run id is its pid)
+    pid, run = _export_target(args.target)
     exporter = _start_exporter(
         args, (lambda info: info.pid == pid) if pid is not None else (lambda info: True), run
     )
@@ -1057,6 +1081,36 @@ def cmd_export(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         exporter.close()
     return 0
+
+
+def _export_target(target: str | None) -> tuple[int | None, str | None]:
+    """The PID or the run id ``torchtop export TARGET`` follows, checked before serving: a
+    target no running agent answers to is one line, not a server that waits forever."""
+    from torchtop.transport import find_agent, list_agents
+
+    if target is None:
+        return None, None
+    if target.isdigit() and find_agent(int(target)) is not None:
+        return int(target), None
+    if any(str(a.identity.get("run_id")) == target for a in list_agents() if a.identity):
+        return None, target  # the ranks of a run
+    if target.isdigit():
+        pid = int(target)
+        if not os.path.exists(f"/proc/{pid}"):
+            from torchtop.attach.inject import CHECK_PID
+
+            raise CliError(f"no process {pid} is running: {CHECK_PID}", code=1)
+        raise CliError(
+            f"pid {pid} runs without torchtop's agent, so there is nothing to export: start one "
+            f"in it with `torchtop attach {pid}`, or start the job with `torchtop run --metrics "
+            "HOST:PORT SCRIPT`",
+            code=1,
+        )
+    raise CliError(
+        f"no running job is in run {target}: `torchtop ps` lists the runs (the RUN column); "
+        "`torchtop export` without a target follows every job, those that start later too",
+        code=1,
+    )
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
