@@ -97,6 +97,8 @@ def test_live_viewer_shows_the_job_stays_open_and_quits(terminal: Terminal) -> N
 
 
 def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Terminal) -> None:
+    """Detached, the job writes to its log file: ``torchtop attach`` shows the file's recent
+    lines in the log panel, says where the output goes, and follows it."""
     script = SCRIPTS / "train_mlp.py"
     command = f"{sys.executable} -m torchtop run {script} --steps 100000 --sleep 0.02; echo EXIT=$?"
     terminal.keys(command, "Enter")
@@ -107,7 +109,17 @@ def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Term
         terminal.keys("d")
         screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
         assert "EXIT=0\n" in screen and "left job pid" in screen
-        assert len(list_agents()) == 1  # the job runs on
+        (agent,) = list_agents()  # the job runs on
+        terminal.keys("clear", "Enter")
+        terminal.keys(f"{sys.executable} -m torchtop attach {agent.pid}", "Enter")
+        screen = terminal.wait_for(
+            lambda s: "output goes to " in s and f"{agent.pid}-job.log" in s and "loss" in s
+        )
+        shown = max(int(n) for n in re.findall(r"step (\d+) loss", screen))
+        terminal.wait_for(
+            lambda s: max(map(int, re.findall(r"step (\d+) loss", s)), default=0) > shown
+        )
+        terminal.keys("q")
     finally:
         for agent in list_agents():
             os.kill(agent.pid, signal.SIGKILL)

@@ -792,7 +792,16 @@ def cmd_attach(args: argparse.Namespace) -> int:
         source = outside_source(info.pid, info.reason, writer)
         _run_app(TorchtopApp(source, title=f"pid {info.pid} (from outside)"))
         return 1
-    return _run_app(TorchtopApp(LiveSource(info.address, writer=writer), title=info.command))
+    source = LiveSource(info.address, writer=writer, log_path=_left_running_log(info.pid))
+    return _run_app(TorchtopApp(source, title=info.command))
+
+
+def _left_running_log(pid: int) -> Path | None:
+    """The log file of a job ``torchtop run`` started and left running, if it is one."""
+    from torchtop.transport import job_log_path
+
+    path = job_log_path(pid)
+    return path if path.is_file() else None
 
 
 def _attach_nodes(args: argparse.Namespace) -> int:

@@ -7,10 +7,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from torchtop.exit_summary import JobEnd, StderrTail
 from torchtop.feed import AgentFeed
-from torchtop.protocol import JobExited, Message, Request
+from torchtop.job_output import LogFollower
+from torchtop.protocol import JobExited, LogLine, Message, Request
 from torchtop.recording import RecordingWriter
 from torchtop.runner import Job, LogLines, RunSpec, exit_status
 from torchtop.transport import AgentInfo
@@ -29,12 +31,23 @@ class LiveSource(Source):
 
     mode = "live"
 
-    def __init__(self, address: str, writer: RecordingWriter | None = None) -> None:
+    def __init__(
+        self, address: str, writer: RecordingWriter | None = None, log_path: Path | None = None
+    ) -> None:
         self.address = address
         self.writer = writer
+        #: The log file of a job ``torchtop run`` left running: its output goes on there.
+        self.log_path = log_path
         self._feed: AgentFeed | None = None
+        self._log: LogFollower | None = None
 
     def start(self, sink: Sink) -> None:
+        if self.log_path is not None:
+            sink(LogLine(t=time.time(), stream="torchtop", text=_log_note(self.log_path)))
+            self._log = LogFollower(
+                self.log_path, lambda text: sink(LogLine(t=time.time(), stream="", text=text))
+            ).start()
+
         def connected(address: object) -> None:
             sink(SourceConnected(t=time.time(), address=str(address)))
 
@@ -57,6 +70,8 @@ class LiveSource(Source):
         ).start()
 
     def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
         if self._feed is not None:
             self._feed.close()
             self._feed.join(2.0)
@@ -65,6 +80,10 @@ class LiveSource(Source):
 
     def send_request(self, action: str) -> bool:
         return _request(self._feed, action)
+
+
+def _log_note(path: Path) -> str:
+    return f"── the job's output goes to {path} ──"
 
 
 class RunSource(Source):
