@@ -620,7 +620,7 @@ def _view_run(run: Any, title: str) -> None:
     from torchtop.transport import find_agent
     from torchtop.tui.app import TorchtopApp
     from torchtop.tui.run_view import RunView
-    from torchtop.tui.sources import LiveSource
+    from torchtop.tui.sources import LiveSource, RankLines
 
     while True:
         view = RunView(run, title=title)
@@ -630,7 +630,10 @@ def _view_run(run: Any, title: str) -> None:
         info = find_agent(view.open_pid)
         if info is not None:
             rank = info.identity.get("rank")
-            _run_app(TorchtopApp(LiveSource(info.address), title=f"rank {rank}: {info.command}"))
+            # A run torchtop launched has its ranks' output (their agents do not send it).
+            lines = RankLines(run, rank) if isinstance(rank, int) and not run.rank_lines else None
+            source = LiveSource(info.address, lines=lines)
+            _run_app(TorchtopApp(source, title=f"rank {rank}: {info.command}"))
 
 
 def _require_terminal(alternative: str) -> None:
@@ -792,16 +795,17 @@ def cmd_attach(args: argparse.Namespace) -> int:
         source = outside_source(info.pid, info.reason, writer)
         _run_app(TorchtopApp(source, title=f"pid {info.pid} (from outside)"))
         return 1
-    source = LiveSource(info.address, writer=writer, log_path=_left_running_log(info.pid))
+    source = LiveSource(info.address, writer=writer, lines=_left_running_lines(info.pid))
     return _run_app(TorchtopApp(source, title=info.command))
 
 
-def _left_running_log(pid: int) -> Path | None:
+def _left_running_lines(pid: int) -> Any:
     """The log file of a job ``torchtop run`` started and left running, if it is one."""
     from torchtop.transport import job_log_path
+    from torchtop.tui.sources import LogFileLines
 
     path = job_log_path(pid)
-    return path if path.is_file() else None
+    return LogFileLines(path) if path.is_file() else None
 
 
 def _attach_nodes(args: argparse.Namespace) -> int:
