@@ -112,11 +112,11 @@ def test_findings_are_the_same_fed_at_once_or_message_by_message() -> None:
 
 
 def creep_job(
-    per_step: int, n: int = 120, every: int = 1, rising: int | None = None
+    per_step: int, n: int = 320, every: int = 1, rising: int | None = None
 ) -> list[Message]:
-    """``n`` steps of 0.1 s, four memory samples in each ``every``-th step (none in the others:
-    steps faster than the sampling); RSS climbs by ``per_step`` each of the first ``rising``
-    steps (all of them by default), then holds."""
+    """``n`` steps of 0.1 s (the first 20 s are the warm-up, not creep), four memory samples
+    in each ``every``-th step (none in the others: steps faster than the sampling); RSS climbs
+    by ``per_step`` each of the first ``rising`` steps (all of them by default), then holds."""
     out: list[Message] = []
     for i in range(n):
         for k in range(4 if i % every == 0 else 0):
@@ -164,12 +164,12 @@ def test_memory_that_grows_for_a_moment_then_holds_is_no_creep() -> None:
 def test_memory_creep_when_steps_outrun_the_sampling() -> None:
     """One step in eight sampled (a fast job, or a loaded machine): the sampled steps' floors
     stand for all the steps, and the rise per step is over every step."""
-    (finding,) = fed(creep_job(2 << 20, n=120, every=8)).advice.findings
+    (finding,) = fed(creep_job(2 << 20, every=8)).advice.findings
     assert finding.name == "memory-creep"
     assert finding.evidence["steps"] >= 100 and 15 <= finding.evidence["sampled_steps"] <= 30
     assert 1.5 * (1 << 20) <= finding.evidence["per_step_bytes"] <= 2 << 20
-    assert fed(creep_job(0, n=120, every=8)).advice.findings == []
-    assert fed(creep_job(2 << 20, n=120, every=30)).advice.findings == []  # 4 sampled: too few
+    assert fed(creep_job(0, every=8)).advice.findings == []
+    assert fed(creep_job(2 << 20, every=30)).advice.findings == []  # 4 sampled: too few
 
 
 def test_eval_with_grad_from_a_loader_iterated_without_steps() -> None:
@@ -400,3 +400,59 @@ def test_low_gpu_utilization_while_steps_run_names_the_cause_that_holds() -> Non
     assert cuda_fed(util_job(85.0)).advice.findings == []
     no_steps = [m for m in util_job(30.0) if not isinstance(m, StepStats)]
     assert cuda_fed(no_steps).advice.findings == []
+
+
+# -- false alarms on a CPU job --------------------------------------------------------------------
+
+
+def workers_job(cpus: int, *, seconds: int = 12) -> list[Message]:
+    """``input_job`` waiting 15% of each step for a loader with two workers, on ``cpus``."""
+    out: list[Message] = []
+    for message in input_job(0.15, seconds):
+        if isinstance(message, LoaderInfo):
+            message = LoaderInfo(
+                message.t, [loader(s.batches, 0, workers=2) for s in message.loaders]
+            )
+            host = HostStats(300 << 20, 100.0, 8, 2, 4 * GIB, 8 * GIB, cpus=cpus)
+            out.append(Sample(message.t, host, []))
+        out.append(message)
+    return out
+
+
+def test_input_bound_on_a_cpu_job_fixes_without_pinned_memory_and_within_its_cores() -> None:
+    """Pinned memory speeds a copy to a GPU there is not; workers beyond the cores (less the
+    training process's own) only take turns."""
+    (finding,) = fed(workers_job(cpus=2)).advice.findings
+    assert finding.name == "input-bound"
+    assert finding.code is not None and "pin_memory" not in finding.code, finding.code
+    assert "pin" not in finding.fix
+    assert "num_workers=2" in finding.code  # no more than the 2 it has on 2 cores
+    # The same job with a GPU and 16 cores: pinned memory and more workers.
+    (finding,) = cuda_fed(workers_job(cpus=16)).advice.findings
+    assert finding.code is not None and "pin_memory=True" in finding.code
+    assert "num_workers=4" in finding.code
+
+
+def test_memory_that_grows_through_a_warm_up_is_no_creep() -> None:
+    """A CPU job with DataLoader workers: RSS climbs about 80 MiB over its first 15 s while
+    the workers start and the allocator warms up, then holds."""
+    model = fed(creep_job(540 << 10, n=500, rising=150))
+    assert model.advice.all_findings == []
+
+
+def test_a_finding_that_flaps_is_one_finding_with_its_periods() -> None:
+    from torchtop.report import finding_parts
+
+    model = fed([*input_job(0.5, 10), *input_job(0.0, 14, T0 + 10), *input_job(0.5, 10, T0 + 24)])
+    (finding,) = model.advice.all_findings
+    assert finding.name == "input-bound" and finding.active
+    assert len(finding.periods) == 2
+    (first_start, first_end), (second_start, second_end) = finding.periods
+    assert finding.first_t == first_start < first_end < second_start < second_end
+    assert second_end == finding.last_t
+    as_json = finding.to_json(T0)
+    assert len(as_json["periods_s"]) == 2
+    (text,) = [part.plain for part in finding_parts([as_json])[1:]]
+    assert text.count("Input-bound") == 1
+    assert f"{first_start - T0:.1f}-{first_end - T0:.1f} s" in text
+    assert f"from {second_start - T0:.1f} s, still true at the end" in text

@@ -501,3 +501,38 @@ def test_where_gdb_cannot_call_attach_refuses_before_touching_the_job(
     assert code == 7
     assert stdout == EXPECTED_STDOUT
     assert stderr.strip() == "stderr is the job's own"
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_a_process_that_is_not_python_is_refused_before_asking(
+    terminal: Terminal,  # noqa: F811 - the fixture
+) -> None:
+    """No question about starting an agent in a shell or ``sleep``: it is not Python, and the
+    answer says how to watch a training job (start it under ``torchtop run``)."""
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        terminal.keys(f"{sys.executable} -m torchtop attach {sleeper.pid}; echo EXIT=$?", "Enter")
+        screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=30)
+        assert "Start an agent" not in screen
+        assert f"pid {sleeper.pid} (/" in screen and "is not a Python process" in screen
+        assert "torchtop run" in screen and "EXIT=1\n" in screen
+        assert not list_agents()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_headless_attach_to_a_process_that_is_not_python_suggests_torchtop_run(
+    tmp_path: Path,
+) -> None:
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        out = torchtop(
+            "attach", str(sleeper.pid), "--headless", "--record", "x.ttr", cwd=tmp_path, timeout=30
+        )
+        assert out.returncode == 1
+        assert "is not a Python process" in out.stderr and "torchtop run SCRIPT" in out.stderr
+        assert "from outside" not in out.stderr, out.stderr
+    finally:
+        sleeper.kill()
+        sleeper.wait()

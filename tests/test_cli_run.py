@@ -165,13 +165,28 @@ def test_clear_errors_not_tracebacks(tmp_path: Path) -> None:
         (["run", "--headless", "-m", "no_such_module_xyz"], "no module named"),
         (["report", str(tmp_path / "missing.ttr")], "no recording at"),
         (["attach", "999999", "--headless", "--record", "x.ttr"], "no process 999999"),
+        (["export", "999999", "--metrics", "127.0.0.1:0"], "no process 999999"),
+        (["export", "nosuchrun", "--metrics", "127.0.0.1:0"], "no running job is in run nosuchrun"),
         (["demo", "no-such-demo"], "no demo named"),
         (["frobnicate"], "invalid choice"),
     ]:
-        out = torchtop(*args, cwd=tmp_path)
+        out = torchtop(*args, cwd=tmp_path, timeout=30)
         assert out.returncode != 0, args
         assert expected in out.stderr, (args, out.stderr)
         assert "Traceback" not in out.stderr, args
+        assert "see `ps`" not in out.stderr  # the system's ps, or torchtop's?
+
+
+def test_export_of_a_process_without_an_agent_says_how_to_start_one() -> None:
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        out = torchtop("export", str(sleeper.pid), "--metrics", "127.0.0.1:0", timeout=30)
+        assert out.returncode == 1
+        assert f"pid {sleeper.pid} runs without torchtop's agent" in out.stderr
+        assert "serving" not in out.stderr
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_damaged_recording_reads_to_the_last_whole_frame(tmp_path: Path) -> None:

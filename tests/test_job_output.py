@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -221,3 +222,33 @@ def test_the_jobs_bootstrap_runs_it_as_plain_python_would_without_the_cwd(
         f'  File "{tmp_path / "job.py"}", line 3, in <module>',
     ]
     assert "planted" not in out.stderr
+
+
+def test_a_log_follower_shows_the_files_last_lines_then_what_is_written_since(
+    tmp_path: Path,
+) -> None:
+    from torchtop.job_output import RECENT_LOG_LINES, LogFollower
+
+    log = tmp_path / "42-job.log"
+    log.write_text("".join(f"line {i}\n" for i in range(RECENT_LOG_LINES + 50)) + "half")
+    seen: list[str] = []
+    recent_shown, arrived = threading.Event(), threading.Event()
+
+    def emit(text: str) -> None:
+        seen.append(text)
+        if len(seen) == RECENT_LOG_LINES:
+            recent_shown.set()
+        if text == "half and its end":
+            arrived.set()
+
+    follower = LogFollower(log, emit, interval_s=0.01).start()
+    try:
+        assert recent_shown.wait(10)
+        with open(log, "a") as f:
+            f.write(" and its end\nnext\n")
+        assert arrived.wait(10)
+    finally:
+        follower.close()
+    recent = [f"line {i}" for i in range(50, RECENT_LOG_LINES + 50)]
+    assert seen[:RECENT_LOG_LINES] == recent
+    assert seen[RECENT_LOG_LINES:] in (["half and its end"], ["half and its end", "next"])

@@ -126,3 +126,34 @@ def test_the_chart_of_a_run_draws_each_ranks_time_outside_backward() -> None:
     }
     assert set(times[0]) == set(times[1]) == {0.01}
     assert set(times[2]) == {0.04}
+
+
+def test_a_ranks_screen_shows_that_ranks_lines_from_the_launchers_output() -> None:
+    """Opened from the run's view, a rank's screen gets its lines, those already folded and
+    those that come while it is open, without their prefix and without the other ranks'."""
+    from torchtop.runner import RunSpec
+    from torchtop.tui.sources import RankLines
+
+    run = RankRun(RunSpec(target=["torchrun", "train.py"]))
+
+    def line(t: float, text: str, stream: str = "stdout") -> None:
+        run.queue(None, LogLine(t=t, stream=stream, text=text))
+
+    line(1.0, "[rank0]:rank 0 says 0")
+    line(2.0, "[rank1]:rank 1 says 0")
+    line(3.0, "launcher: starting", "stderr")
+    run.drain()
+    line(4.0, "[rank1]:rank 1 warns 0", "stderr")  # queued, not yet folded
+    got: list[LogLine] = []
+    lines = RankLines(run, rank=1)
+    lines.start(got.append)
+    line(5.0, "[rank1]:rank 1 says 1")
+    line(6.0, "[rank2]:rank 2 says 1")
+    lines.close()
+    line(7.0, "[rank1]:after the screen closed")
+    shown = [(m.stream, m.text) for m in got if m.stream != "torchtop"]
+    assert shown == [
+        ("stdout", "rank 1 says 0"),
+        ("stderr", "rank 1 warns 0"),
+        ("stdout", "rank 1 says 1"),
+    ]

@@ -191,6 +191,9 @@ def test_a_rank_opens_in_the_full_viewer_and_closes_back_to_the_run(
     term.keys("Down", "Enter")
     # Its full screens: memory, then steps once its history has arrived.
     term.wait_for(lambda s: "Memory" in s and "Steps" in s and f"pid {rank1}" in s, timeout=60)
+    # Its log panel: rank 1's own lines, from the launcher's output, without their prefix.
+    screen = term.wait_for(lambda s: "rank 1 says 0" in s and "rank 1 warns 0" in s, timeout=30)
+    assert "[rank1]:" not in screen and "rank 0 says" not in screen, screen
     # Its q comes back to the run's view, with every rank still running.
     term.keys("q")
     screen = term.wait_for(lambda s: sorted(_rows(s)) == [0, 1, 2, 3], timeout=60)

@@ -85,6 +85,7 @@ def test_live_viewer_shows_the_job_stays_open_and_quits(terminal: Terminal) -> N
     assert shown is not None and len(shown[1]) >= 24, live
     assert f"{script} --steps 60".startswith(shown[1]), live
     assert "RSS" in live and "Host" in live
+    assert "m Snapshot" in _footer(live) and "p Profile" in _footer(live), live
     # The job's last output and its exit, together on screen (the log and the header may
     # redraw a frame apart).
     terminal.wait_for(
@@ -97,6 +98,8 @@ def test_live_viewer_shows_the_job_stays_open_and_quits(terminal: Terminal) -> N
 
 
 def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Terminal) -> None:
+    """Detached, the job writes to its log file: ``torchtop attach`` shows the file's recent
+    lines in the log panel, says where the output goes, and follows it."""
     script = SCRIPTS / "train_mlp.py"
     command = f"{sys.executable} -m torchtop run {script} --steps 100000 --sleep 0.02; echo EXIT=$?"
     terminal.keys(command, "Enter")
@@ -107,7 +110,17 @@ def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Term
         terminal.keys("d")
         screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
         assert "EXIT=0\n" in screen and "left job pid" in screen
-        assert len(list_agents()) == 1  # the job runs on
+        (agent,) = list_agents()  # the job runs on
+        terminal.keys("clear", "Enter")
+        terminal.keys(f"{sys.executable} -m torchtop attach {agent.pid}", "Enter")
+        screen = terminal.wait_for(
+            lambda s: "output goes to " in s and f"{agent.pid}-job.log" in s and "loss" in s
+        )
+        shown = max(int(n) for n in re.findall(r"step (\d+) loss", screen))
+        terminal.wait_for(
+            lambda s: max(map(int, re.findall(r"step (\d+) loss", s)), default=0) > shown
+        )
+        terminal.keys("q")
     finally:
         for agent in list_agents():
             os.kill(agent.pid, signal.SIGKILL)
@@ -117,7 +130,9 @@ def test_the_live_run_exits_with_the_jobs_code(terminal: Terminal) -> None:
     script = SCRIPTS / "train_mlp.py"
     command = f"{sys.executable} -m torchtop run {script} --steps 5 --exit-code 3; echo EXIT=$?"
     terminal.keys(command, "Enter")
-    terminal.wait_for(lambda s: "ended · exit 3" in s)
+    screen = terminal.wait_for(lambda s: "ended · exit 3" in s and "Advice" in _footer(s))
+    # An ended job takes no snapshot or op window: its footer does not offer them.
+    assert "Snapshot" not in _footer(screen) and "Profile" not in _footer(screen), screen
     terminal.keys("q")
     assert "EXIT=3\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
 
@@ -183,3 +198,35 @@ def test_leaving_the_viewer_of_a_crashed_job_prints_its_exit_traceback_and_log(
     assert log is not None and os.path.exists(log[1]), after
     assert f"less {log[1]}" in after
     assert f"torchtop report {record}" in after
+
+
+def _footer(screen: str) -> str:
+    """The key hints: the screen's last line that has any."""
+    return [line for line in screen.splitlines() if line.strip()][-1]
+
+
+def test_a_replay_at_80_by_24_offers_the_keys_that_apply_and_no_gpu_takes_one_row(
+    terminal: Terminal, tmp_path: object
+) -> None:
+    record = f"{tmp_path}/short.ttrec"
+    script = SCRIPTS / "train_mlp.py"
+    made = subprocess.run(
+        [sys.executable, "-m", "torchtop", "run", "--headless", "--record", record, str(script)],
+        capture_output=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+    terminal.keys(f"{sys.executable} -m torchtop replay {record}; echo EXIT=$?", "Enter")
+    screen = terminal.wait_for(lambda s: "ended · exit 0" in s and "Advice" in _footer(s))
+    footer = _footer(screen)
+    for key in ("q Quit", "? Help", "l Log", "space Pause", "e End", "+/- Speed", "a Advice"):
+        assert key in footer, footer
+    # A recording takes no snapshot or op window, and has no out-of-memory failure to show.
+    assert "Snapshot" not in footer and "Profile" not in footer and "OOM" not in footer
+    rows = screen.splitlines()
+    if "no NVIDIA GPU" in screen:  # a machine without an NVIDIA driver: said in one row
+        gpu = next(i for i, row in enumerate(rows) if "─ GPU" in row)
+        assert "no NVIDIA GPU" in rows[gpu + 1]
+        assert not rows[gpu + 2].split("│")[0].strip(), screen
+    terminal.keys("q")
+    terminal.wait_for(lambda s: "EXIT=0" in s, timeout=15)

@@ -624,7 +624,7 @@ def _view_run(run: Any, title: str) -> None:
     from torchtop.transport import find_agent
     from torchtop.tui.app import TorchtopApp
     from torchtop.tui.run_view import RunView
-    from torchtop.tui.sources import LiveSource
+    from torchtop.tui.sources import LiveSource, RankLines
 
     while True:
         view = RunView(run, title=title)
@@ -634,7 +634,10 @@ def _view_run(run: Any, title: str) -> None:
         info = find_agent(view.open_pid)
         if info is not None:
             rank = info.identity.get("rank")
-            _run_app(TorchtopApp(LiveSource(info.address), title=f"rank {rank}: {info.command}"))
+            # A run torchtop launched has its ranks' output (their agents do not send it).
+            lines = RankLines(run, rank) if isinstance(rank, int) and not run.rank_lines else None
+            source = LiveSource(info.address, lines=lines)
+            _run_app(TorchtopApp(source, title=f"rank {rank}: {info.command}"))
 
 
 def _require_terminal(alternative: str) -> None:
@@ -815,7 +818,17 @@ def cmd_attach(args: argparse.Namespace) -> int:
         source = outside_source(info.pid, info.reason, writer)
         _run_app(TorchtopApp(source, title=f"pid {info.pid} (from outside)"))
         return 1
-    return _run_app(TorchtopApp(LiveSource(info.address, writer=writer), title=info.command))
+    source = LiveSource(info.address, writer=writer, lines=_left_running_lines(info.pid))
+    return _run_app(TorchtopApp(source, title=info.command))
+
+
+def _left_running_lines(pid: int) -> Any:
+    """The log file of a job ``torchtop run`` started and left running, if it is one."""
+    from torchtop.transport import job_log_path
+    from torchtop.tui.sources import LogFileLines
+
+    path = job_log_path(pid)
+    return LogFileLines(path) if path.is_file() else None
 
 
 def _attach_nodes(args: argparse.Namespace) -> int:
@@ -927,11 +940,14 @@ def _attach_target(args: argparse.Namespace, ask: bool) -> Any:
     from torchtop.attach.inject import AttachRefused, check_ptrace, read_target, start_agent
 
     try:
-        if ask:
-            target = read_target(args.pid)
-            check_ptrace(target)  # refused before the question, not after it
-            if not _confirm_start(target):
-                return _Outside(args.pid, "no agent started")
+        target = read_target(args.pid)
+    except AttachRefused as exc:
+        raise CliError(str(exc), code=1) from None
+    try:
+        check_ptrace(target)  # first: another user's process hides its executable
+        _require_python(target)  # before asking: there is nothing to start an agent in
+        if ask and not _confirm_start(target):
+            return _Outside(args.pid, "no agent started")
         started = start_agent(
             args.pid,
             python_path=args.python_path,
@@ -948,6 +964,31 @@ def _attach_target(args: argparse.Namespace, ask: bool) -> Any:
         )
         return _Outside(args.pid, str(exc))
     return started.info
+
+
+def _require_python(target: Any) -> None:
+    """A process that is not Python (a shell, a launcher script) gets no agent: say which of
+    its children are, or how to start the job under torchtop."""
+    if target.python is not None or target.exe is None:
+        return  # Python, or another user's process: the attach itself says why not
+    import psutil
+
+    from torchtop.attach.inject import AttachRefused, read_target
+
+    pythons: list[int] = []
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(target.pid).children(recursive=True):
+            with contextlib.suppress(AttachRefused):
+                if read_target(child.pid).python is not None:
+                    pythons.append(child.pid)
+    where = (
+        f"attach to its Python process ({', '.join(map(str, pythons[:4]))}), or " if pythons else ""
+    )
+    raise CliError(
+        f"pid {target.pid} ({target.exe}) is not a Python process, so no agent can start in "
+        f"it: {where}start the training job under torchtop with `torchtop run SCRIPT`",
+        code=1,
+    )
 
 
 class _RunOfRanks:
@@ -1059,13 +1100,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_runtime_dir()
     if args.metrics is None and args.otlp is None:
         args.metrics = (DEFAULT_HOST, DEFAULT_PORT)
-    pid: int | None = None
-    run: str | None = None
-    target = args.target
-    if target is not None and target.isdigit() and find_agent(int(target)) is not None:
-        pid = int(target)
-    elif target is not None:
-        run = target  # a run id (a single process's run id is its pid)
+    pid, run = _export_target(args.target)
     exporter = _start_exporter(
         args, (lambda info: info.pid == pid) if pid is not None else (lambda info: True), run
     )
@@ -1085,6 +1120,36 @@ def cmd_export(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         exporter.close()
     return 0
+
+
+def _export_target(target: str | None) -> tuple[int | None, str | None]:
+    """The PID or the run id ``torchtop export TARGET`` follows, checked before serving: a
+    target no running agent answers to is one line, not a server that waits forever."""
+    from torchtop.transport import find_agent, list_agents
+
+    if target is None:
+        return None, None
+    if target.isdigit() and find_agent(int(target)) is not None:
+        return int(target), None
+    if any(str(a.identity.get("run_id")) == target for a in list_agents() if a.identity):
+        return None, target  # the ranks of a run
+    if target.isdigit():
+        pid = int(target)
+        if not os.path.exists(f"/proc/{pid}"):
+            from torchtop.attach.inject import CHECK_PID
+
+            raise CliError(f"no process {pid} is running: {CHECK_PID}", code=1)
+        raise CliError(
+            f"pid {pid} runs without torchtop's agent, so there is nothing to export: start one "
+            f"in it with `torchtop attach {pid}`, or start the job with `torchtop run --metrics "
+            "HOST:PORT SCRIPT`",
+            code=1,
+        )
+    raise CliError(
+        f"no running job is in run {target}: `torchtop ps` lists the runs (the RUN column); "
+        "`torchtop export` without a target follows every job, those that start later too",
+        code=1,
+    )
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -5,7 +5,6 @@ reads it. Standard library only."""
 
 from __future__ import annotations
 
-import re
 import shlex
 import threading
 from collections import deque
@@ -13,13 +12,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchtop.job_output import split_rank
+
 TRACEBACK_START = "Traceback (most recent call last):"
 #: The job's last stderr lines kept to find its traceback in (a deep recursion's is cut).
 STDERR_TAIL_LINES = 400
 #: A traceback longer than this shows its last lines, after a line that says how many are left out.
 TRACEBACK_SHOWN_LINES = 40
-#: What torchrun puts before each line of a rank's output (``--tee``/``--redirects``).
-_RANK_PREFIX = re.compile(r"\[(?:rank|default)\d+\]:")
 
 
 class StderrTail:
@@ -43,22 +42,17 @@ def last_traceback(lines: Iterable[str]) -> list[str]:
     """The last Python traceback among ``lines``, from its first line to the last one written
     after it by the same process. A rank's traceback (its lines carry torchrun's ``[rankN]:``)
     comes before the launcher's own, which only says that a rank failed."""
-    split = [_split_prefix(line) for line in lines]
+    split = [split_rank(line) for line in lines]
     for ranked in (True, False):
         starts = [
             i
-            for i, (prefix, text) in enumerate(split)
-            if bool(prefix) == ranked and text.strip(" +|").startswith(TRACEBACK_START)
+            for i, (rank, text) in enumerate(split)
+            if (rank is not None) == ranked and text.strip(" +|").startswith(TRACEBACK_START)
         ]
         if starts:
-            prefix = split[starts[-1]][0]
-            return [text for p, text in split[starts[-1] :] if p == prefix]
+            rank = split[starts[-1]][0]
+            return [text for r, text in split[starts[-1] :] if r == rank]
     return []
-
-
-def _split_prefix(line: str) -> tuple[str, str]:
-    match = _RANK_PREFIX.match(line)
-    return (match[0], line[match.end() :]) if match else ("", line)
 
 
 @dataclass(frozen=True)

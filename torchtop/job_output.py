@@ -246,6 +246,70 @@ class JobOutput:
         self._read.clear()
 
 
+#: The lines of a job's log file shown when a viewer comes to a job left running, read from at
+#: most this many bytes at its end.
+RECENT_LOG_LINES = 200
+RECENT_LOG_BYTES = 256 << 10
+#: How often the log file of a job left running is read for what it wrote since.
+FOLLOW_INTERVAL_S = 0.25
+
+
+class LogFollower:
+    """The log file of a job a viewer left running (its output goes on into it): its last
+    :data:`RECENT_LOG_LINES` lines, then each line as it is written, to ``emit(text)`` from a
+    thread of its own until :meth:`close`."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], emit: Callable[[str], None], *, interval_s: float = 0
+    ) -> None:
+        self.path = path
+        self._emit = emit
+        self._interval_s = interval_s or FOLLOW_INTERVAL_S
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="torchtop-log", daemon=True)
+
+    def start(self) -> LogFollower:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(2.0)
+
+    def _follow(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            start = max(0, os.fstat(fd).st_size - RECENT_LOG_BYTES)
+            os.lseek(fd, start, os.SEEK_SET)
+            recent: list[str] = []
+            splitter = LineSplitter(recent.append)
+            data = _read_all(fd)
+            if start > 0:  # the first line read is a piece of one
+                data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
+            splitter.feed(data)
+            for text in recent[-RECENT_LOG_LINES:]:
+                self._emit(text)
+            recent.clear()
+            while not self._closed.wait(self._interval_s):
+                splitter.feed(_read_all(fd))
+                for text in recent:
+                    self._emit(text)
+                recent.clear()
+        finally:
+            os.close(fd)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    with contextlib.suppress(OSError):
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _enlarge(fd: int) -> None:
     """Give the pipe of ``fd`` :data:`PIPE_BYTES` of room where the system allows it."""
     set_size = getattr(fcntl, "F_SETPIPE_SZ", None)

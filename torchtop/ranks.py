@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from torchtop.feed import AgentFeed
-from torchtop.job_output import rank_prefix
+from torchtop.job_output import rank_prefix, split_rank
 from torchtop.model import JobModel
 from torchtop.model.run import RunModel
 from torchtop.protocol import LogLine, Message, encode
@@ -181,6 +181,8 @@ class RunFold:
         self.remote: dict[str, str] = {}
         #: Nodes whose relay was lost, with why: their ranks show as lost.
         self.lost_nodes: dict[str, str] = {}
+        #: The rank whose screen is open, and where its lines go (:meth:`follow_rank_lines`).
+        self._rank_follower: tuple[int, Callable[[LogLine], None]] | None = None
 
     def node_of(self, stream: str) -> str:
         """Where a rank runs: the node as the user named it (``--node``), else the host its
@@ -215,6 +217,25 @@ class RunFold:
     def queue(self, stream: str | None, message: Message) -> None:
         """From any thread: a rank's message (``stream``: its pid), or the run's own."""
         self._pending.append((stream, message))
+        follower = self._rank_follower
+        if follower is not None and stream is None and isinstance(message, LogLine):
+            rank, text = split_rank(message.text)
+            if rank == follower[0]:
+                follower[1](LogLine(t=message.t, stream=message.stream, text=text))
+
+    def follow_rank_lines(self, rank: int, emit: Callable[[LogLine], None] | None) -> None:
+        """Hand each line of the run's output that rank ``rank`` wrote, as it is queued and
+        without its prefix, to ``emit`` (from the thread that queues it); None stops."""
+        self._rank_follower = (rank, emit) if emit is not None else None
+
+    def rank_lines_so_far(self, rank: int) -> list[LogLine]:
+        """The lines of rank ``rank`` in the run's output folded so far, without their prefix."""
+        lines = []
+        for entry in self.launcher.logs:
+            line_rank, text = split_rank(entry.text)
+            if line_rank == rank:
+                lines.append(LogLine(t=entry.t, stream=entry.stream, text=text))
+        return lines
 
     def drain(self) -> bool:
         """Fold what arrived since the last call; True if anything did."""

@@ -472,7 +472,11 @@ def finding_parts(findings: list[dict[str, Any]]) -> list[Any]:
         if f["rank"] is not None:
             text.append(f" (rank {f['rank']})")
         until = "still true at the end" if f["active"] else f"until {f['last_s']:.1f} s"
-        text.append(f"\n  from {f['first_s']:.1f} s, {until}", "dim")
+        periods = f.get("periods_s") or [[f["first_s"], f["last_s"]]]
+        # Held more than once (it cleared and came back): the earlier stretches, then the last.
+        held = ", ".join(f"{a:.1f}-{b:.1f} s" for a, b in periods[:-1])
+        held = f"held {held}; " if held else ""
+        text.append(f"\n  {held}from {periods[-1][0]:.1f} s, {until}", "dim")
         start, end = f["window_s"]
         text.append(f"\n  evidence ({start:.1f}-{end:.1f} s): {f['summary']}")
         text.append(f"\n  fix: {f['fix']}", "green")

@@ -33,7 +33,7 @@ from torchtop.private_files import open_private
 from torchtop.protocol import JobExited, LogLine, Message, OutOfMemory
 from torchtop.ranks import RankFeeds, RunFold, below
 from torchtop.recording import RecordingWriter
-from torchtop.transport import TransportError, ensure_runtime_dir
+from torchtop.transport import TransportError, ensure_runtime_dir, job_log_path
 
 OPTIONS_ENV = "TORCHTOP_AGENT_OPTIONS"
 #: Modules that launch the ranks of a distributed job: run as launchers (:attr:`RunSpec.launcher`).
@@ -210,7 +210,7 @@ class Job:
         self._output = output
         if self.log_path is not None:
             # Named after the job, so the runtime directory's cleanup knows whose it is.
-            named = self.log_path.with_name(f"{self.process.pid}-job.log")
+            named = job_log_path(self.process.pid, self.log_path.parent)
             with contextlib.suppress(OSError):
                 os.rename(self.log_path, named)
                 self.log_path = named

@@ -194,6 +194,12 @@ def socket_path_for(pid: int, directory: Path | None = None) -> Path:
     return (directory or runtime_dir()) / f"{pid}.sock"
 
 
+def job_log_path(pid: int, directory: Path | None = None) -> Path:
+    """Where the output of a job ``torchtop run`` watches goes (and keeps going when its
+    viewer leaves it running)."""
+    return (directory or runtime_dir()) / f"{pid}-job.log"
+
+
 def bind_server(
     pid: int, argv: list[str], started_at: float, identity: Mapping[str, Any] | None = None
 ) -> tuple[socket.socket, AgentInfo]:

@@ -149,6 +149,10 @@ class AttachRefused(Exception):
     """The agent cannot be started in the job; the message is one line with the fix."""
 
 
+#: What to do about a PID that names no process (two ``ps``: the system's and torchtop's).
+CHECK_PID = "check the PID (`ps -ef` lists processes, `torchtop ps` the jobs torchtop sees)"
+
+
 @dataclass(frozen=True)
 class Target:
     """The process to attach to, as read from ``/proc``."""
@@ -177,7 +181,7 @@ def read_target(pid: int, proc: Path = Path("/proc")) -> Target:
     try:
         status = (base / "status").read_text()
     except FileNotFoundError:
-        raise AttachRefused(f"no process {pid} (see `ps`)") from None
+        raise AttachRefused(f"no process {pid} is running: {CHECK_PID}") from None
     except OSError as exc:
         raise AttachRefused(f"cannot read {base}/status: {exc.strerror}") from None
     uid_line = re.search(r"^Uid:\s+(\d+)", status, re.MULTILINE)

@@ -20,6 +20,7 @@ import bisect
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from dataclasses import replace as _replace
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -51,6 +52,10 @@ CREEP_MAX_STEPS = 400
 #: starting, caches filling) and then holds is warm-up, not creep. Fast jobs look back further
 #: than ``CREEP_MAX_STEPS`` to cover it.
 CREEP_MIN_SPAN_S = 10.0
+#: ... after the job's first this many seconds of steps: DataLoader workers starting, the C
+#: heap's arenas and the allocator's caches filling make the memory of a healthy job climb
+#: for 15-20 s (a CPU job with two workers: 334 -> 413 MiB), then hold.
+CREEP_WARMUP_S = 20.0
 CREEP_CHUNKS = 5
 #: ... each chunk holding at least this many sampled steps.
 CREEP_FLOORS_PER_CHUNK = 2
@@ -132,6 +137,9 @@ class Finding:
     first_t: float
     last_t: float
     active: bool
+    #: Each stretch of job time it held, ``(start, end)``, oldest first: more than one when
+    #: it cleared and came back (a finding that flaps is one finding).
+    periods: tuple[tuple[float, float], ...] = ()
 
     @classmethod
     def of(cls, name: str, rank: int | None, check: Check, first_t: float, now: float) -> Finding:
@@ -151,7 +159,32 @@ class Finding:
             first_t=first_t,
             last_t=now,
             active=True,
+            periods=((first_t, now),),
         )
+
+    @classmethod
+    def going_on(
+        cls,
+        name: str,
+        rank: int | None,
+        check: Check,
+        now: float,
+        shown: Finding | None,
+        cleared: deque[Finding],
+    ) -> Finding:
+        """The finding ``check`` makes at ``now``: the ``shown`` one going on; else the one of
+        the same name and rank that held before and cleared, back (taken out of ``cleared``:
+        it is one finding, with its periods); else a new one."""
+        if shown is not None:
+            first_t, earlier, start = shown.first_t, shown.periods[:-1], shown.periods[-1][0]
+        else:
+            gone = next((f for f in reversed(cleared) if (f.name, f.rank) == (name, rank)), None)
+            if gone is not None:
+                cleared.remove(gone)
+            first_t = gone.first_t if gone is not None else now
+            earlier, start = (gone.periods if gone is not None else ()), now
+        finding = cls.of(name, rank, check, first_t, now)
+        return _replace(finding, periods=(*earlier, (start, now)))
 
     @property
     def demo_command(self) -> str:
@@ -179,6 +212,7 @@ class Finding:
             "first_s": round(self.first_t - base, 3),
             "last_s": round(self.last_t - base, 3),
             "active": self.active,
+            "periods_s": [[round(a - base, 3), round(b - base, 3)] for a, b in self.periods],
         }
 
 
@@ -270,9 +304,9 @@ class Advisor:
             since = self._since.setdefault(rule.name, now)
             if now - since < rule.hold_s:
                 continue
-            previous = self._shown.get(rule.name)
-            first_t = previous.first_t if previous is not None else now
-            shown[rule.name] = Finding.of(rule.name, rank, check, first_t, now)
+            shown[rule.name] = Finding.going_on(
+                rule.name, rank, check, now, self._shown.get(rule.name), self.cleared
+            )
         self._shown = shown
         self._remember_loaders(model)
         self.findings = sorted(shown.values(), key=lambda f: SEVERITY_ORDER[f.severity])
@@ -315,9 +349,7 @@ class Advisor:
 
 
 def _with(finding: Finding, *, active: bool) -> Finding:
-    from dataclasses import replace
-
-    return replace(finding, active=active)
+    return _replace(finding, active=active)
 
 
 def _pct(fraction: float) -> str:
@@ -368,11 +400,10 @@ def input_bound(model: JobModel, now: float, advisor: Advisor) -> Check | None:
     }
     state = _busiest_loader(model)
     summary = f"data wait {_pct(fraction)} of step time over {recent.steps} steps"
-    fix = (
-        "Prepare batches ahead of the training thread: more DataLoader workers, and pinned "
-        "memory for the copy to the device."
-    )
-    code = "DataLoader(ds, num_workers=4, pin_memory=True, persistent_workers=True)"
+    machine = _Machine.of(model)
+    pin = " and pinned memory for the copy to the GPU" if machine.gpu else ""
+    fix = f"Prepare batches ahead of the training thread: more DataLoader workers{pin}."
+    code: str | None = machine.loader_code(machine.workers(0, 4), persistent_workers=True)
     if state is not None:
         loader = state.stats
         alive = [w for w in loader.workers if w.alive and w.cpu_percent is not None]
@@ -387,24 +418,36 @@ def input_bound(model: JobModel, now: float, advisor: Advisor) -> Check | None:
             worker_cpu_percent=None if worker_cpu is None else round(worker_cpu, 1),
             first_batch_s=loader.first_batch_s,
             epochs=loader.epochs,
+            cpus=machine.cpus,
+            gpu=machine.gpu,
         )
         summary += (
             f"; {loader.name} ({loader.dataset}) num_workers={loader.num_workers} "
             f"pin_memory={loader.pin_memory} persistent_workers={loader.persistent_workers}"
         )
-        if loader.num_workers == 0:
+        current = loader.num_workers
+        more = machine.workers(current, 2 * current if current else 4)
+        if current == 0:
             fix = (
                 "The batches are made in the training thread (num_workers=0): load them in "
                 "worker processes, so the next batch is ready when the step ends."
             )
         elif worker_cpu is not None and worker_cpu >= BUSY_WORKER_CPU:
             summary += f", workers at {worker_cpu:.0f}% CPU"
-            fix = (
-                f"The {loader.num_workers} workers are busy at {worker_cpu:.0f}% CPU: add "
-                "workers if cores are free, or make each sample cheaper (decode, augment or "
-                "tokenize once, ahead of training)."
-            )
-            code = f"DataLoader(ds, num_workers={2 * loader.num_workers}, pin_memory=True)"
+            if more > current:
+                fix = (
+                    f"The {current} workers are busy at {worker_cpu:.0f}% CPU: add workers "
+                    "while cores are free, or make each sample cheaper (decode, augment or "
+                    "tokenize once, ahead of training)."
+                )
+                code = machine.loader_code(more)
+            else:
+                fix = (
+                    f"The {current} workers are busy at {worker_cpu:.0f}% CPU and take the "
+                    f"{machine.cpus} cores: make each sample cheaper (decode, augment or "
+                    "tokenize once, ahead of training)."
+                )
+                code = None
         elif (
             not loader.persistent_workers
             and loader.epochs > 1
@@ -415,16 +458,18 @@ def input_bound(model: JobModel, now: float, advisor: Advisor) -> Check | None:
                 "Each epoch starts its workers anew, and the first batch waits for them: keep "
                 "them between epochs."
             )
-            code = f"DataLoader(ds, num_workers={loader.num_workers}, persistent_workers=True)"
+            code = f"DataLoader(ds, num_workers={current}, persistent_workers=True)"
         else:
-            fix = (
-                "The workers do not keep up: raise prefetch_factor or num_workers, and pin "
-                "memory for the copy to the device."
-            )
-            code = (
-                f"DataLoader(ds, num_workers={loader.num_workers + 2}, prefetch_factor=4, "
-                "pin_memory=True)"
-            )
+            more = machine.workers(current, current + 2)
+            if more > current:
+                fix = "The workers do not keep up: raise prefetch_factor or num_workers"
+            else:
+                fix = (
+                    "The workers do not keep up, and the cores have no room for more: raise "
+                    "prefetch_factor, or make each sample cheaper"
+                )
+            fix += ", and pin memory for the copy to the GPU." if machine.gpu else "."
+            code = machine.loader_code(more, prefetch_factor=4)
     return Check(
         severity,
         "Input-bound: the step waits for data",
@@ -437,13 +482,51 @@ def input_bound(model: JobModel, now: float, advisor: Advisor) -> Check | None:
     )
 
 
+@dataclass(frozen=True)
+class _Machine:
+    """What a fix is checked against before it is offered: a GPU to pin memory for, and the
+    cores the job's processes share."""
+
+    gpu: bool
+    cpus: int | None
+    processes: int
+
+    @classmethod
+    def of(cls, model: JobModel) -> _Machine:
+        host = model.host
+        return cls(
+            gpu=any(d.id.startswith("cuda") for d in model.devices),
+            cpus=host.cpus if host is not None else None,
+            processes=(host.local_processes if host is not None else None) or 1,
+        )
+
+    def workers(self, current: int, wanted: int) -> int:
+        """``wanted`` workers, no more than the cores each process has less its own (but
+        never fewer than the job has: taking them away is not a fix for waiting on data)."""
+        if self.cpus is None:
+            return wanted
+        room = max(1, self.cpus // self.processes - 1)
+        return max(current, min(wanted, room))
+
+    def loader_code(self, workers: int, **options: object) -> str:
+        settings = [f"num_workers={workers}", *(f"{k}={v}" for k, v in options.items())]
+        if self.gpu:
+            settings.append("pin_memory=True")
+        return f"DataLoader(ds, {', '.join(settings)})"
+
+
 def memory_creep(model: JobModel, now: float, advisor: Advisor) -> Check | None:
-    """The memory at each step's low point rises over at least 50 steps and 10 s: allocated
-    on CUDA; on the CPU the RSS (the heap misses the large tensors, mapped apart from it)."""
+    """The memory at each step's low point rises over at least 50 steps and 10 s after the
+    warm-up: allocated on CUDA; on the CPU the RSS (the heap misses the large tensors, mapped
+    apart from it)."""
     memory = model.primary_memory
     if memory is None:
         return None
-    all_ends = [p.t for p in model.training.points if p.t <= now]
+    first_step = model.training.first_step_t
+    if first_step is None:
+        return None
+    warm = first_step + CREEP_WARMUP_S
+    all_ends = [p.t for p in model.training.points if warm <= p.t <= now]
     if len(all_ends) < CREEP_MIN_STEPS + 1 or all_ends[-1] - all_ends[0] < CREEP_MIN_SPAN_S:
         return None
     # The last CREEP_MAX_STEPS steps, or more where they span less than CREEP_MIN_SPAN_S.

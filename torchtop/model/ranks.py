@@ -470,12 +470,12 @@ class RankAdvisor:
             since = self._since.setdefault(verdict.key, now)
             if now - since < holds.get(verdict.name, 0.0):
                 continue
-            previous = self._shown.get(verdict.key)
             check = replace(
                 verdict.check, evidence={**verdict.check.evidence, "run_id": verdict.run_id}
             )
-            first_t = previous.first_t if previous is not None else now
-            shown[verdict.key] = Finding.of(verdict.name, verdict.rank, check, first_t, now)
+            shown[verdict.key] = Finding.going_on(
+                verdict.name, verdict.rank, check, now, self._shown.get(verdict.key), self.cleared
+            )
         held = {v.key for v in verdicts}
         for key in list(self._since):
             if key not in held:

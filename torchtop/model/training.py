@@ -289,6 +289,8 @@ class TrainingState:
     #: When a ``loaders`` frame last showed more batches taken: progress without a step (an
     #: evaluation loop), which the run's hang rule counts as not stuck.
     last_batch_t: float | None = None
+    #: The end of the first step listed (the job's first, unless the viewer came late).
+    first_step_t: float | None = None
 
     def __post_init__(self) -> None:
         self.points = deque(maxlen=self.max_points)
@@ -348,6 +350,8 @@ class TrainingState:
         )
         self.run.add(totals)
         self.frames.append((m.t, totals))
+        if self.first_step_t is None and m.ends:
+            self.first_step_t = m.ends[0]
         n = len(m.ends)
         weights = step_detail_weights(m.count, n)
         durations = _padded(m.durations, n, None)

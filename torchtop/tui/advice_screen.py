@@ -32,10 +32,13 @@ def finding_text(state: JobModel, finding: Finding, *, cleared: bool = False) ->
     text.append(finding.title, "bold")
     if finding.rank is not None:
         text.append(f" (rank {finding.rank})")
+    periods = finding.periods or ((finding.first_t, finding.last_t),)
     if cleared:
         span = f"{_since(state, finding.first_t)}-{_since(state, finding.last_t)}, cleared"
     else:
-        span = f"since {_since(state, finding.first_t)}"
+        span = f"since {_since(state, periods[-1][0])}"
+    if len(periods) > 1:  # it cleared and came back: one finding, held several times
+        span += f", held {len(periods)} times"
     text.append(f"  {span}", "dim")
     window = f"{_since(state, finding.window_start)}-{_since(state, finding.window_end)}"
     text.append(f"\n  evidence ({window}): ", "dim")

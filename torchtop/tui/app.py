@@ -85,6 +85,8 @@ MAX_MESSAGES_PER_FRAME = 50_000
 SPEEDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 #: Actions that only apply to a seekable source (a recording).
 PLAYBACK_ACTIONS = frozenset({"toggle_pause", "jump_to_end", "faster", "slower"})
+#: Keys that ask the job's agent for something: offered only while it is live.
+REQUEST_ACTIONS = frozenset({"snapshot", "profile"})
 
 #: The help's line for Textual's command palette.
 PALETTE_KEYS = ("^p", "the command palette: every action here, themes, copy a figure or a path")
@@ -257,11 +259,12 @@ class TorchtopApp(App[int]):
         ),
         Binding("e", "jump_to_end", "End", priority=True, tooltip="recordings: jump to the end"),
         Binding("end", "jump_to_end", "End", show=False, priority=True),
+        # One hint for the two speed keys: a recording's footer fits 80 columns.
         Binding(
             "plus,equals_sign",
             "faster",
-            "Faster",
-            key_display="+",
+            "Speed",
+            key_display="+/-",
             priority=True,
             tooltip="recordings: play faster",
         ),
@@ -270,6 +273,7 @@ class TorchtopApp(App[int]):
             "slower",
             "Slower",
             key_display="-",
+            show=False,
             priority=True,
             tooltip="recordings: slower",
         ),
@@ -329,6 +333,7 @@ class TorchtopApp(App[int]):
         #: ``None``: redraw them at the next frame.
         self._slow_shown_at: float | None = None
         self._shown_connection = self.state.connection
+        self._shown_offers: tuple[object, ...] = ()
         self._shown_silent_s: float | None = None
         #: Mounted: the source's thread may wake the app (before, on_mount drains what came).
         self._awake = False
@@ -522,6 +527,10 @@ class TorchtopApp(App[int]):
             self._announce_connection()
         self._show_captures(state)
         self._show_ops(state)
+        offers = self._offers()
+        if offers != self._shown_offers:
+            self._shown_offers = offers
+            self.refresh_bindings()
         if isinstance(self.screen, AdviceScreen):
             self.screen.refresh_from(state)
 
@@ -579,10 +588,21 @@ class TorchtopApp(App[int]):
     # -- actions -------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Hide the playback keys unless the source is a recording."""
+        """Offer only the keys that apply: playback on a recording, a snapshot or an op window
+        while the agent is live, the OOM screen once there is a failure or snapshot to show."""
         if action in PLAYBACK_ACTIONS:
             return self.source.seekable
+        if action in REQUEST_ACTIONS:
+            state = self.state
+            return not self.source.seekable and state.connection == "live" and not state.job_ended
+        if action == "show_oom":
+            return self.state.captures.latest is not None
         return True
+
+    def _offers(self) -> tuple[object, ...]:
+        """What the keys on offer depend on: the footer is redrawn when it changes."""
+        state = self.state
+        return (state.connection, state.job_ended, state.captures.latest is not None)
 
     # -- the command palette and the help (torchtop.tui.commands) --------------------------------
 
@@ -823,7 +843,6 @@ class TorchtopApp(App[int]):
                 self.notify("Taking an op-timing window…", timeout=4)
         else:
             self.notify(
-                "Op windows on request need a running agent (not a recording, and still "
-                "connected).",
+                "Op windows need a running agent (not a recording, and still connected).",
                 severity="warning",
             )

@@ -7,10 +7,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from torchtop.exit_summary import JobEnd, StderrTail
 from torchtop.feed import AgentFeed
-from torchtop.protocol import JobExited, Message, Request
+from torchtop.job_output import LogFollower
+from torchtop.protocol import JobExited, LogLine, Message, Request
+from torchtop.ranks import RunFold
 from torchtop.recording import RecordingWriter
 from torchtop.runner import Job, LogLines, RunSpec, exit_status
 from torchtop.transport import AgentInfo
@@ -24,17 +27,92 @@ from torchtop.tui.source import (
 )
 
 
+class JobLines:
+    """The job's output for a viewer whose agent does not send it (torchtop copies it outside
+    the job): fed to the viewer's sink from :meth:`start` until :meth:`close`."""
+
+    def start(self, sink: Sink) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop feeding."""
+
+
+class LogFileLines(JobLines):
+    """The log file of a job ``torchtop run`` left running: its recent lines, then the rest as
+    they are written, under a line that says where its output goes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._follower: LogFollower | None = None
+
+    def start(self, sink: Sink) -> None:
+        note = f"── the job's output goes to {self.path} ──"
+        sink(LogLine(t=time.time(), stream="torchtop", text=note))
+        self._follower = LogFollower(
+            self.path, lambda text: sink(LogLine(t=time.time(), stream="", text=text))
+        ).start()
+
+    def close(self) -> None:
+        if self._follower is not None:
+            self._follower.close()
+
+
+class RankLines(JobLines):
+    """One rank's lines in the output of the run ``torchtop run`` launched (each carries its
+    rank's prefix there): those folded so far, then each as it comes, without the prefix."""
+
+    def __init__(self, run: RunFold, rank: int) -> None:
+        self.run = run
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._held: list[LogLine] | None = []  # what arrives while the past is handed over
+
+    def start(self, sink: Sink) -> None:
+        def arrived(line: LogLine) -> None:
+            with self._lock:
+                if self._held is not None:
+                    self._held.append(line)
+                    return
+            sink(line)
+
+        self.run.follow_rank_lines(self.rank, arrived)
+        self.run.drain()  # the run's view is closed: nothing else folds it now
+        past = self.run.rank_lines_so_far(self.rank)
+        for line in past:
+            sink(line)
+        last_t = past[-1].t if past else float("-inf")
+        with self._lock:
+            held, self._held = self._held or [], None
+        for line in held:
+            if line.t > last_t:  # queued before the fold above, so already handed over
+                sink(line)
+
+    def close(self) -> None:
+        self.run.follow_rank_lines(self.rank, None)
+
+
 class LiveSource(Source):
-    """A running agent, optionally recorded to a file."""
+    """A running agent, optionally recorded to a file; ``lines``: the job's output, where its
+    agent does not send it."""
 
     mode = "live"
 
-    def __init__(self, address: str, writer: RecordingWriter | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        writer: RecordingWriter | None = None,
+        lines: JobLines | None = None,
+    ) -> None:
         self.address = address
         self.writer = writer
+        self.lines = lines
         self._feed: AgentFeed | None = None
 
     def start(self, sink: Sink) -> None:
+        if self.lines is not None:
+            self.lines.start(sink)
+
         def connected(address: object) -> None:
             sink(SourceConnected(t=time.time(), address=str(address)))
 
@@ -57,6 +135,8 @@ class LiveSource(Source):
         ).start()
 
     def close(self) -> None:
+        if self.lines is not None:
+            self.lines.close()
         if self._feed is not None:
             self._feed.close()
             self._feed.join(2.0)

@@ -43,8 +43,8 @@ def gpu_line(gpu: GpuStats) -> Text:
 
 
 def nvml_unavailable_line(detail: str) -> Text:
-    """``no NVIDIA GPU: NVML not available: <reason>``."""
-    reason = detail if detail.lower().startswith("nvml") else f"NVML not available: {detail}"
+    """``no NVIDIA GPU: <reason>``, one row (the panel's title says NVML already)."""
+    reason = detail.removeprefix("NVML not available: ")
     return Text.assemble(("no NVIDIA GPU: ", "bold yellow"), (reason, "yellow"))
 
 

@@ -101,7 +101,11 @@ def header_rows(state: JobModel, playback: Playback | None = None) -> list[tuple
     elif hello is not None:
         about.append(devices_summary(state))
         about.append(" · torch ", "dim")
-        about.append(hello.torch or "—")
+        if hello.torch:
+            about.append(hello.torch)
+        else:  # the agent starts first; a new hello names the version once torch is imported
+            going = state.connection in ("connecting", "live") and not state.job_ended
+            about.append("not imported yet" if going else "not imported", "dim italic")
         about.append(" · python ", "dim")
         about.append(hello.python.split()[0] if hello.python else "—")
         if hello.hostname:

@@ -20,13 +20,15 @@ from torchtop.model.job import DEFAULT_LOG_LINES, JobModel, LogEntry
 from torchtop.tui.widgets.quiet import set_titles
 
 STDERR_STYLE = "yellow"
-_STDERR = Style.parse(STDERR_STYLE)
+#: torchtop's own lines among the job's (where its output comes from).
+NOTE_STYLE = "dim italic"
+_STYLES = {"stderr": Style.parse(STDERR_STYLE), "torchtop": Style.parse(NOTE_STYLE)}
 _PLAIN = Style()
 
 
 def log_line(entry: LogEntry) -> Text:
     """One line as shown: stderr in its own colour so warnings and tracebacks stand out."""
-    return Text(entry.text, STDERR_STYLE if entry.stream == "stderr" else "")
+    return Text(entry.text, _STYLES.get(entry.stream, _PLAIN))
 
 
 class LogScrollBar(ScrollBar):
@@ -170,7 +172,7 @@ class LogPanel(RichLog):
         strips: list[Strip] = []
         for entry in entries:
             text = entry.text
-            style = _STDERR if entry.stream == "stderr" else _PLAIN
+            style = _STYLES.get(entry.stream, _PLAIN)
             if len(text) <= width and text.isascii() and text.isprintable():
                 strips.append(Strip([Segment(text, style)] if text else [], len(text)))
             else:
