@@ -166,7 +166,6 @@ def test_clear_errors_not_tracebacks(tmp_path: Path) -> None:
         (["report", str(tmp_path / "missing.ttr")], "no recording at"),
         (["attach", "999999", "--headless", "--record", "x.ttr"], "no process 999999"),
         (["export", "999999", "--metrics", "127.0.0.1:0"], "no process 999999"),
-        (["export", "nosuchrun", "--metrics", "127.0.0.1:0"], "no running job is in run nosuchrun"),
         (["demo", "no-such-demo"], "no demo named"),
         (["frobnicate"], "invalid choice"),
     ]:
@@ -175,6 +174,16 @@ def test_clear_errors_not_tracebacks(tmp_path: Path) -> None:
         assert expected in out.stderr, (args, out.stderr)
         assert "Traceback" not in out.stderr, args
         assert "see `ps`" not in out.stderr  # the system's ps, or torchtop's?
+
+
+def test_export_of_a_run_with_no_job_yet_says_so_and_waits_for_it(tmp_path: Path) -> None:
+    out = torchtop(
+        "export", "nosuchrun", "--metrics", "127.0.0.1:0", "--duration", "1",
+        cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "no job of run nosuchrun is running yet" in out.stderr
+    assert "serving metrics on http://127.0.0.1:" in out.stderr
 
 
 def test_export_of_a_process_without_an_agent_says_how_to_start_one() -> None:

@@ -1123,8 +1123,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _export_target(target: str | None) -> tuple[int | None, str | None]:
-    """The PID or the run id ``torchtop export TARGET`` follows, checked before serving: a
-    target no running agent answers to is one line, not a server that waits forever."""
+    """The PID or the run id ``torchtop export TARGET`` follows, checked before serving: a PID
+    no running agent answers to is one line, not a server that waits forever; a run that has
+    no job yet is said, then waited for."""
     from torchtop.transport import find_agent, list_agents
 
     if target is None:
@@ -1145,11 +1146,15 @@ def _export_target(target: str | None) -> tuple[int | None, str | None]:
             "HOST:PORT SCRIPT`",
             code=1,
         )
-    raise CliError(
-        f"no running job is in run {target}: `torchtop ps` lists the runs (the RUN column); "
-        "`torchtop export` without a target follows every job, those that start later too",
-        code=1,
+    # A run's ranks may start after its exporter (a platform's exporter set up before the job):
+    # say that nothing of it runs yet, then wait for it.
+    print(
+        f"torchtop: no job of run {printable(target, one_line=True)} is running yet: its "
+        "metrics are served as its ranks start (`torchtop ps` lists the runs, in the RUN "
+        "column; Ctrl-C stops)",
+        file=sys.stderr,
     )
+    return None, target
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
