@@ -1205,6 +1205,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.quick:
         demo_args.append("--quick")
     device = args.device
+    if device == "cuda" and _default_device() == "cpu":
+        raise CliError(NO_CUDA)  # before the job starts: one line, not the demo's
     agent_options = {**_oom_agent_options(args), **_ops_agent_options(args)}
     if demo.cpu_memory_limit is not None and args.memory_limit is None:
         # A demo that runs out of memory on purpose (oom) gets an emulated device on the CPU,
@@ -1223,6 +1225,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         record=args.record,
     )
     return _run_spec(spec)
+
+
+#: ``--device cuda`` where torch finds no GPU (the CLI's line, and a demo's run on its own).
+NO_CUDA = (
+    "this PyTorch sees no CUDA GPU: run the demo with --device cpu, or install a CUDA build of "
+    "torch (`torchtop doctor` says which build this is)"
+)
 
 
 def _default_device() -> str | None:
