@@ -389,8 +389,10 @@ def ops_parts(report: dict[str, Any]) -> list[Any]:
     table = Table(title="top ops by self time", title_justify="left")
     device = any(op["self_device_s"] is not None for op in report["ops"])
     columns = ["op", "calls", "self CPU", "total CPU", "avg"] + (["self device"] if device else [])
-    for col in columns:
-        table.add_column(col, justify="left" if col == "op" else "right")
+    # A long name is cut with an ellipsis: wrapped, it made a row of empty cells.
+    table.add_column("op", justify="left", no_wrap=True, overflow="ellipsis")
+    for col in columns[1:]:
+        table.add_column(col, justify="right", no_wrap=True)
     for op in report["ops"][:15]:
         row = [
             op["name"],
