@@ -121,6 +121,9 @@ def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Term
             lambda s: max(map(int, re.findall(r"step (\d+) loss", s)), default=0) > shown
         )
         terminal.keys("q")
+        # Leaving the attached viewer says so, and where the output goes on.
+        left = terminal.wait_for(lambda s: f"left job pid {agent.pid} running" in s, timeout=15)
+        assert "tail -f " in left and f"{agent.pid}-job.log" in left, left
     finally:
         for agent in list_agents():
             os.kill(agent.pid, signal.SIGKILL)

@@ -796,7 +796,27 @@ def cmd_attach(args: argparse.Namespace) -> int:
         _run_app(TorchtopApp(source, title=f"pid {info.pid} (from outside)"))
         return 1
     source = LiveSource(info.address, writer=writer, lines=_left_running_lines(info.pid))
-    return _run_app(TorchtopApp(source, title=info.command))
+    app = TorchtopApp(source, title=info.command)
+    code = _run_app(app)
+    _print_exit_summary(_attached_end(app.state, info.pid, args.record))
+    return code
+
+
+def _attached_end(state: Any, pid: int, record: Path | None) -> Any:
+    """How a job ``torchtop attach`` watched stands once its viewer has closed."""
+    from torchtop.exit_summary import JobEnd
+    from torchtop.transport import job_log_path, pid_alive
+
+    log = job_log_path(pid)
+    return JobEnd(
+        pid=pid,
+        returncode=state.exit_code if state.job_ended else None,
+        log_path=log if log.is_file() else None,
+        record=record,
+        # The job's own lines: its stderr, or its log file's (where both streams go).
+        stderr=tuple(e.text for e in state.logs if e.stream in ("stderr", "")),
+        running=pid_alive(pid),
+    )
 
 
 def _left_running_lines(pid: int) -> Any:
