@@ -94,7 +94,9 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> DemoOptio
     )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.exit(2, f"{parser.prog}: this PyTorch sees no CUDA GPU; use --device cpu\n")
+        from torchtop.cli import NO_CUDA
+
+        parser.exit(2, f"torchtop: {NO_CUDA}\n")
     return DemoOptions(quick=args.quick, device=torch.device(args.device))
 
 

@@ -42,6 +42,8 @@ def _serious(report: dict[str, Any]) -> list[dict[str, Any]]:
     [
         ("input-bound", "input-ok", "input-bound"),
         ("creep", "creep-fixed", "memory-creep"),
+        # DataLoader workers: their start and the warm-up are not creep; a real leak is.
+        ("workers-leak", "workers", "memory-creep"),
         ("eval-grad", "eval-nograd", "eval-with-grad"),
         ("threads", "threads-fixed", "cpu-oversubscription"),
     ],

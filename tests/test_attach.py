@@ -369,7 +369,14 @@ def test_declining_watches_from_outside(
     terminal.keys(f"{sys.executable} -m torchtop attach {job.pid}; echo EXIT=$?", "Enter")
     terminal.wait_for(lambda s: "runs without torchtop" in s)
     terminal.keys("n", "Enter")
-    terminal.wait_for(lambda s: f"pid {job.pid}" in s and "RSS" in s)
+    screen = terminal.wait_for(lambda s: f"pid {job.pid}" in s and "peak RSS" in s)
+    # At 80x24: RSS once (from outside it is all there is), why the view is from outside in
+    # full, and no key that asks an agent for something.
+    assert screen.count("■ RSS") == 1 and "RSS \N{MINUS SIGN} RSS" not in screen, screen
+    assert "no agent started" in screen and "timings" in screen, screen
+    assert "not imported yet" not in screen  # from outside, torch is unknown, not pending
+    footer = [line for line in screen.splitlines() if line.strip()][-1]
+    assert "Snapshot" not in footer and "Profile" not in footer, footer
     terminal.keys("q")
     assert "EXIT=1\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=30)
     assert not list_agents()  # no agent was started

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SCRIPTS, torchtop
+from tests.conftest import SCRIPTS, cuda_available, torchtop
 from tests.conftest import report_json as _report
 from torchtop.launch import python_module
 from torchtop.protocol import AgentStats
@@ -184,6 +184,15 @@ def test_export_of_a_run_with_no_job_yet_says_so_and_waits_for_it(tmp_path: Path
     assert out.returncode == 0, out.stderr
     assert "no job of run nosuchrun is running yet" in out.stderr
     assert "serving metrics on http://127.0.0.1:" in out.stderr
+
+
+@pytest.mark.skipif(cuda_available(), reason="a CUDA GPU is here: the demo would run on it")
+def test_a_demo_asked_to_run_on_cuda_without_a_gpu_is_one_torchtop_line() -> None:
+    out = torchtop("demo", "broadcasting", "--device", "cuda", "--headless", "--quick")
+    assert out.returncode == 2
+    assert out.stderr.startswith("torchtop: this PyTorch sees no CUDA GPU"), out.stderr
+    assert "--device cpu" in out.stderr and len(out.stderr.splitlines()) == 1
+    assert "device:" not in out.stdout  # the demo did not start
 
 
 def test_export_of_a_process_without_an_agent_says_how_to_start_one() -> None:

@@ -91,3 +91,8 @@ def test_the_tail_keeps_stderr_only_and_its_last_lines() -> None:
     for i, stream in enumerate(["stderr", "stdout", "stderr", "stderr"]):
         tail.line(stream, f"line {i}\n")
     assert tail.lines() == ["line 2", "line 3"]
+
+
+def test_a_job_that_ended_without_an_exit_status_says_so() -> None:
+    lines = exit_summary(JobEnd(pid=9, returncode=None, running=False))
+    assert lines == ["torchtop: job pid 9 has ended; its exit status is unknown"]

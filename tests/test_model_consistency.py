@@ -191,3 +191,30 @@ def _plain(renderable: Any) -> str:
     with console.capture() as capture:
         console.print(renderable)
     return capture.get()
+
+
+def test_the_reports_op_table_cuts_a_long_name_rather_than_wrapping_it_at_80_columns() -> None:
+    """A long op name wrapped onto a second line of empty cells; it ends in an ellipsis, one
+    line an op, and every figure stays whole."""
+    import io
+
+    from rich.console import Console
+
+    from torchtop.report import ops_parts
+
+    def op(name: str) -> dict[str, Any]:
+        return {"name": name, "calls": 1200, "self_cpu_s": 0.5, "total_cpu_s": 1.25,
+                "avg_s": 0.0004, "self_device_s": None}  # fmt: skip
+
+    long = "autograd::engine::evaluate_function: ScaledDotProductEfficientAttentionBackward0"
+    report = {"profile_windows": 2, "profiled_steps": 8, "sync_points_per_step": None,
+              "copies_per_step": None, "trace_path": None,
+              "ops": [op(long), op("aten::mm")]}  # fmt: skip
+    console = Console(width=80, file=io.StringIO(), color_system=None)
+    with console.capture() as capture:
+        for part in ops_parts(report):
+            console.print(part)
+    body = [line for line in capture.get().splitlines() if line.startswith("│")]
+    assert len(body) == 2, capture.get()  # one line each: no row of empty cells
+    assert all("1200" in line and "0.50 s" in line for line in body), body
+    assert "…" in body[0]

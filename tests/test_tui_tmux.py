@@ -121,6 +121,9 @@ def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Term
             lambda s: max(map(int, re.findall(r"step (\d+) loss", s)), default=0) > shown
         )
         terminal.keys("q")
+        # Leaving the attached viewer says so, and where the output goes on.
+        left = terminal.wait_for(lambda s: f"left job pid {agent.pid} running" in s, timeout=15)
+        assert "tail -f " in left and f"{agent.pid}-job.log" in left, left
     finally:
         for agent in list_agents():
             os.kill(agent.pid, signal.SIGKILL)
@@ -130,9 +133,17 @@ def test_the_live_run_exits_with_the_jobs_code(terminal: Terminal) -> None:
     script = SCRIPTS / "train_mlp.py"
     command = f"{sys.executable} -m torchtop run {script} --steps 5 --exit-code 3; echo EXIT=$?"
     terminal.keys(command, "Enter")
-    screen = terminal.wait_for(lambda s: "ended · exit 3" in s and "Advice" in _footer(s))
-    # An ended job takes no snapshot or op window: its footer does not offer them.
-    assert "Snapshot" not in _footer(screen) and "Profile" not in _footer(screen), screen
+    # An ended job takes no snapshot or op window: its footer stops offering them (the footer
+    # is redrawn a frame after the header).
+    terminal.wait_for(
+        lambda s: (
+            "ended · exit 3" in s
+            and "Advice" in _footer(s)
+            and "Snapshot" not in _footer(s)
+            and "Profile" not in _footer(s)
+        ),
+        timeout=15,
+    )
     terminal.keys("q")
     assert "EXIT=3\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
 

@@ -819,7 +819,27 @@ def cmd_attach(args: argparse.Namespace) -> int:
         _run_app(TorchtopApp(source, title=f"pid {info.pid} (from outside)"))
         return 1
     source = LiveSource(info.address, writer=writer, lines=_left_running_lines(info.pid))
-    return _run_app(TorchtopApp(source, title=info.command))
+    app = TorchtopApp(source, title=info.command)
+    code = _run_app(app)
+    _print_exit_summary(_attached_end(app.state, info.pid, args.record))
+    return code
+
+
+def _attached_end(state: Any, pid: int, record: Path | None) -> Any:
+    """How a job ``torchtop attach`` watched stands once its viewer has closed."""
+    from torchtop.exit_summary import JobEnd
+    from torchtop.transport import job_log_path, pid_alive
+
+    log = job_log_path(pid)
+    return JobEnd(
+        pid=pid,
+        returncode=state.exit_code if state.job_ended else None,
+        log_path=log if log.is_file() else None,
+        record=record,
+        # The job's own lines: its stderr, or its log file's (where both streams go).
+        stderr=tuple(e.text for e in state.logs if e.stream in ("stderr", "")),
+        running=pid_alive(pid),
+    )
 
 
 def _left_running_lines(pid: int) -> Any:
@@ -1236,6 +1256,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.quick:
         demo_args.append("--quick")
     device = args.device
+    if device == "cuda" and _default_device() == "cpu":
+        raise CliError(NO_CUDA)  # before the job starts: one line, not the demo's
     agent_options = {**_oom_agent_options(args), **_ops_agent_options(args)}
     if demo.cpu_memory_limit is not None and args.memory_limit is None:
         # A demo that runs out of memory on purpose (oom) gets an emulated device on the CPU,
@@ -1254,6 +1276,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         record=args.record,
     )
     return _run_spec(spec)
+
+
+#: ``--device cuda`` where torch finds no GPU (the CLI's line, and a demo's run on its own).
+NO_CUDA = (
+    "this PyTorch sees no CUDA GPU: run the demo with --device cpu, or install a CUDA build of "
+    "torch (`torchtop doctor` says which build this is)"
+)
 
 
 def _default_device() -> str | None:

@@ -67,6 +67,9 @@ class JobEnd:
     #: The job was stopped from the viewer (its interrupt's traceback is no news).
     stopped: bool = False
     stderr: tuple[str, ...] = ()
+    #: False with no ``returncode``: it has ended, but how is not known (a job watched by
+    #: ``torchtop attach`` whose stream broke off).
+    running: bool = True
 
 
 def exit_summary(end: JobEnd) -> list[str]:
@@ -76,7 +79,7 @@ def exit_summary(end: JobEnd) -> list[str]:
     lines: list[str] = []
     log = shlex.quote(_visible(str(end.log_path))) if end.log_path is not None else None
     record = shlex.quote(_visible(str(end.record))) if end.record is not None else None
-    if end.returncode is None:
+    if end.returncode is None and end.running:
         lines.append(
             f"torchtop: left job pid {end.pid} running; watch it again: torchtop attach {end.pid}"
         )
@@ -85,19 +88,10 @@ def exit_summary(end: JobEnd) -> list[str]:
         if record is not None:
             lines.append(f"torchtop: recorded until now: torchtop report {record}")
         return lines
-    ended = _ended(end.returncode)
-    if end.stopped:
-        code = end.returncode if end.returncode >= 0 else 128 - end.returncode
-        ended = f"was stopped from the viewer (exit code {code})"
-    traceback = last_traceback(end.stderr) if end.returncode != 0 and not end.stopped else []
-    if traceback:
-        lines.append(f"torchtop: job pid {end.pid} {ended}; its last traceback:")
-        if len(traceback) > TRACEBACK_SHOWN_LINES:
-            left_out = len(traceback) - TRACEBACK_SHOWN_LINES
-            traceback = [f"… {left_out} lines, in the log", *traceback[-TRACEBACK_SHOWN_LINES:]]
-        lines.extend(f"  {_visible(text)}" for text in traceback)
+    if end.returncode is None:
+        lines.append(f"torchtop: job pid {end.pid} has ended; its exit status is unknown")
     else:
-        lines.append(f"torchtop: job pid {end.pid} {ended}")
+        lines.extend(_exit_lines(end))
     if log is not None:
         lines.append(f"torchtop: its output is kept in its log: less {log}")
     if record is not None:
@@ -105,6 +99,25 @@ def exit_summary(end: JobEnd) -> list[str]:
             f"torchtop: the recording: torchtop report {record} (or torchtop replay {record})"
         )
     return lines
+
+
+def _exit_lines(end: JobEnd) -> list[str]:
+    """How the job ended, and its last traceback if it crashed."""
+    assert end.returncode is not None
+    ended = _ended(end.returncode)
+    if end.stopped:
+        code = end.returncode if end.returncode >= 0 else 128 - end.returncode
+        ended = f"was stopped from the viewer (exit code {code})"
+    traceback = last_traceback(end.stderr) if end.returncode != 0 and not end.stopped else []
+    if not traceback:
+        return [f"torchtop: job pid {end.pid} {ended}"]
+    if len(traceback) > TRACEBACK_SHOWN_LINES:
+        left_out = len(traceback) - TRACEBACK_SHOWN_LINES
+        traceback = [f"… {left_out} lines, in the log", *traceback[-TRACEBACK_SHOWN_LINES:]]
+    return [
+        f"torchtop: job pid {end.pid} {ended}; its last traceback:",
+        *(f"  {_visible(text)}" for text in traceback),
+    ]
 
 
 def _ended(returncode: int) -> str:

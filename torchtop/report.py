@@ -400,11 +400,14 @@ def ops_parts(report: dict[str, Any]) -> list[Any]:
     table = Table(title="top ops by self time", title_justify="left")
     device = any(op["self_device_s"] is not None for op in report["ops"])
     columns = ["op", "calls", "self CPU", "total CPU", "avg"] + (["self device"] if device else [])
-    for col in columns:
-        table.add_column(col, justify="left" if col == "op" else "right")
+    table.add_column("op", justify="left")
+    for col in columns[1:]:
+        table.add_column(col, justify="right", no_wrap=True)
     for op in report["ops"][:15]:
-        row = [
-            op["name"],
+        row: list[Any] = [
+            # Narrowed to the room the figures leave, and cut there with an ellipsis: wrapped,
+            # a long name made a row of empty cells.
+            Text(op["name"], no_wrap=True, overflow="ellipsis"),
             str(op["calls"]),
             _us(op["self_cpu_s"]),
             _us(op["total_cpu_s"]),

@@ -6,6 +6,9 @@ It knows nothing of torchtop. ``--case`` picks the job:
   sleeps 10 ms an item; ``input-ok``: the same data from four workers that keep ahead.
 - ``creep``: each step also sums a held-out loss with ``total_loss += loss`` under autograd,
   which keeps every step's graph and activations; ``creep-fixed``: ``loss.item()``.
+- ``workers``: a healthy CPU job fed by two DataLoader workers from a dataset that takes 2 ms
+  an item (its memory climbs while the workers start and the allocator warms up, then holds);
+  ``workers-leak``: the same job keeping every step's held-out loss with its graph.
 - ``eval-grad``: a validation pass between two epochs with autograd on; ``eval-nograd``: the
   same pass under ``torch.no_grad()``.
 - ``threads``: ``torch.set_num_threads`` at four times the CPUs, beside two DataLoader workers
@@ -55,28 +58,39 @@ def input_job(workers: int) -> None:
         opt.step()
 
 
-STEPS_CREEP = 240
+#: Creep is growth held for at least 10 s after the first 20 s of steps (the warm-up, when a
+#: healthy job's memory climbs too): the creep jobs run 36 s.
+CREEP_SECONDS = 36.0
 
 
-def creep_job(fixed: bool) -> None:
-    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 3))
+def creep_job(fixed: bool, workers: int = 0) -> None:
+    model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(256, 256)
-    y = torch.randint(0, 3, (256,))
-    held_out = torch.randn(128, 256)
+    held_out = torch.randn(64, 64)
+    if workers:
+        # Batches from a dataset that takes 2 ms an item, made ahead by worker processes.
+        options = {"num_workers": workers, "persistent_workers": True}
+        batches = iter(DataLoader(Items(100_000, 0.002), batch_size=16, **options))
+    else:
+        x = torch.randn(256, 64)
+        y = torch.randint(0, 3, (256,))
     total_loss: float | torch.Tensor = 0.0
-    # About 12 s: creep is growth held for at least 10 s (warm-up growth stops sooner).
-    for _ in range(STEPS_CREEP):
+    steps = 0
+    end = time.monotonic() + CREEP_SECONDS
+    while time.monotonic() < end:
+        if workers:
+            x, y = next(batches)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        loss = nn.functional.cross_entropy(model(held_out), y[:128])
+        loss = nn.functional.cross_entropy(model(held_out), y[:1].expand(64))
         if fixed:
             total_loss += loss.item()
         else:
             total_loss += loss  # keeps this step's graph alive
+        steps += 1
         time.sleep(0.04)
-    print(f"mean loss {float(total_loss) / STEPS_CREEP:.4f}")
+    print(f"mean loss {float(total_loss) / steps:.4f}")
 
 
 def eval_job(no_grad: bool) -> None:
@@ -157,6 +171,8 @@ def main() -> None:
             "input-ok",
             "creep",
             "creep-fixed",
+            "workers",
+            "workers-leak",
             "eval-grad",
             "eval-nograd",
             "threads",
@@ -173,6 +189,8 @@ def main() -> None:
         input_job(0 if case == "input-bound" else 4)
     elif case.startswith("creep"):
         creep_job(case == "creep-fixed")
+    elif case.startswith("workers"):
+        creep_job(case == "workers", workers=2)
     elif case.startswith("threads"):
         threads_job(case == "threads-fixed")
     elif case in ("fp32-matmuls", "bf16-autocast"):

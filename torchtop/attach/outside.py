@@ -148,6 +148,7 @@ def outside_source(pid: int, reason: str, writer: RecordingWriter | None = None)
 
 class _OutsideSource(Source):
     mode = "live"
+    takes_requests = False  # no agent inside
 
     def __init__(self, pid: int, reason: str, writer: RecordingWriter | None) -> None:
         self.pid = pid

@@ -594,7 +594,8 @@ class TorchtopApp(App[int]):
             return self.source.seekable
         if action in REQUEST_ACTIONS:
             state = self.state
-            return not self.source.seekable and state.connection == "live" and not state.job_ended
+            live = state.connection == "live" and not state.job_ended
+            return self.source.takes_requests and not self.source.seekable and live
         if action == "show_oom":
             return self.state.captures.latest is not None
         return True

@@ -40,6 +40,9 @@ class Source:
     owns_job: ClassVar[bool] = False
     #: True for recordings: play, pause and jump to the end apply.
     seekable: ClassVar[bool] = False
+    #: False where no agent answers requests (a recording, a job watched from outside): the
+    #: snapshot and op-window keys are not offered.
+    takes_requests: ClassVar[bool] = True
 
     def start(self, sink: Sink) -> None:
         """Begin feeding ``sink`` from a background thread. Returns at once."""

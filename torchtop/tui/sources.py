@@ -256,6 +256,7 @@ class RecordingSource(Source):
 
     mode = "replay"
     seekable = True
+    takes_requests = False
 
     def __init__(self, messages: list[Message], speed: float = 1.0) -> None:
         self._messages = messages

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from rich.text import Text
+from textual import on
+from textual.events import Resize
 from textual.widgets import Static
 
 from torchtop.model.job import JobModel
@@ -48,24 +50,29 @@ def nvml_unavailable_line(detail: str) -> Text:
     return Text.assemble(("no NVIDIA GPU: ", "bold yellow"), (reason, "yellow"))
 
 
-def device_text(state: JobModel) -> Text:
-    """The panel's lines: GPUs first, then any probe that is not available and why."""
-    lines: list[Text] = [gpu_line(gpu) for gpu in state.gpu_rows]
+def device_text(state: JobModel, width: int | None = None) -> Text:
+    """The panel's lines: GPUs first, one row each (or one row saying there is none, and why),
+    cut to ``width`` with an ellipsis; then any probe that is not available and why, whole."""
+    rows: list[Text] = [gpu_line(gpu) for gpu in state.gpu_rows]
     nvml = state.nvml
-    if not lines:
+    if not rows:
         if nvml is not None and not nvml.available:
-            lines.append(nvml_unavailable_line(nvml.detail))
+            rows.append(nvml_unavailable_line(nvml.detail))
         elif nvml is not None:
-            lines.append(Text("NVML: waiting for the first reading…", "dim"))
+            rows.append(Text("NVML: waiting for the first reading…", "dim"))
         elif state.connection in ("connecting", "live"):
-            lines.append(Text("GPU: no NVML reading yet", "dim"))
+            rows.append(Text("GPU: no NVML reading yet", "dim"))
         else:
-            lines.append(Text("GPU: no NVML readings", "dim"))
+            rows.append(Text("GPU: no NVML readings", "dim"))
+    if width:
+        for row in rows:
+            row.truncate(width, overflow="ellipsis")
+    lines = list(rows)
     for name, status in state.probes.items():
         if status is nvml or status.available:
             continue
         lines.append(Text(f"{name}: {status.detail}", "dim"))
-    return Text("\n", no_wrap=True, overflow="ellipsis").join(lines)
+    return Text("\n").join(lines)
 
 
 class DevicePanel(Static):
@@ -81,6 +88,15 @@ class DevicePanel(Static):
     }
     """
 
+    _state: JobModel | None = None
+
     def show_state(self, state: JobModel) -> None:
         """Redraw from ``state``."""
-        update_if_changed(self, device_text(state))
+        self._state = state
+        self._fit()
+
+    @on(Resize)
+    def _fit(self) -> None:
+        """The rows are cut at the panel's width: drawn again when it changes."""
+        if self._state is not None:
+            update_if_changed(self, device_text(self._state, self.content_region.width))

@@ -103,6 +103,8 @@ def header_rows(state: JobModel, playback: Playback | None = None) -> list[tuple
         about.append(" · torch ", "dim")
         if hello.torch:
             about.append(hello.torch)
+        elif hello.python == "?":  # seen from outside the job: unknown
+            about.append("?")
         else:  # the agent starts first; a new hello names the version once torch is imported
             going = state.connection in ("connecting", "live") and not state.job_ended
             about.append("not imported yet" if going else "not imported", "dim italic")

@@ -112,10 +112,11 @@ def memory_figures(state: JobModel, width: int | None = None) -> Text:
         return Text.assemble((device, "bold"), "  ", (waiting, "dim"))
     stats = memory.latest
     allocated = memory.allocated_label
-    first = [
-        _square(ALLOCATED_STYLE, allocated, format_bytes(stats.allocated_bytes)),
-        _square(RESERVED_STYLE, memory.reserved_label, format_bytes(stats.reserved_bytes)),
-    ]
+    first = [_square(ALLOCATED_STYLE, allocated, format_bytes(stats.allocated_bytes))]
+    if memory.reserved_label != allocated:  # RSS alone (the heap unread) is one figure
+        first.append(
+            _square(RESERVED_STYLE, memory.reserved_label, format_bytes(stats.reserved_bytes))
+        )
     peak = format_bytes(memory.peak_allocated)
     if memory.is_cuda:
         reserved_peak = format_bytes(memory.peak_reserved)
@@ -163,6 +164,9 @@ def _second_line(state: JobModel, memory: DeviceMemory) -> tuple[list[Figure], s
             ),
         ]
         return limit, WIDE
+    if memory.reserved_label == memory.allocated_label:
+        # RSS alone: the heap cannot be read (from outside the job, or no mallinfo).
+        return [Figure(Text("heap not readable: RSS only", "dim"))], WIDE
     over = memory.cache
     if over is not None and over < 0:
         # The heap counts what malloc handed out, RSS the pages touched: a heap above RSS is
@@ -215,10 +219,9 @@ def chart_data(
             reserved.append((point.t, point.reserved))
         allocated.reverse()
         reserved.reverse()
-        series = [
-            ChartSeries(memory.allocated_label, allocated, ALLOCATED_STYLE, fill=True),
-            ChartSeries(memory.reserved_label, reserved, RESERVED_STYLE),
-        ]
+        series = [ChartSeries(memory.allocated_label, allocated, ALLOCATED_STYLE, fill=True)]
+        if memory.reserved_label != memory.allocated_label:  # RSS alone: one series
+            series.append(ChartSeries(memory.reserved_label, reserved, RESERVED_STYLE))
     spans = [ChartSpan(p.name, p.start, p.end) for p in state.phases_between(t_start, t_end)]
     marks = [ChartMark(m.t, m.name) for m in state.marks_between(t_start, t_end)]
     return series, spans, marks, t_start, t_end
