@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +23,30 @@ SCRIPT = str(SCRIPTS / "advice_jobs.py")
 
 
 def _report(tmp_path: Path, *argv: str) -> dict[str, Any]:
-    rec = tmp_path / "r.ttr"
-    # A few seconds alone; minutes on a machine shared by many jobs.
-    out = torchtop(
-        "run", "--headless", "--interval", "0.02", "--record", str(rec), *argv, timeout=600
-    )
-    assert out.returncode == 0, out.stderr
-    report = torchtop("report", str(rec), "--json")
-    assert report.returncode == 0, report.stderr
-    result: dict[str, Any] = json.loads(report.stdout)
-    return result
+    (report,) = _reports(tmp_path, list(argv))
+    return report
+
+
+def _reports(tmp_path: Path, *jobs: list[str]) -> list[dict[str, Any]]:
+    """Each job run under ``torchtop run --headless``, all at once (they mostly sleep: the
+    creep jobs must outlast the advisor's 20 s warm-up), and each one's report."""
+    running = []
+    for n, argv in enumerate(jobs):
+        rec = tmp_path / f"r{n}.ttr"
+        command = [sys.executable, "-m", "torchtop", "run", "--headless", "--interval", "0.02",
+                   "--record", str(rec), *argv]  # fmt: skip
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        running.append((rec, subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.PIPE, text=True)))  # fmt: skip
+    reports = []
+    for rec, process in running:
+        # A few seconds alone; minutes on a machine shared by many jobs.
+        _, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err
+        report = torchtop("report", str(rec), "--json")
+        assert report.returncode == 0, report.stderr
+        reports.append(json.loads(report.stdout))
+    return reports
 
 
 def _serious(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -51,7 +67,7 @@ def _serious(report: dict[str, Any]) -> list[dict[str, Any]]:
 def test_a_job_with_the_problem_has_the_finding_and_the_fixed_job_none(
     tmp_path: Path, bad: str, good: str, name: str
 ) -> None:
-    report = _report(tmp_path, SCRIPT, "--case", bad)
+    report, fixed = _reports(tmp_path, [SCRIPT, "--case", bad], [SCRIPT, "--case", good])
     found = {f["name"]: f for f in report["findings"]}
     assert name in found, report["findings"]
     finding = found[name]
@@ -74,7 +90,6 @@ def test_a_job_with_the_problem_has_the_finding_and_the_fixed_job_none(
     else:
         assert evidence["dataset"] == "Items" and evidence["grad_batches"] >= 2
 
-    fixed = _report(tmp_path, SCRIPT, "--case", good)
     print(f"{good}: {[f['summary'] for f in fixed['findings']]}")
     assert _serious(fixed) == []
     assert name not in {f["name"] for f in fixed["findings"]}

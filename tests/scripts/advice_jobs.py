@@ -66,7 +66,9 @@ CREEP_SECONDS = 36.0
 def creep_job(fixed: bool, workers: int = 0) -> None:
     model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    held_out = torch.randn(64, 64)
+    # Each step's graph kept alive holds about 2 MiB (256 x 1024 floats, twice): past the
+    # advisor's 20 s warm-up the RSS must rise 64 MiB and 10% in ~15 s, even on a loaded machine.
+    held_out = torch.randn(256, 64)
     if workers:
         # Batches from a dataset that takes 2 ms an item, made ahead by worker processes.
         options = {"num_workers": workers, "persistent_workers": True}
@@ -83,7 +85,7 @@ def creep_job(fixed: bool, workers: int = 0) -> None:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        loss = nn.functional.cross_entropy(model(held_out), y[:1].expand(64))
+        loss = nn.functional.cross_entropy(model(held_out), y[:1].expand(256))
         if fixed:
             total_loss += loss.item()
         else:
