@@ -160,7 +160,7 @@ def test_model_report_and_viewer_show_the_same_figures(
                 fraction = state.training.run.wait_fraction
                 assert fraction is not None
                 assert round(fraction, 4) == report["dataloader"]["wait_fraction"]
-                assert f"(run {format_percent(fraction * 100)})" in steps
+                assert f"(avg {format_percent(fraction * 100)})" in steps
             for loader in report["dataloader"]["loaders"]:
                 shown = static_text(app.query_one(LoaderPanel).query_one(Static))
                 assert f"{loader['index']} {loader['dataset']} · batch" in shown

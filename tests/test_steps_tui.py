@@ -70,7 +70,7 @@ async def test_step_and_loader_panels_show_live_figures_at_80x24() -> None:
         text = figures(app)
         assert "step 301" in text and "100 ms" in text and "10.0 steps/s" in text
         assert "320 samples/s" in text
-        assert "wait 10% (run 10%)" in text and "compute 90.0 ms" in text and "opt 1.00 ms" in text
+        assert "wait 10% (avg 10%)" in text and "compute 90.0 ms" in text and "opt 1.00 ms" in text
         assert "INPUT-BOUND" not in str(steps.border_title)
         # The bars and the step time chart fill their space with data.
         bars = app.query_one(StepBars).render_text().plain

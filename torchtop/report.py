@@ -314,12 +314,13 @@ def render_text(report: dict[str, Any]) -> Any:
     return Group(*parts)
 
 
-def add_text_row(table: Any, *cells: str) -> None:
+def add_text_row(table: Any, *cells: Any) -> None:
     """A row of ``table`` whose cells are plain text: a phase or loader named ``[/bogus]`` or
-    ``[warmup] epoch 1`` is shown as it is, never read as Rich markup."""
+    ``[warmup] epoch 1`` is shown as it is, never read as Rich markup. A cell already a
+    ``Text`` (styled, or cut to fit) is kept as it is."""
     from rich.text import Text
 
-    table.add_row(*(Text(cell) for cell in cells))
+    table.add_row(*(cell if isinstance(cell, Text) else Text(cell) for cell in cells))
 
 
 def _ms(seconds: float | None) -> str:

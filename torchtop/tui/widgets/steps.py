@@ -154,7 +154,9 @@ def step_figures(state: JobModel) -> Text:
     )
     run_fraction = training.run.wait_fraction
     if run_fraction is not None:
-        second.append(f" (run {format_percent(run_fraction * 100)})", "dim")
+        # The whole run's average beside the recent figure, said as such ("run" alone was read
+        # as a state, not a span); the panel's tooltip spells both out.
+        second.append(f" (avg {format_percent(run_fraction * 100)})", "dim")
     second.append("  compute ", COMPUTE_STYLE)
     second.append(format_seconds(recent.mean_compute_s), "bold")
     second.append("  opt ", OPTIMIZER_STYLE)
@@ -322,6 +324,14 @@ def history_data(
     return series, spans, start, end
 
 
+#: What the figures above the bars are, on hovering them.
+STEP_FIGURES_TOOLTIP = (
+    "Over the last steps (about 10 s): the step count, mean step time, steps and samples per "
+    "second; wait = share of step time blocked on the DataLoader (avg: over the whole run), "
+    "compute = forward and backward, opt = optimizer.step()."
+)
+
+
 class StepPanel(Vertical):
     """Step figures over the last steps' bars and the step time history."""
 
@@ -353,7 +363,7 @@ class StepPanel(Vertical):
     _state: JobModel | None = None
 
     def compose(self) -> ComposeResult:
-        yield Static(id="step-figures")
+        yield Static(id="step-figures").with_tooltip(STEP_FIGURES_TOOLTIP)
         with Horizontal(id="step-charts"):
             yield StepBars(id="step-bars")
             yield StepTimeChart(id="step-history")
