@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtop.job_output import split_rank
+from torchtop.text import printable
 
 TRACEBACK_START = "Traceback (most recent call last):"
 #: The job's last stderr lines kept to find its traceback in (a deep recursion's is cut).
@@ -135,6 +136,5 @@ def _readers(record: str) -> str:
 
 
 def _visible(text: str) -> str:
-    """``text`` with control characters shown as escapes: nothing from the job drives the
-    terminal."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    """``text`` on one line, with what a terminal would act on shown as escapes."""
+    return printable(text, one_line=True)
