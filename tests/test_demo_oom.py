@@ -140,7 +140,7 @@ def spec_of(monkeypatch: pytest.MonkeyPatch, argv: list[str], default_device: st
         (["demo", "oom", "--device", "cpu"], "cuda", LIMIT, "cpu"),
         (["demo", "oom", "--memory-limit", "256MiB"], "cpu", 256 * MiB, None),
         (["demo", "oom", "--headless"], "cuda", None, "cuda"),
-        (["demo", "oom", "--device", "cuda"], "cpu", None, "cuda"),
+        (["demo", "oom", "--device", "cuda"], "cuda", None, "cuda"),
         (["demo", "memory", "--headless"], "cpu", None, None),
     ],
 )

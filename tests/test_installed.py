@@ -223,7 +223,7 @@ def test_the_installed_viewer_in_a_real_terminal(installed: Installed) -> None:
     session = f"torchtop-installed-{uuid.uuid4().hex[:8]}"
     command = "torchtop run view.py --steps 400 --sleep 0.02; echo EXIT=$?"
     subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", "-c",
+        ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "30", "-c",
          str(installed.work), "bash", "--norc", "--noprofile"],
         check=True, env=installed.environ,
     )  # fmt: skip
