@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchtop.agent.rank_start import rank_environment
+from torchtop.agent.rank_start import job_environment, new_run_id, rank_environment
 from torchtop.exit_summary import JobEnd, StderrTail
 from torchtop.feed import AgentFeed
 from torchtop.job_output import JobOutput
@@ -155,6 +155,8 @@ class Job:
         self._on_line = on_line
         self._output: JobOutput | None = None
         self._stopping = False
+        #: The run's id, for ranks whose launcher gives none (``TORCHTOP_RUN_ID``).
+        self.run_id = new_run_id()
 
     def start(self) -> None:
         spec = self.spec
@@ -169,10 +171,11 @@ class Job:
         if spec.launcher:
             # No agent in the launcher: one in each rank it starts, from its sitecustomize.
             target = spec.target
-            env = rank_environment(os.environ, options, target)
+            env = rank_environment(os.environ, options, target, self.run_id)
             cmd = [sys.executable, *target] if target[0] == "-m" else list(target)
         else:
-            env = dict(os.environ)
+            # The job's agent, and one in each process of it that becomes a rank.
+            env = job_environment(os.environ, options, self.run_id)
             env[OPTIONS_ENV] = json.dumps(options)
             cmd = [*python_module("torchtop.agent.bootstrap"), *spec.target]
         env.setdefault("PYTHONUNBUFFERED", "1")
