@@ -31,7 +31,7 @@ from torchtop.job_output import JobOutput
 from torchtop.launch import python_module
 from torchtop.private_files import open_private
 from torchtop.protocol import JobExited, LogLine, Message, OutOfMemory
-from torchtop.ranks import RankFeeds, RunFold, below
+from torchtop.ranks import JobFeeds, RankFeeds, RunFold, below, ranks_below
 from torchtop.recording import RecordingWriter
 from torchtop.transport import TransportError, ensure_runtime_dir, job_log_path
 
@@ -292,7 +292,7 @@ def run_headless(spec: RunSpec) -> int:
     # SIGTERM sent to us is passed on to the job.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     previous_term = signal.signal(signal.SIGTERM, lambda signum, frame: job.signal(signum))
-    feed: AgentFeed | RankFeeds | None = None
+    feed: JobFeeds | RankFeeds | None = None
     ooms: list[OutOfMemory] = []
 
     def received(message: Message) -> None:
@@ -305,14 +305,17 @@ def run_headless(spec: RunSpec) -> int:
             # Every rank's agent, each tagged with its source in the one recording.
             feed = RankFeeds(below(job.pid), writer, on_message=received).start()
         elif writer is not None:
-            feed = AgentFeed(
-                pid=job.pid,
-                alive=job.running,
-                writer=writer,
-                client="recorder",
-                on_message=received,
-            )
-            feed.start()
+            # The job's agent; and those of its processes that become ranks, if any do.
+            feed = JobFeeds(
+                AgentFeed(
+                    pid=job.pid,
+                    alive=job.running,
+                    writer=writer,
+                    client="recorder",
+                    on_message=received,
+                ),
+                RankFeeds(ranks_below(job.pid), writer, on_message=received),
+            ).start()
         returncode = job.wait()
         assert returncode is not None
     finally:
