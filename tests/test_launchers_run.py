@@ -5,8 +5,14 @@ run's id see them as they see torchrun's; the parent that only waits is the laun
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +155,33 @@ def test_lightnings_ddp_launcher_gives_both_ranks_their_global_steps(tmp_path: P
     # Rank 0 is the job's own process (Lightning's launcher runs there), rank 1 its child.
     assert [(r["rank"], r["steps"]) for r in ranks] == [(0, 12), (1, 12)]  # type: ignore[union-attr]
     assert report["exit_code"] == 0 and report["steps"] == 12
+
+
+def test_ps_shows_mp_spawn_ranks_as_one_run_under_their_launcher(tmp_path: Path) -> None:
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torchtop", "run", "--headless", "--no-ops",
+         str(SCRIPTS / "ddp.py"), "--spawn", "2", "--steps", "3000", "--sleep-ms", "5"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        listed: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            listed = json.loads(torchtop("ps", "--json").stdout)
+            if sorted(a["rank"] for a in listed if a["rank"] is not None) == [0, 1]:
+                break
+            time.sleep(0.5)
+        ranks = [a for a in listed if a["rank"] is not None]
+        (run_id,) = {a["run_id"] for a in ranks}
+        # The job's own process: no rank, the launcher of the ranks' run.
+        (parent,) = [a for a in listed if a["rank"] is None]
+        assert parent["launches"] == run_id
+        table = torchtop("ps").stdout.splitlines()
+        head = table.index(f"run {run_id}: 2 ranks of 2")
+        rows = [line.split() for line in table[head + 1 : head + 4]]
+        assert [row[0] for row in rows] == [str(parent["pid"]), *(str(a["pid"]) for a in ranks)]
+        assert [row[3] for row in rows] == ["launcher", "0/2", "1/2"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()

@@ -273,11 +273,15 @@ class Job:
         threading.Thread(target=self._escalate, name="torchtop-stop", daemon=True).start()
 
     def _escalate(self) -> None:
+        # A job in a session of its own (under a viewer) is stopped as a terminal's Ctrl-C
+        # stops one: every process of it gets the signal, so the ranks that the job's process
+        # started itself (mp.spawn's, Lightning's) stop with it instead of outliving it.
+        kill = os.killpg if not self.spec.headless else os.kill
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             if not self.running():
                 return
             with contextlib.suppress(OSError):
-                os.kill(self.pid, signum)
+                kill(self.pid, signum)
             if self.wait(STOP_GRACE_S) is not None:
                 return
 
