@@ -185,3 +185,17 @@ def test_ps_shows_mp_spawn_ranks_as_one_run_under_their_launcher(tmp_path: Path)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
         job.wait()
+
+
+def test_the_straggler_rule_names_a_slow_mp_spawn_rank(tmp_path: Path) -> None:
+    record, out = _run(
+        tmp_path, "--spawn", "3", "--steps", "120", "--slow-rank", "1", "--slow-ms", "30",
+        "--slow-in", "data",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = report_json(record)
+    findings = report["findings"]
+    assert isinstance(findings, list)
+    (finding,) = [f for f in findings if f["name"] == "straggler"]
+    assert finding["rank"] == 1 and finding["evidence"]["cause"] == "data"
+    assert "rank 1" in finding["summary"]

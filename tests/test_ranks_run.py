@@ -326,3 +326,27 @@ def test_a_rank_blocked_before_a_collective_is_named_with_its_line_and_a_killed_
     assert all(ranks[r]["exit_code"] not in (None, 0) for r in (0, 1, 2))
     # The ranks waiting in the hang took their batches with their steps: no evaluation.
     assert _named(report, "eval-with-grad") == []
+
+
+def test_four_single_threaded_ranks_on_two_cpus_blame_the_processes_not_the_threads(
+    tmp_path: Path,
+) -> None:
+    # Four ranks pinned to two CPUs, each already at torch.set_num_threads(1), with op windows
+    # (they say how many threads torch has).
+    record = tmp_path / "r.ttr"
+    out = subprocess.run(
+        ["taskset", "-c", "0,1", sys.executable, "-m", "torchtop", "run", "--headless",
+         "--record", str(record), sys.executable, "-m", "torch.distributed.run", "--standalone",
+         "--nproc_per_node=4", str(SCRIPTS / "ddp.py"), "--threads", "1", "--steps", "400",
+         "--sleep-ms", "20"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = report_json(record)
+    findings = [f for f in report["findings"] if f["name"] == "cpu-oversubscription"]  # type: ignore[union-attr]
+    assert findings, report["findings"]
+    for finding in findings:
+        assert finding["evidence"]["torch_threads"] == 1 and finding["evidence"]["cpus"] == 2
+        assert "4 processes" in finding["summary"] and "2 CPUs" in finding["summary"]
+        # Never the fix the job already applies.
+        assert "set_num_threads" not in (finding["code"] or "") + finding["fix"]

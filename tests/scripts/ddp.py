@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--alone", action="store_true")
     parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--start-method", default=None)
@@ -138,6 +139,8 @@ def spawned(rank: int, args: argparse.Namespace, world: int, port: int) -> None:
 
 
 def train(rank: int, args: argparse.Namespace, group: bool = True) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     slow = rank == args.slow_rank
     note(args.pids, "rank", rank)
     for i in range(args.say):
