@@ -54,7 +54,7 @@ def _hellos(record: Path) -> dict[int, tuple[Hello, str | None]]:
 
 
 def _results(stdout: str) -> dict[int, dict[str, int]]:
-    found = [json.loads(x) for x in re.findall(r"^RESULT (\{[^{}]*\})$", stdout, re.M)]
+    found = [json.loads(x) for x in re.findall(r"RESULT (\{[^{}]*\})", stdout)]
     return {r.get("rank", i): r for i, r in enumerate(found)}
 
 
@@ -148,7 +148,8 @@ def test_lightnings_ddp_launcher_gives_both_ranks_their_global_steps(tmp_path: P
         script="lightning_fit.py",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    own = [json.loads(x) for x in re.findall(r"^RESULT (\{[^{}]*\})$", out.stdout, re.M)]
+    # The two ranks share the job's stdout: their lines may come in one write.
+    own = [json.loads(x) for x in re.findall(r"RESULT (\{[^{}]*\})", out.stdout)]
     assert len(own) == 2 and own[0]["global_step"] == own[1]["global_step"] == 12
     report = report_json(record)
     ranks = report["ranks"]
@@ -171,7 +172,7 @@ def test_ps_shows_mp_spawn_ranks_as_one_run_under_their_launcher(tmp_path: Path)
             if sorted(a["rank"] for a in listed if a["rank"] is not None) == [0, 1]:
                 break
             time.sleep(0.5)
-        ranks = [a for a in listed if a["rank"] is not None]
+        ranks = sorted((a for a in listed if a["rank"] is not None), key=lambda a: a["rank"])
         (run_id,) = {a["run_id"] for a in ranks}
         # The job's own process: no rank, the launcher of the ranks' run.
         (parent,) = [a for a in listed if a["rank"] is None]
@@ -199,3 +200,55 @@ def test_the_straggler_rule_names_a_slow_mp_spawn_rank(tmp_path: Path) -> None:
     (finding,) = [f for f in findings if f["name"] == "straggler"]
     assert finding["rank"] == 1 and finding["evidence"]["cause"] == "data"
     assert "rank 1" in finding["summary"]
+
+
+SPAWN_WITH_START = """
+import os, sys, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+import torchtop
+
+def worker(rank, world, port):
+    torchtop.start()  # before the process group: the agent learns its rank from it
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.1)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(2, port), nprocs=2)
+"""
+
+
+def test_mp_spawn_ranks_that_start_torchtop_themselves_are_one_run_to_attach(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "spawned.py"
+    script.write_text(SPAWN_WITH_START)
+    done = tmp_path / "done"
+    # Started without torchtop: only torchtop.start() in each rank.
+    job = subprocess.Popen([sys.executable, str(script), str(done)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        ranks: list[dict[str, Any]] = []
+        while len(ranks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            listed = json.loads(torchtop("ps", "--json").stdout)
+            ranks = [a for a in listed if a["rank"] is not None and a["run_id"]]
+        assert sorted((a["rank"], a["world_size"]) for a in ranks) == [(0, 2), (1, 2)]
+        (run_id,) = {a["run_id"] for a in ranks}
+        assert run_id.startswith("pg-127.0.0.1:")
+        # `attach` with no PID sees one run of ranks (the viewer opens the run's view; a
+        # headless recording asks which rank).
+        out = torchtop("attach", "--headless", "--record", str(tmp_path / "r.ttr"))
+        assert out.returncode == 1 and f"are the ranks of run {run_id}" in out.stderr
+        done.write_text("")
+        assert job.wait(60) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()

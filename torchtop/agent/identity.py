@@ -88,10 +88,14 @@ def rank_identity(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 
 
 def group_identity(
-    rank: int, world_size: int, environ: Mapping[str, str] | None = None
+    rank: int,
+    world_size: int,
+    environ: Mapping[str, str] | None = None,
+    group_id: str | None = None,
 ) -> dict[str, Any]:
     """The identity of a process that is rank ``rank`` of a process group of ``world_size``:
-    its local and node rank from the launcher's marks where they name the same rank."""
+    its local and node rank from the launcher's marks where they name the same rank; its run
+    the launcher's or torchtop's, else ``group_id`` (the same in every rank of the group)."""
     env = os.environ if environ is None else environ
     marks = rank_identity(env)
     same = marks["rank"] == rank
@@ -101,5 +105,5 @@ def group_identity(
         "world_size": world_size,
         "local_rank": marks["local_rank"] if same else None,
         "node_rank": marks["node_rank"] if same else None,
-        "run_id": marks["run_id"] or _run_id(env, True),
+        "run_id": marks["run_id"] or _run_id(env, True) or group_id,
     }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,8 +25,10 @@ from torchtop.agent.rank_site.sitecustomize import (
     OWNER_RANK_ENV,
     RANK_MARKS,
     RANK_OPTIONS_ENV,
+    GroupWatcher,
     launcher_rank,
     should_start,
+    wrap_init_process_group,
 )
 from torchtop.job_output import RANK_PREFIX_TEMPLATE
 
@@ -92,13 +95,44 @@ def joined_group() -> None:
     running = agent is not None and agent.pid == os.getpid() and not agent.finished
     if world_size < 2 and running:
         return  # a group of one beside no other rank: the job stays a single process
-    identity = group_identity(rank, world_size)
+    identity = group_identity(rank, world_size, group_id=_store_id(dist))
     _mark_owner()
     if running:
         assert agent is not None
         agent.announce_identity(identity)
     elif RANK_OPTIONS_ENV in os.environ:
         core.start(identity=identity, **_options())
+
+
+def _store_id(dist: Any) -> str | None:
+    """The address of the process group's store, the same in all its ranks: a run's id where
+    no launcher and no ``torchtop run`` gave one (``torchtop.start()`` in mp.spawn's ranks)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        return f"pg-{store.host}:{store.port}"
+    except Exception:  # not a TCP store (a file, a hash store): no id
+        return None
+
+
+def follow_group() -> None:
+    """For an agent started in the script (``torchtop.start()``) that no launcher named a
+    rank: its rank once its process group exists (now, or when it is initialised)."""
+    if wrap_init_process_group(_announce):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            joined_group()
+    else:
+        sys.meta_path.insert(0, GroupWatcher(_announce))
+
+
+def _announce() -> None:
+    try:
+        joined_group()
+    except Exception as exc:  # the job runs on; its agent stays a single process's
+        print(f"torchtop: this rank's agent does not know its rank: {exc!r}", file=sys.stderr)
 
 
 def new_run_id() -> str:

@@ -132,11 +132,12 @@ class GroupWatcher:
     """A ``sys.meta_path`` entry that finds nothing; it wraps ``init_process_group`` once
     ``torch.distributed`` has loaded (inside the job's ``import torch``), then leaves."""
 
-    def __init__(self) -> None:
+    def __init__(self, joined: Callable[[], None] = _joined) -> None:
         self.active = True
+        self._joined = joined
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if self.active and C10D_MODULE in sys.modules and wrap_init_process_group():
+        if self.active and C10D_MODULE in sys.modules and wrap_init_process_group(self._joined):
             self.remove()
         return None
 
