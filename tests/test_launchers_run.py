@@ -252,3 +252,30 @@ def test_mp_spawn_ranks_that_start_torchtop_themselves_are_one_run_to_attach(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
         job.wait()
+
+
+def test_accelerate_launch_gives_each_process_its_agent(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    accelerate = Path(sys.executable).parent / "accelerate"
+    record = tmp_path / "r.ttr"
+    # `--cpu` makes accelerate run one process (more need mpirun); `--multi_gpu` runs its
+    # torchrun, and the script's Accelerator(cpu=True) trains on the CPU with gloo.
+    out = torchtop(
+        "run", "--headless", "--record", str(record), "--no-ops", str(accelerate), "launch",
+        "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", str(SCRIPTS / "accelerate_ddp.py"), timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert sorted(_results(out.stdout)) == [0, 1], out.stdout
+    report = report_json(record)
+    assert [(r["rank"], r["steps"]) for r in report["ranks"]] == [(0, 8), (1, 8)]  # type: ignore[union-attr]
+
+
+def test_fsdp2_ranks_under_mp_spawn_have_their_steps_and_memory(tmp_path: Path) -> None:
+    record, out = _run(tmp_path, "12", script="fsdp2.py")
+    assert out.returncode == 0, out.stderr
+    assert sorted(_results(out.stdout)) == [0, 1], out.stdout
+    ranks = report_json(record)["ranks"]
+    assert [(r["rank"], r["steps"]) for r in ranks] == [(0, 12), (1, 12)]  # type: ignore[union-attr]
+    # Each rank's own memory (on the CPU: its heap, and its RSS).
+    assert all(r["peak_allocated_bytes"] and r["peak_rss_bytes"] for r in ranks)  # type: ignore[union-attr]
