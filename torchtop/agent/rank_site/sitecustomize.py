@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping
-from typing import Any
+
+TYPE_CHECKING = False  # typing itself costs every process of every job a few milliseconds
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from typing import Any
 
 #: The agent's options (JSON) for each rank; its presence turns rank start-up on.
 RANK_OPTIONS_ENV = "TORCHTOP_RANK_OPTIONS"
