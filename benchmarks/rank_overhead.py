@@ -9,11 +9,16 @@ does in one process; the ranks switch arms at the same step (blocks are counted 
 count agreed at warm-up), so every all-reduce meets ranks in the same arm. Per rank: the ratio
 of the median step times (on / off), and of the means (the op windows' amortized cost).
 
+The same ranks started by ``torch.multiprocessing.spawn`` (``--launcher spawn``; ``both``, the
+default, runs torchrun's then spawn's): the job runs with the environment ``torchtop run SCRIPT``
+gives it (:func:`torchtop.agent.rank_start.job_environment`), so each rank's agent starts when
+its process group is initialised.
+
 The single process: the same model, rounds and block length through
-:func:`benchmarks.agent_overhead.measure`, run just before in its own process, so the two
+:func:`benchmarks.agent_overhead.measure`, run just before in its own process, so the
 ratios come from one invocation on one machine state.
 
-    python -m benchmarks.rank_overhead                 # 2 ranks, about 3 minutes
+    python -m benchmarks.rank_overhead                 # 2 ranks, both launchers, ~6 minutes
     python -m benchmarks.rank_overhead --quick         # a smoke run
     python -m benchmarks.rank_overhead --ranks 2 --model tiny-ops --rounds 60
 """
@@ -45,7 +50,7 @@ from benchmarks.agent_overhead import (
     summarize,
 )
 from torchtop.agent import core
-from torchtop.agent.rank_start import rank_environment
+from torchtop.agent.rank_start import job_environment, rank_environment
 
 REPO = Path(__file__).resolve().parent.parent
 #: Steps each rank takes before the block length is agreed.
@@ -62,10 +67,13 @@ def counted(step: Any, steps: int) -> list[float]:
     return times
 
 
-def rank_worker(model: str, rounds: int, seconds: float, out: Path) -> None:
-    """One rank: its agent (started by its ``sitecustomize``) on against off."""
+def rank_worker(
+    model: str, rounds: int, seconds: float, out: Path, init: dict[str, Any] | None = None
+) -> None:
+    """One rank: its agent (started by its ``sitecustomize``) on against off. ``init``: the
+    process group's rank, world size and address, where no launcher's environment says."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", **(init or {}))
     rank = dist.get_rank()
     agent = core.current()
     if agent is None:
@@ -99,6 +107,25 @@ def rank_worker(model: str, rounds: int, seconds: float, out: Path) -> None:
         out.write_text(json.dumps(results))
 
 
+def spawned_worker(
+    rank: int, world: int, port: int, model: str, rounds: int, seconds: float, out: Path
+) -> None:
+    init = {"rank": rank, "world_size": world, "init_method": f"tcp://127.0.0.1:{port}"}
+    rank_worker(model, rounds, seconds, out, init)
+
+
+def spawn_ranks(world: int, model: str, rounds: int, seconds: float, out: Path) -> None:
+    """The job's process: start the ranks with mp.spawn and wait, as the DDP tutorial does."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    torch.multiprocessing.spawn(
+        spawned_worker, args=(world, port, model, rounds, seconds, out), nprocs=world
+    )
+
+
 def single_worker(model: str, rounds: int, seconds: float, out: Path) -> None:
     torch.set_num_threads(1)
     out.write_text(json.dumps(measure("single", MODELS[model], rounds, seconds)))
@@ -117,8 +144,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="paired blocks (default 40)")
     parser.add_argument("--seconds", type=float, help="length of a block (default 1.0)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--launcher", choices=("torchrun", "spawn", "both"), default="both")
     parser.add_argument("--json", action="store_true", help="print the results as JSON at the end")
-    parser.add_argument("--worker", choices=("rank", "single"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("rank", "single", "spawn"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 40)
@@ -129,32 +157,51 @@ def main() -> None:
     if args.worker == "single":
         single_worker(args.model, rounds, seconds, args.out)
         return
+    if args.worker == "spawn":
+        spawn_ranks(args.ranks, args.model, rounds, seconds, args.out)
+        return
     common = ["--model", args.model, "--rounds", str(rounds), "--seconds", str(seconds)]
+    options = {"linger_s": 0.0, "capture_output": False}
+    launchers = ("torchrun", "spawn") if args.launcher == "both" else (args.launcher,)
+    results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
-        single_out, ranks_out = Path(folder, "single.json"), Path(folder, "ranks.json")
+        single_out = Path(folder, "single.json")
         print(f"single process, {args.model}:", flush=True)
         run(["-m", "benchmarks.rank_overhead", "--worker", "single", "--out", str(single_out),
              *common])  # fmt: skip
-        print(f"{args.ranks} ranks (DDP, gloo), {args.model}:", flush=True)
-        target = ["-m", "torch.distributed.run", "--standalone",
-                  f"--nproc_per_node={args.ranks}", "-m", "benchmarks.rank_overhead",
-                  "--worker", "rank", "--out", str(ranks_out), *common]  # fmt: skip
-        env = rank_environment(os.environ, {"linger_s": 0.0, "capture_output": False}, target)
-        env["PYTHONPATH"] += os.pathsep + str(REPO)
-        run(target, env)
-        single = json.loads(single_out.read_text())
-        ranks = json.loads(ranks_out.read_text())
+        results["single"] = json.loads(single_out.read_text())
+        for launcher in launchers:
+            out = Path(folder, f"{launcher}.json")
+            print(f"{args.ranks} ranks (DDP, gloo) by {launcher}, {args.model}:", flush=True)
+            if launcher == "torchrun":
+                target = ["-m", "torch.distributed.run", "--standalone",
+                          f"--nproc_per_node={args.ranks}", "-m", "benchmarks.rank_overhead",
+                          "--worker", "rank", "--out", str(out), *common]  # fmt: skip
+                env = rank_environment(os.environ, options, target)
+            else:
+                target = ["-m", "benchmarks.rank_overhead", "--worker", "spawn", "--ranks",
+                          str(args.ranks), "--out", str(out), *common]  # fmt: skip
+                env = job_environment(os.environ, options)
+            env["PYTHONPATH"] += os.pathsep + str(REPO)
+            run(target, env)
+            results[launcher] = json.loads(out.read_text())
+    single = results["single"]
     print(f"\nagent on / off, median step time ({args.model}, {rounds} paired blocks):")
     print(f"  single process  {single['ratio']:.4f}  (mean {single['mean_ratio']:.4f})")
-    for rank, result in enumerate(ranks):
-        print(f"  rank {rank}          {result['ratio']:.4f}  (mean {result['mean_ratio']:.4f})")
-    print(
-        f"  ranks' median   {statistics.median(r['ratio'] for r in ranks):.4f}"
-        f"  (step {statistics.median(r['median_step_off_ms'] for r in ranks):.2f} ms off;"
-        f" single {single['median_step_off_ms']:.2f} ms)"
-    )
+    for launcher in launchers:
+        ranks = results[launcher]
+        for rank, result in enumerate(ranks):
+            print(
+                f"  {launcher:8} rank {rank}  {result['ratio']:.4f}"
+                f"  (mean {result['mean_ratio']:.4f})"
+            )
+        print(
+            f"  {launcher:8} median  {statistics.median(r['ratio'] for r in ranks):.4f}"
+            f"  (step {statistics.median(r['median_step_off_ms'] for r in ranks):.2f} ms off;"
+            f" single {single['median_step_off_ms']:.2f} ms)"
+        )
     if args.json:
-        print(json.dumps({"single": single, "ranks": ranks}, indent=2))
+        print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -368,6 +368,32 @@ def test_cpu_oversubscription_by_threads_alone_or_with_busy_workers() -> None:
     assert fed(threads_job(2, [])).advice.findings == []
 
 
+def on_node(messages: list[Message], processes: int) -> list[Message]:
+    """``messages`` from one of ``processes`` ranks on the node."""
+    return [
+        dataclasses.replace(m, host=dataclasses.replace(m.host, local_processes=processes))
+        if isinstance(m, Sample) and m.host is not None
+        else m
+        for m in messages
+    ]
+
+
+def test_one_thread_per_process_blames_the_processes_per_core_never_the_threads() -> None:
+    # Four ranks on 2 CPUs, each already at torch.set_num_threads(1).
+    (finding,) = fed(on_node(threads_job(1, [], cpus=2), 4)).advice.findings
+    assert (finding.name, finding.severity) == ("cpu-oversubscription", "warning")
+    assert "set_num_threads" not in (finding.code or "") + finding.fix
+    assert "4 processes" in finding.summary and "2 CPUs" in finding.summary
+    assert "processes" in finding.title and "threads" not in finding.title
+    assert finding.evidence["processes_per_cpu"] == 2.0
+    assert finding.demo_command == "" and finding.to_json()["demo_command"] is None
+    # As many single-threaded processes as cores: nothing to say.
+    assert fed(on_node(threads_job(1, [], cpus=4), 4)).advice.findings == []
+    # Two threads each for four ranks on 4 CPUs: the threads are still the fix.
+    (finding,) = fed(on_node(threads_job(2, [], cpus=4), 4)).advice.findings
+    assert "set_num_threads(1)" in (finding.code or "")
+
+
 def util_job(util: float, *, wait_share: float = 0.0, seconds: int = 20) -> list[Message]:
     """Steps for ``seconds`` and a GPU sample a second from the real NVML probe over a fake
     H200 the job uses, busy ``util`` percent."""

@@ -53,3 +53,43 @@ def test_the_identity_crosses_the_wire() -> None:
     )
     assert b'"rank"' in encode(hello) and b'"rank"' not in old
     assert isinstance(decode(old), Hello)
+
+
+def test_slurm_and_mpi_tasks_know_which_rank_they_are() -> None:
+    slurm = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NODEID": "1"}
+    assert rank_identity({**slurm, "TORCHTOP_RUN_ID": "tt-1"}) == {
+        "rank": 3,
+        "local_rank": 1,
+        "world_size": 4,
+        "node_rank": 1,
+        "run_id": "tt-1",
+        "restart_count": None,
+    }
+    # The scheduler's job and step name the run where the tasks share no torchtop run.
+    assert rank_identity({**slurm, "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"})["run_id"] == (
+        "slurm-77.0"
+    )
+    mpi = {
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+    }
+    identity = rank_identity({**mpi, "TORCHTOP_RUN_ID": "tt-2"})
+    assert (identity["rank"], identity["local_rank"], identity["world_size"]) == (1, 1, 2)
+    assert identity["run_id"] == "tt-2"
+
+
+def test_lightnings_child_knows_its_rank_on_one_node() -> None:
+    env = {"LOCAL_RANK": "1", "WORLD_SIZE": "2", "NODE_RANK": "0", "TORCHTOP_RUN_ID": "tt-3"}
+    identity = rank_identity(env)
+    assert (identity["rank"], identity["local_rank"], identity["world_size"]) == (1, 1, 2)
+    assert identity["run_id"] == "tt-3"
+    # On a later node the global rank depends on the processes per node: unknown until the
+    # process group says it.
+    assert rank_identity({**env, "NODE_RANK": "1"})["rank"] is None
+
+
+def test_a_single_task_or_a_process_outside_any_rank_stays_a_single_process() -> None:
+    one_task = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"}
+    assert set(rank_identity({**one_task, "TORCHTOP_RUN_ID": "tt-4"}).values()) == {None}
+    assert set(rank_identity({"TORCHTOP_RUN_ID": "tt-4"}).values()) == {None}

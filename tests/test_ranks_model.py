@@ -3,6 +3,7 @@ and the stuck-job stacks of the agent, fed with the messages the agents send."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 import time
@@ -255,3 +256,28 @@ def test_a_run_finding_is_exported_on_the_rank_it_names() -> None:
     snaps = {rank: snapshot_of(run.jobs[str(rank)], findings) for rank in range(3)}
     assert snaps[2] is not None and ("straggler", "critical") in snaps[2].findings
     assert snaps[0] is not None and snaps[0].findings == ()
+
+
+def test_a_job_that_becomes_a_rank_keeps_its_figures_under_its_new_identity() -> None:
+    # Lightning's rank 0: the job's agent spoke as a single process, then its process group
+    # said which rank it is (a fresh hello); the other rank spoke as one from the start.
+    alone = dataclasses.replace(
+        hello(0), rank=None, local_rank=None, world_size=None, node_rank=None, run_id=None
+    )
+    fast = (0.040, 0.001, 0.032)
+    run = RunModel(new_job=lambda: JobModel(mode="replay"))
+    run.apply("100", alone)
+    run.apply("101", hello(1))
+    for i in range(1, 17):
+        t = T0 + i * 0.5
+        if i == 3:
+            run.apply("100", hello(0))
+        for rank, stream in ((0, "100"), (1, "101")):
+            step, wait, backward = (0.040, 0.031, 0.002) if rank == 0 else fast
+            run.apply(stream, steps(t, i * 10, 10, step, wait, backward))
+    job = run.jobs["100"]
+    assert job.hello is not None and job.hello.rank == 0 and job.training.total == 160
+    assert sorted(i.rank for i in run.by_identity() if i.rank is not None) == [0, 1]
+    # The rules see it as the rank it became.
+    (finding,) = run.ranks.findings
+    assert (finding.name, finding.rank) == ("straggler", 0)

@@ -18,7 +18,14 @@ import psutil
 import pytest
 
 from tests.conftest import SCRIPTS, report_json, torchtop
-from torchtop.agent.rank_start import OWNER_ENV, RANK_OPTIONS_ENV, rank_environment, should_start
+from torchtop.agent.rank_start import (
+    OWNER_ENV,
+    OWNER_RANK_ENV,
+    RANK_OPTIONS_ENV,
+    job_environment,
+    rank_environment,
+    should_start,
+)
 from torchtop.protocol import Hello, LogLine
 from torchtop.recording import read_recording
 
@@ -32,9 +39,28 @@ def test_only_a_rank_under_torchtop_run_starts_an_agent() -> None:
     # torchrun's elastic agent: no rank of its own.
     assert not should_start({RANK_OPTIONS_ENV: "{}", "TORCHELASTIC_RUN_ID": "abc"})
     # A process a rank started (a spawned DataLoader worker): the rank's agent marked it.
-    assert not should_start({**RANK_ENV, OWNER_ENV: "123"})
+    assert not should_start({**RANK_ENV, OWNER_ENV: "123", OWNER_RANK_ENV: "torchrun:1"})
     # A rank outside `torchtop run`.
     assert not should_start({k: v for k, v in RANK_ENV.items() if k != RANK_OPTIONS_ENV})
+
+
+def test_a_schedulers_task_or_lightnings_child_is_a_rank_its_workers_are_not() -> None:
+    options = {RANK_OPTIONS_ENV: "{}"}
+    slurm = {**options, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2"}
+    mpi = {**options, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}
+    lightning = {**options, "LOCAL_RANK": "1", "WORLD_SIZE": "2", "NODE_RANK": "0"}
+    for env in (slurm, mpi, lightning):
+        assert should_start(env), env
+        # The task's own DataLoader workers inherit its marks, and the mark of its agent.
+        job = job_environment(env, {})
+        assert not should_start(job), env
+    # One task alone is a single process; so is a job with no launcher's marks (mp.spawn's
+    # ranks get theirs when their process group exists).
+    assert not should_start({**slurm, "SLURM_NTASKS": "1"})
+    assert not should_start(job_environment({}, {}))
+    # Lightning's parent has marked itself rank 0 when it starts rank 1 with LOCAL_RANK=1.
+    parent = job_environment({**lightning, "LOCAL_RANK": "0"}, {})
+    assert should_start({**parent, "LOCAL_RANK": "1"})
 
 
 def test_the_sitecustomize_chains_the_one_it_displaces(tmp_path: Path) -> None:
@@ -44,12 +70,26 @@ def test_the_sitecustomize_chains_the_one_it_displaces(tmp_path: Path) -> None:
     env = rank_environment({**os.environ, "PYTHONPATH": str(theirs)}, {})
     out = subprocess.run(
         [sys.executable, "-c", "import os, sys; print(os.environ.get('THEIRS_RAN'), "
-         f"os.environ.get('{OWNER_ENV}'), 'torchtop.agent.core' in sys.modules)"],
+         f"os.environ.get('{OWNER_ENV}'), 'torchtop' in sys.modules)"],
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    # Theirs ran; this process is no rank, so it got no agent.
+    # Theirs ran; this process is no rank, so it got no agent, nor any of torchtop's imports.
     assert out.stdout.split() == ["1", "None", "False"]
+
+
+def test_a_process_that_never_joins_a_process_group_gets_no_agent(tmp_path: Path) -> None:
+    env = job_environment(os.environ, {})
+    code = (
+        "import sys, torch, torch.distributed as dist; "
+        "print('torchtop' in sys.modules, getattr(dist.init_process_group, '_torchtop', False))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    # init_process_group is wrapped, waiting; nothing of torchtop was imported.
+    assert out.stdout.split() == ["False", "True"]
 
 
 def _run_ddp(tmp_path: Path, launcher: list[str], world: int, *script_args: str) -> Path:
@@ -286,3 +326,27 @@ def test_a_rank_blocked_before_a_collective_is_named_with_its_line_and_a_killed_
     assert all(ranks[r]["exit_code"] not in (None, 0) for r in (0, 1, 2))
     # The ranks waiting in the hang took their batches with their steps: no evaluation.
     assert _named(report, "eval-with-grad") == []
+
+
+def test_four_single_threaded_ranks_on_two_cpus_blame_the_processes_not_the_threads(
+    tmp_path: Path,
+) -> None:
+    # Four ranks pinned to two CPUs, each already at torch.set_num_threads(1), with op windows
+    # (they say how many threads torch has).
+    record = tmp_path / "r.ttr"
+    out = subprocess.run(
+        ["taskset", "-c", "0,1", sys.executable, "-m", "torchtop", "run", "--headless",
+         "--record", str(record), sys.executable, "-m", "torch.distributed.run", "--standalone",
+         "--nproc_per_node=4", str(SCRIPTS / "ddp.py"), "--threads", "1", "--steps", "400",
+         "--sleep-ms", "20"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = report_json(record)
+    findings = [f for f in report["findings"] if f["name"] == "cpu-oversubscription"]  # type: ignore[union-attr]
+    assert findings, report["findings"]
+    for finding in findings:
+        assert finding["evidence"]["torch_threads"] == 1 and finding["evidence"]["cpus"] == 2
+        assert "4 processes" in finding["summary"] and "2 CPUs" in finding["summary"]
+        # Never the fix the job already applies.
+        assert "set_num_threads" not in (finding["code"] or "") + finding["fix"]

@@ -257,3 +257,41 @@ def test_attach_with_no_pid_opens_the_run_and_q_leaves_it_running(
                 process.kill()
         launcher.kill()
         launcher.wait()
+
+
+def test_mp_spawn_ranks_show_live_in_the_run_view(
+    terminal: Terminal,  # noqa: F811
+    launchers: list[int],
+) -> None:
+    # The PyTorch DDP tutorial's shape: the script starts its ranks with mp.spawn and waits.
+    command = (
+        f"{sys.executable} -m torchtop run --no-ops {SCRIPTS / 'ddp.py'} --spawn 3 "
+        "--steps 3000 --sleep-ms 5; echo EXIT=$?"
+    )
+    terminal.keys(command, "Enter")
+
+    def stepping(screen: str) -> bool:
+        rows = _rows(screen)
+        return sorted(rows) == [0, 1, 2] and all(int(r[3]) > 0 for r in rows.values())
+
+    screen = terminal.wait_for(stepping, timeout=120)
+    # The parent that only waits is the launcher, not a rank.
+    launcher = _launcher(screen)
+    launchers.append(launcher)
+    assert "3 ranks of 3" in screen
+    rows = _rows(screen)
+    pids = [int(row[1]) for row in rows.values()]
+    assert launcher not in pids and all(row[2] == "running" for row in rows.values())
+    # Live: the steps go on.
+    before = {rank: int(row[3]) for rank, row in rows.items()}
+    screen = terminal.wait_for(
+        lambda s: all(int(r[3]) > before[k] for k, r in _rows(s).items()), timeout=60
+    )
+    terminal.keys("q")
+    screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+", s), timeout=120)
+    # The job was stopped as Ctrl-C stops it, ranks and all.
+    assert "EXIT=130" in screen
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(psutil.pid_exists(pid) for pid in pids)

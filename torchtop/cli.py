@@ -584,7 +584,17 @@ def _run_spec(spec: Any) -> int:
         from torchtop.tui.sources import RunSource
 
         source = RunSource(spec)
-        code = _run_app(TorchtopApp(source, title=spec.description))
+        app = TorchtopApp(source, title=spec.description)
+
+        def ranks_appeared() -> None:
+            # The job's processes became ranks (mp.spawn, Lightning): the run's view follows.
+            with contextlib.suppress(Exception):
+                app.call_from_thread(app.exit, RANKS_APPEARED)
+
+        source.on_ranks = ranks_appeared
+        code = _run_app(app)
+        if app.return_value == RANKS_APPEARED:
+            return _view_script_run(source, spec.description)
         source.wait_after_viewer()
         _print_exit_summary(source.job_end())
         # The job's own exit code, as headless gives it (a job stopped from the viewer: 130);
@@ -600,6 +610,27 @@ def _print_exit_summary(end: Any) -> None:
 
     for line in exit_summary(end):
         print(line, file=sys.stderr)
+
+
+#: What the single job's viewer returns when the job's processes have become ranks.
+RANKS_APPEARED = "ranks appeared"
+
+
+def _view_script_run(source: Any, title: str) -> int:
+    """The view of the ranks a script's processes became, until it quits; the job's exit
+    code."""
+    from torchtop.tui.sources import ScriptRun
+
+    run = ScriptRun(source)
+    try:
+        _view_run(run, title)
+    finally:
+        if run.running():
+            run.stop_job()
+    source.wait_after_viewer()
+    _print_exit_summary(source.job_end())
+    code = source.job.exit_code
+    return code if code is not None else 0
 
 
 def _run_ranks_view(spec: Any) -> int:
@@ -666,6 +697,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
     _check_runtime_dir()
     agents = list_agents()
+    launchers = _launchers(agents)
     if args.json:
         print(
             json.dumps(
@@ -678,6 +710,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
                         "address": a.address,
                         "cwd": a.cwd,
                         **a.identity,
+                        **({"launches": launchers[a.pid]} if a.pid in launchers else {}),
                     }
                     for a in agents
                 ],
@@ -695,30 +728,63 @@ def cmd_ps(args: argparse.Namespace) -> int:
     # Ranks of a distributed run: which rank of how many, and which run, before the command
     # (every rank runs the same one). The columns appear only when some agent is a rank.
     ranked = any(a.rank_label for a in agents)
-    rank_w = max([len("RANK"), *(len(shown(a.rank_label)) for a in agents)])
-    run_w = max([len("RUN"), *(len(shown(a.run_label)) for a in agents)])
+
+    def rank_of(a: Any) -> str:
+        return "launcher" if a.pid in launchers else a.rank_label
+
+    def run_of(a: Any) -> str:
+        return launchers.get(a.pid, a.run_label)
+
+    rank_w = max([len("RANK"), *(len(shown(rank_of(a))) for a in agents)])
+    run_w = max([len("RUN"), *(len(shown(run_of(a))) for a in agents)])
     rank_head = f"{'RANK':>{rank_w}}  {'RUN':{run_w}}  " if ranked else ""
     print(f"{'PID':>8}  {'STARTED':19}  {rank_head}{'ADDRESS':40}  COMMAND")
-    for run, members in _by_run(agents):
+    for run, members in _by_run(agents, launchers):
         if run:
             # The ranks of one run together, under a line that says what they are.
             print(f"run {shown(run)}: {_ranks_line(members)}")
         for a in members:
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.started_at))
-            rank = (
-                f"{shown(a.rank_label):>{rank_w}}  {shown(a.run_label):{run_w}}  " if ranked else ""
-            )
+            rank = f"{shown(rank_of(a)):>{rank_w}}  {shown(run_of(a)):{run_w}}  " if ranked else ""
             print(f"{a.pid:>8}  {started:19}  {rank}{shown(a.address):40}  {shown(a.command)}")
     return 0
 
 
-def _by_run(agents: list[Any]) -> list[tuple[str, list[Any]]]:
-    """Agents grouped by run (single processes under ``""``, first), each run's by rank."""
+def _launchers(agents: list[Any]) -> dict[int, str]:
+    """The agents of single processes that started the ranks of a run (the parent of
+    ``torch.multiprocessing.spawn``, a job whose subprocesses are a scheduler's tasks), by pid,
+    with the run's label."""
+    import psutil
+
+    singles = {a.pid for a in agents if not a.rank_label}
+    found: dict[int, str] = {}
+    for a in agents:
+        if not (a.rank_label and a.run_label and singles):
+            continue
+        try:
+            parents = psutil.Process(a.pid).parents()
+        except psutil.Error:
+            continue
+        for parent in parents:
+            if parent.pid in singles:
+                found.setdefault(parent.pid, a.run_label)
+                break
+    return found
+
+
+def _by_run(
+    agents: list[Any], launchers: dict[int, str] | None = None
+) -> list[tuple[str, list[Any]]]:
+    """Agents grouped by run (single processes under ``""``, first), each run's launcher
+    first (``launchers``: see :func:`_launchers`), then its ranks by rank."""
+    launchers = launchers or {}
     groups: dict[str, list[Any]] = {}
     for a in agents:
-        groups.setdefault(a.run_label if a.rank_label else "", []).append(a)
+        groups.setdefault(a.run_label if a.rank_label else launchers.get(a.pid, ""), []).append(a)
     for members in groups.values():
-        members.sort(key=lambda a: (a.identity.get("rank") is None, a.identity.get("rank") or 0))
+        members.sort(
+            key=lambda a: (a.identity.get("rank") is not None, a.identity.get("rank") or 0)
+        )
     return sorted(groups.items(), key=lambda item: (item[0] != "", item[0]))
 
 
@@ -751,10 +817,11 @@ def _pick_agent(pid: int | None, interactive: bool) -> Any:
         )
     if len(agents) == 1:
         return agents[0]
-    runs = _by_run(agents)
+    runs = _by_run(agents, _launchers(agents))
     if len(runs) == 1 and runs[0][0]:
-        # Every agent is a rank of one run: the viewer shows the run; a recording is one rank's.
-        run, members = runs[0]
+        # Every agent is a rank of one run (or the process that started them): the viewer
+        # shows the run; a recording is one rank's.
+        run, members = runs[0][0], [a for a in runs[0][1] if a.rank_label]
         if interactive:
             return _RunOfRanks(run, members)
         pids = ", ".join(f"rank {a.identity.get('rank')}: {a.pid}" for a in members)

@@ -22,7 +22,7 @@ from torchtop.feed import AgentFeed
 from torchtop.job_output import rank_prefix, split_rank
 from torchtop.model import JobModel
 from torchtop.model.run import RunModel
-from torchtop.protocol import LogLine, Message, encode
+from torchtop.protocol import JobExited, LogLine, Message, encode
 from torchtop.recording import FrameSink, tag_frame
 from torchtop.transport import AgentInfo, list_agents, pid_alive
 
@@ -155,6 +155,51 @@ def below(launcher_pid: int) -> Callable[[AgentInfo], bool]:
     from torchtop.export.service import descends_from
 
     return descends_from(launcher_pid)
+
+
+def ranks_below(job_pid: int) -> Callable[[AgentInfo], bool]:
+    """The agents below a job's own process that say which rank they are: the ranks that
+    ``torch.multiprocessing.spawn``, Lightning's launcher or a scheduler's tasks started."""
+    descends = below(job_pid)
+    return lambda info: info.identity.get("rank") is not None and descends(info)
+
+
+class JobFeeds:
+    """A job's own agent, untagged as for a single process, and the agents of the processes
+    below it that become ranks (:class:`RankFeeds`, tagged): a job that never starts a rank
+    is recorded exactly as a single process is; one that does is a run whose own stream is
+    the launcher's (the parent that waits, or rank 0 itself, whose hello then says so)."""
+
+    def __init__(self, job: AgentFeed, ranks: RankFeeds) -> None:
+        self.job = job
+        self.ranks = ranks
+
+    def start(self) -> JobFeeds:
+        self.job.start()
+        self.ranks.start()
+        return self
+
+    @property
+    def saw_exit(self) -> JobExited | None:
+        return self.job.saw_exit
+
+    def join(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = self.job.join(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.ranks.join(left) and done
+
+    def close(self) -> None:
+        self.job.close()
+        self.ranks.close()
+
+    @property
+    def frames(self) -> int:
+        return self.job.frames + self.ranks.frames
+
+    @property
+    def end_reason(self) -> str:
+        return self.job.end_reason
 
 
 class RunFold:

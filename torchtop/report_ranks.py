@@ -6,6 +6,11 @@ output as the runner copied it and the launcher's exit. Each rank is folded into
 :class:`JobModel` (side by side in a :class:`RunModel`); the report is the single-process report
 of the lowest rank (its steps, memory, ops), with the job's exit and output lines taken from the
 launcher, plus ``ranks[]`` (one row per rank) and ``findings[]``.
+
+A job ``torchtop run`` started as a script (not through torchrun) records its own agent
+untagged, as a single process, and the ranks its processes became tagged: its own stream is the
+launcher's (``torch.multiprocessing.spawn``'s parent, which only waits), and a rank too when its
+hello says so (:func:`job_as_rank`).
 """
 
 from __future__ import annotations
@@ -16,13 +21,25 @@ from typing import Any
 from torchtop.model import JobModel
 from torchtop.model.ranks import died, exit_status, launcher_exits
 from torchtop.model.run import RunModel
-from torchtop.protocol import Message
+from torchtop.protocol import Hello, Message
 from torchtop.report import add_text_row, fold, report_json
 
 
 def is_multi_rank(sources: Sequence[str | None]) -> bool:
     """True for a recording that holds tagged frames of several agents (or of one rank)."""
     return any(source is not None for source in sources)
+
+
+def job_as_rank(messages: Sequence[Message], sources: Sequence[str | None]) -> str | None:
+    """The stream of the job's own agent (its pid) when it is a rank too: Lightning's
+    launcher runs in rank 0, whose agent was the job's before its process group said which
+    rank it is (a fresh hello). None when the job's process only launched the ranks."""
+    if not is_multi_rank(sources):
+        return None
+    for message, source in zip(messages, sources, strict=True):
+        if source is None and isinstance(message, Hello) and message.rank is not None:
+            return str(message.pid)
+    return None
 
 
 def rank_models(
@@ -32,9 +49,12 @@ def rank_models(
     the ranks side by side (with the run-wide findings, the launcher's exit codes taken in)."""
     run: list[Message] = []
     ranks = RunModel(new_job=lambda: JobModel(mode="replay"))
+    own = job_as_rank(messages, sources)
     for message, source in zip(messages, sources, strict=True):
         if source is None:
             run.append(message)
+            if own is not None:
+                ranks.apply(own, message)
         else:
             ranks.apply(source, message)
 

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchtop.agent.rank_start import rank_environment
+from torchtop.agent.rank_start import job_environment, new_run_id, rank_environment
 from torchtop.exit_summary import JobEnd, StderrTail
 from torchtop.feed import AgentFeed
 from torchtop.job_output import JobOutput
 from torchtop.launch import python_module
 from torchtop.private_files import open_private
 from torchtop.protocol import JobExited, LogLine, Message, OutOfMemory
-from torchtop.ranks import RankFeeds, RunFold, below
+from torchtop.ranks import JobFeeds, RankFeeds, RunFold, below, ranks_below
 from torchtop.recording import RecordingWriter
 from torchtop.transport import TransportError, ensure_runtime_dir, job_log_path
 
@@ -155,6 +155,8 @@ class Job:
         self._on_line = on_line
         self._output: JobOutput | None = None
         self._stopping = False
+        #: The run's id, for ranks whose launcher gives none (``TORCHTOP_RUN_ID``).
+        self.run_id = new_run_id()
 
     def start(self) -> None:
         spec = self.spec
@@ -169,10 +171,11 @@ class Job:
         if spec.launcher:
             # No agent in the launcher: one in each rank it starts, from its sitecustomize.
             target = spec.target
-            env = rank_environment(os.environ, options, target)
+            env = rank_environment(os.environ, options, target, self.run_id)
             cmd = [sys.executable, *target] if target[0] == "-m" else list(target)
         else:
-            env = dict(os.environ)
+            # The job's agent, and one in each process of it that becomes a rank.
+            env = job_environment(os.environ, options, self.run_id)
             env[OPTIONS_ENV] = json.dumps(options)
             cmd = [*python_module("torchtop.agent.bootstrap"), *spec.target]
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -270,11 +273,15 @@ class Job:
         threading.Thread(target=self._escalate, name="torchtop-stop", daemon=True).start()
 
     def _escalate(self) -> None:
+        # A job in a session of its own (under a viewer) is stopped as a terminal's Ctrl-C
+        # stops one: every process of it gets the signal, so the ranks that the job's process
+        # started itself (mp.spawn's, Lightning's) stop with it instead of outliving it.
+        kill = os.killpg if not self.spec.headless else os.kill
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
             if not self.running():
                 return
             with contextlib.suppress(OSError):
-                os.kill(self.pid, signum)
+                kill(self.pid, signum)
             if self.wait(STOP_GRACE_S) is not None:
                 return
 
@@ -289,7 +296,7 @@ def run_headless(spec: RunSpec) -> int:
     # SIGTERM sent to us is passed on to the job.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     previous_term = signal.signal(signal.SIGTERM, lambda signum, frame: job.signal(signum))
-    feed: AgentFeed | RankFeeds | None = None
+    feed: JobFeeds | RankFeeds | None = None
     ooms: list[OutOfMemory] = []
 
     def received(message: Message) -> None:
@@ -302,14 +309,17 @@ def run_headless(spec: RunSpec) -> int:
             # Every rank's agent, each tagged with its source in the one recording.
             feed = RankFeeds(below(job.pid), writer, on_message=received).start()
         elif writer is not None:
-            feed = AgentFeed(
-                pid=job.pid,
-                alive=job.running,
-                writer=writer,
-                client="recorder",
-                on_message=received,
-            )
-            feed.start()
+            # The job's agent; and those of its processes that become ranks, if any do.
+            feed = JobFeeds(
+                AgentFeed(
+                    pid=job.pid,
+                    alive=job.running,
+                    writer=writer,
+                    client="recorder",
+                    on_message=received,
+                ),
+                RankFeeds(ranks_below(job.pid), writer, on_message=received),
+            ).start()
         returncode = job.wait()
         assert returncode is not None
     finally:

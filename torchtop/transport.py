@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -228,12 +228,18 @@ def bind_server(
         cwd=os.getcwd(),
         identity=_identity(identity or {}),
     )
-    meta = directory / f"{pid}.json"
+    return server, describe_agent(info, directory)
+
+
+def describe_agent(info: AgentInfo, directory: Path | None = None) -> AgentInfo:
+    """Write (or rewrite, atomically) the agent's description file ``<pid>.json``."""
+    info = replace(info, identity=_identity(info.identity))
+    meta = (directory or ensure_runtime_dir()) / f"{info.pid}.json"
     tmp = meta.with_suffix(".json.tmp")
     with open_private(tmp) as f:
         f.write(json.dumps(asdict(info)).encode())
     os.replace(tmp, meta)
-    return server, info
+    return info
 
 
 def remove_server_files(pid: int) -> None:

@@ -63,20 +63,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--forward-sleep", type=float, default=0.01)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     model = Regressor(args.forward_sleep)
     trainer = L.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
-        devices=1,
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    train = DataLoader(TrainSet(), batch_size=8, num_workers=2)
-    val = DataLoader(ValSet(), batch_size=8, num_workers=2)
+    train = DataLoader(TrainSet(), batch_size=8, num_workers=args.workers)
+    val = DataLoader(ValSet(), batch_size=8, num_workers=args.workers)
     trainer.fit(model, train, val)
     result = {"global_step": trainer.global_step, "val_batches": model.val_batches}
     print("RESULT " + json.dumps(result), flush=True)

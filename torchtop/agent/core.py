@@ -50,7 +50,7 @@ from torchtop.protocol import (
     StepStats,
     encode,
 )
-from torchtop.transport import bind_server, remove_server_files, runtime_dir
+from torchtop.transport import bind_server, describe_agent, remove_server_files, runtime_dir
 
 #: Bytes of history each ring keeps, whatever ``history_s`` asks (the agent's memory stays
 #: bounded over a job of any length), and the frames kept in the rings not sized by time.
@@ -162,8 +162,13 @@ class AgentConfig:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, identity: dict[str, Any] | None = None) -> None:
+        """``identity``: which rank of which run (``Hello``'s fields), if not the one the
+        launcher's environment says (:func:`rank_identity`)."""
         self.config = config
+        self.identity = dict(identity) if identity is not None else rank_identity()
+        #: Goes up when the identity changes: a hello built before is stale.
+        self._identity_version = 0
         self.pid = os.getpid()
         self.started_at = time.time()
         self.finished = False
@@ -192,7 +197,7 @@ class Agent:
         )
         self._cuda.handled_ooms = self.oom.handled_ooms
 
-        listener, self.info = bind_server(self.pid, sys.argv, self.started_at, rank_identity())
+        listener, self.info = bind_server(self.pid, sys.argv, self.started_at, self.identity)
         samples_ring = int(config.history_s / config.interval_s) + int(
             config.history_s / config.nvml_interval_s
         )
@@ -210,7 +215,7 @@ class Agent:
                 with_stack=config.profile_stack,
             )
         self.training = TrainingMonitor(ops=self.ops, stall=StallWatch(config.hang_after_s))
-        self._hello_cache: tuple[tuple[bool, bool], bytes] | None = None
+        self._hello_cache: tuple[tuple[bool, bool, int], bytes] | None = None
         self._snapshots_requested = 0
         self.server = AgentServer(
             listener,
@@ -291,7 +296,7 @@ class Agent:
         viewers must not make the agent query its devices for each)."""
         imported = torch_imported()
         # Built again once the job has initialized CUDA: the devices' names and UUIDs.
-        state = (imported, imported and self._cuda.cuda_initialized())
+        state = (imported, imported and self._cuda.cuda_initialized(), self._identity_version)
         cached = self._hello_cache
         if cached is not None and cached[0] == state:
             return cached[1]
@@ -315,10 +320,21 @@ class Agent:
                 devices=self._devices(),
                 interval_s=self.config.interval_s,
                 hostname=socket.gethostname(),
-                **rank_identity(),
+                **self.identity,
                 hang_after_s=self.config.hang_after_s,
             )
         )
+
+    def announce_identity(self, identity: dict[str, Any]) -> None:
+        """The process became a rank (its process group exists now): its description file
+        and a fresh hello say which, to ``ps`` and to every viewer and recording."""
+        identity = {**self.identity, **identity}
+        if identity == self.identity:
+            return
+        self.identity = identity
+        self._identity_version += 1
+        self.info = describe_agent(dataclasses.replace(self.info, identity=identity))
+        self.server.publish(self._hello_frame(), EVENTS)
 
     def _agent_stats(self, stats: SamplerStats) -> AgentStats:
         self.server.check()  # about once a second: restart the I/O thread if it died
@@ -424,15 +440,22 @@ def current() -> Agent | None:
     return _agent
 
 
-def start(**options: Any) -> Agent:
-    """Start the agent in this process, once. Options are :class:`AgentConfig` fields."""
+def start(identity: dict[str, Any] | None = None, **options: Any) -> Agent:
+    """Start the agent in this process, once. Options are :class:`AgentConfig` fields;
+    ``identity`` says which rank of which run, where the environment does not."""
     global _agent
     with _agent_lock:
         if _agent is not None and _agent.pid == os.getpid() and not _agent.finished:
             return _agent
-        agent = Agent(AgentConfig.from_options(options))
+        agent = Agent(AgentConfig.from_options(options), identity)
         agent.start()
         _agent = agent
+    if agent.identity.get("rank") is None:
+        # No launcher named the rank: its process group will, if it has one.
+        from torchtop.agent.rank_start import follow_group
+
+        with contextlib.suppress(Exception):
+            follow_group()
     atexit.register(_finish_at_exit)
     _chain_excepthook()
     _handle_sigterm()

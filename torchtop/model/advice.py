@@ -188,7 +188,8 @@ class Finding:
 
     @property
     def demo_command(self) -> str:
-        return f"torchtop demo {self.demo}"
+        """``torchtop demo NAME`` for the demo that shows this finding; "" where none does."""
+        return f"torchtop demo {self.demo}" if self.demo else ""
 
     def to_json(self, start: float | None = None) -> dict[str, Any]:
         """Every field, for ``torchtop report --json`` (``findings[]``); times as given, and
@@ -205,7 +206,7 @@ class Finding:
             "fix": self.fix,
             "code": self.code,
             "demo": self.demo,
-            "demo_command": self.demo_command,
+            "demo_command": self.demo_command or None,
             "first_t": self.first_t,
             "last_t": self.last_t,
             "window_s": [round(self.window_start - base, 3), round(self.window_end - base, 3)],
@@ -865,7 +866,9 @@ def float32_matmuls(model: JobModel, now: float, advisor: Advisor) -> Check | No
 def cpu_oversubscription(model: JobModel, now: float, advisor: Advisor) -> Check | None:
     """More threads want the CPU than it has: torch's intra-op threads in each of the job's
     processes on the node (warning), or those and the busy DataLoader workers (info: the
-    workers are measured busy, but whether the threads suffer is not)."""
+    workers are measured busy, but whether the threads suffer is not). Where the threads are
+    already no more than the fix would set, the processes per core are the cause (warning
+    once they outnumber the cores), and no fix the job already applies is advised."""
     host = model.host
     latest = model.op_timings.latest
     if host is None or not host.cpus or latest is None or latest.torch_threads is None:
@@ -889,6 +892,28 @@ def cpu_oversubscription(model: JobModel, now: float, advisor: Advisor) -> Check
     fit = max(1, (cpus - len(busy)) // processes)
     code = f"torch.set_num_threads({fit})  # or OMP_NUM_THREADS={fit}"
     where = f" in each of {processes} processes" if processes > 1 else ""
+    if threads <= fit:
+        # Fewer threads would not help (the job has no more than the fix would give it):
+        # the processes themselves outnumber the cores.
+        if processes <= cpus:
+            return None
+        evidence["processes_per_cpu"] = round(processes / cpus, 2)
+        return Check(
+            "warning",
+            "CPU oversubscription: more processes than cores",
+            evidence,
+            f"{processes} processes with {threads} torch thread{'s' if threads > 1 else ''} "
+            f"each for {cpus} CPUs ({processes / cpus:.1f} per CPU)",
+            (latest.began, latest.t),
+            (
+                "Each process already runs torch on as few threads as it can; there are more "
+                "processes on this node than cores, so they take turns and every collective "
+                f"waits for the last. Run at most {cpus} processes here (fewer ranks per node, "
+                "e.g. torchrun's --nproc_per_node), or give the job more cores."
+            ),
+            None,
+            "",
+        )
     if pool > cpus:
         return Check(
             "warning",
@@ -904,7 +929,7 @@ def cpu_oversubscription(model: JobModel, now: float, advisor: Advisor) -> Check
             code,
             "dataloader",
         )
-    if threads > 1 and pool + len(busy) > cpus:
+    if threads > 1 and pool + len(busy) > cpus and threads > fit:
         return Check(
             "info",
             "CPU oversubscription: DataLoader workers compete with the torch threads",

@@ -48,8 +48,9 @@ def finding_text(state: JobModel, finding: Finding, *, cleared: bool = False) ->
     if finding.code:
         for line in finding.code.splitlines():
             text.append(f"\n      {line}", "green")
-    text.append("\n  see: ", "dim")
-    text.append(finding.demo_command, "cyan")
+    if finding.demo_command:
+        text.append("\n  see: ", "dim")
+        text.append(finding.demo_command, "cyan")
     return text
 
 

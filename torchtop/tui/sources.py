@@ -6,14 +6,15 @@ import itertools
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 from torchtop.exit_summary import JobEnd, StderrTail
 from torchtop.feed import AgentFeed
 from torchtop.job_output import LogFollower
-from torchtop.protocol import JobExited, LogLine, Message, Request
-from torchtop.ranks import RunFold
+from torchtop.protocol import Hello, JobExited, LogLine, Message, Request
+from torchtop.ranks import RankFeeds, RunFold, ranks_below
 from torchtop.recording import RecordingWriter
 from torchtop.runner import Job, LogLines, RunSpec, exit_status
 from torchtop.transport import AgentInfo
@@ -153,6 +154,9 @@ class RunSource(Source):
     mode = "run"
     owns_job = True
 
+    #: A rank's messages held until a run's view takes them (the oldest go first past it).
+    MAX_HELD = 200_000
+
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
         self.job = Job(spec, on_line=self._line)
@@ -163,19 +167,40 @@ class RunSource(Source):
         self._stderr = StderrTail()  # where the summary after the viewer finds a traceback
         self.detached = False
         self.stopping = False
+        #: The processes of the job that became ranks (mp.spawn's, Lightning's, a scheduler's
+        #: tasks), recorded tagged; set once the first speaks.
+        self.ranks: RankFeeds | None = None
+        self.ranks_found = threading.Event()
+        #: Called (from a feed's thread) when the first rank speaks: the viewer makes way for
+        #: the run's view (:class:`ScriptRun`).
+        self.on_ranks: Callable[[], None] | None = None
+        self._rank_sink: Callable[[str, Message], None] | None = None
+        self._held: deque[tuple[str, Message]] = deque(maxlen=self.MAX_HELD)
+        self._rank_lock = threading.Lock()
+        #: The job's own agent's latest hello (it says so when the job's process is a rank).
+        self.hello: Hello | None = None
+
+    def _emit(self, message: Message) -> None:
+        """To whoever shows the job now: the viewer's sink, then a run's view."""
+        sink = self._sink
+        if sink is not None:
+            sink(message)
 
     def start(self, sink: Sink) -> None:
         self._sink = sink
-        log = self._log = LogLines(self.writer, sink)
+        log = self._log = LogLines(self.writer, self._emit)
         self.job.start()
-        sink(SourceStatus(t=time.time(), text=f"started pid {self.job.pid}; waiting for its agent"))
+        text = f"started pid {self.job.pid}; waiting for its agent"
+        self._emit(SourceStatus(t=time.time(), text=text))
 
         def connected(address: object) -> None:
-            sink(SourceConnected(t=time.time(), address=str(address)))
+            self._emit(SourceConnected(t=time.time(), address=str(address)))
 
         def received(message: Message) -> None:
             log.agent_spoke()
-            sink(message)
+            if isinstance(message, Hello):
+                self.hello = message
+            self._emit(message)
 
         self._feed = AgentFeed(
             pid=self.job.pid,
@@ -184,12 +209,40 @@ class RunSource(Source):
             on_message=received,
             on_connect=connected,
             on_end=self._ended,
-            on_silence=_silence_to(sink),
+            on_silence=_silence_to(self._emit),
+        ).start()
+        self.ranks = RankFeeds(
+            ranks_below(self.job.pid),
+            self.writer,
+            on_message=lambda _m: log.agent_spoke(),
+            on_rank=self._rank_message,
         ).start()
 
+    def _rank_message(self, stream: str, message: Message) -> None:
+        with self._rank_lock:
+            if self._rank_sink is not None:
+                self._rank_sink(stream, message)
+                return
+            self._held.append((stream, message))
+        if not self.ranks_found.is_set():
+            self.ranks_found.set()
+            if self.on_ranks is not None:
+                self.on_ranks()
+
+    def hand_over(self, sink: Sink, rank_sink: Callable[[str, Message], None]) -> None:
+        """From now on the job's messages go to ``sink`` and its ranks' to ``rank_sink`` (a
+        run's view), the ranks' held so far first."""
+        self._sink = sink
+        with self._rank_lock:
+            while self._held:
+                rank_sink(*self._held.popleft())
+            self._rank_sink = rank_sink
+
     def _ended(self, reason: str) -> None:
-        sink = self._sink
-        assert sink is not None and self._feed is not None
+        sink = self._emit
+        assert self._feed is not None
+        if self.ranks is not None:
+            self.ranks.join(5.0)  # the ranks end before the job that waits for them
         if not self.detached:
             returncode = self.job.wait(timeout=10.0)
             if self._log is not None:
@@ -235,6 +288,8 @@ class RunSource(Source):
         if self._feed is not None:
             self._feed.close()
             self._feed.join(2.0)
+        if self.ranks is not None:
+            self.ranks.close()
         if self.writer is not None:
             self.writer.close()
 
@@ -249,6 +304,52 @@ class RunSource(Source):
             stopped=self.stopping,
             stderr=tuple(self._stderr.lines()),
         )
+
+
+class ScriptRun(RunFold):
+    """A job ``torchtop run`` started as a script whose processes became ranks
+    (``torch.multiprocessing.spawn``, Lightning's launcher, a scheduler's tasks), taken over
+    from its :class:`RunSource` for the view of its ranks. The job's own process is the run's
+    launcher (its output and exit are the run's), and a rank too once its hello says so."""
+
+    #: The ranks' lines come through the job's output, as the job wrote them.
+    rank_lines = False
+
+    def __init__(self, source: RunSource) -> None:
+        super().__init__()
+        self.source = source
+        self.stopped = False
+        #: The job's own stream as a rank's (its pid), once its hello names a rank.
+        self._own: str | None = None
+        if source.hello is not None:
+            self._job_message(source.hello)
+        source.hand_over(self._job_message, self.queue)
+
+    def _job_message(self, message: Message) -> None:
+        self.queue(None, message)
+        if isinstance(message, Hello) and message.rank is not None:
+            self._own = str(message.pid)
+        if self._own is not None and not isinstance(message, LogLine):
+            self.queue(self._own, message)
+
+    @property
+    def started(self) -> bool:
+        return True
+
+    def start(self) -> None:
+        pass  # started already, under the single job's viewer
+
+    def running(self) -> bool:
+        return self.source.job_running()
+
+    def status(self) -> tuple[str, bool]:
+        if self.running():
+            return f"launcher pid {self.source.job.pid} running", True
+        return f"job ended, exit code {self.source.job.exit_code}", False
+
+    def stop_job(self) -> None:
+        self.stopped = self.stopped or self.running()
+        self.source.stop_job()
 
 
 class RecordingSource(Source):
