@@ -44,7 +44,8 @@ def run_demo(name: str, tmp_path: Path | None = None) -> str:
         )
         assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
         check_phase_descriptions(record)
-        assert false_findings(name, record) == []
+        false = false_findings(name, record)
+        assert false == [], false
     return proc.stdout
 
 
