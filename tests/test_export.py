@@ -3,7 +3,10 @@ OTLP path through the SDK's in-memory reader; the CLI's options."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -481,3 +484,35 @@ def test_peers_that_trickle_bytes_cannot_hold_the_server(monkeypatch: pytest.Mon
         for s in peers:
             s.close()
         srv.close()
+
+
+def test_a_job_that_only_launched_its_ranks_is_not_exported_as_a_job() -> None:
+    """mp.spawn's parent has an agent of its own (torchtop run started it) and waits: its
+    ranks are the run's figures, and the parent is their launcher, not a job of 0 steps. A
+    single process that launched nothing is exported as before."""
+    code = (
+        "import subprocess, sys, time\n"
+        "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+        " for _ in range(2)]\n"
+        "print(' '.join(str(k.pid) for k in kids), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    loner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert parent.stdout is not None
+        kids = [int(pid) for pid in parent.stdout.readline().split()]
+        jobs = JobSet()
+        roles = [(parent.pid, None), (loner.pid, None), (kids[0], 0), (kids[1], 1)]
+        for pid, rank in roles:
+            jobs.add(AgentInfo(pid, [], T0, f"a{pid}"), None)  # type: ignore[arg-type]
+            jobs.apply(f"a{pid}", hello(rank, pid=pid))
+        exported = {(s.labels.pid, s.labels.rank) for s in jobs.snapshots()}
+        assert exported == {(loner.pid, None), (kids[0], 0), (kids[1], 1)}
+    finally:
+        for process in (parent, loner):
+            process.kill()
+            process.wait()
+        for pid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -754,21 +754,15 @@ def _launchers(agents: list[Any]) -> dict[int, str]:
     """The agents of single processes that started the ranks of a run (the parent of
     ``torch.multiprocessing.spawn``, a job whose subprocesses are a scheduler's tasks), by pid,
     with the run's label."""
-    import psutil
+    from torchtop.export.service import launcher_of
 
     singles = {a.pid for a in agents if not a.rank_label}
     found: dict[int, str] = {}
     for a in agents:
-        if not (a.rank_label and a.run_label and singles):
-            continue
-        try:
-            parents = psutil.Process(a.pid).parents()
-        except psutil.Error:
-            continue
-        for parent in parents:
-            if parent.pid in singles:
-                found.setdefault(parent.pid, a.run_label)
-                break
+        if a.rank_label and a.run_label:
+            launcher = launcher_of(a.pid, singles)
+            if launcher is not None:
+                found.setdefault(launcher, a.run_label)
     return found
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,21 @@ def descends_from(ancestor: int) -> AgentFilter:
             return False
 
     return check
+
+
+def launcher_of(pid: int, candidates: Collection[int]) -> int | None:
+    """The nearest ancestor of ``pid`` among ``candidates`` (agents of single processes): the
+    job that started this rank (``torch.multiprocessing.spawn``'s parent, a job whose
+    subprocesses are a scheduler's tasks), or ``None``."""
+    import psutil
+
+    if not candidates:
+        return None
+    try:
+        parents = psutil.Process(pid).parents()
+    except psutil.Error:
+        return None
+    return next((p.pid for p in parents if p.pid in candidates), None)
 
 
 @dataclass
@@ -127,6 +142,11 @@ class JobSet:
                     job.dirty = False
                 if job.snapshot is not None:
                     out.append(job.snapshot)
+        # A job that only started its run's ranks and waits (mp.spawn's parent) is their
+        # launcher, not a job of 0 steps: its figures are the ranks'.
+        singles = {s.labels.pid for s in out if s.labels.rank is None}
+        launchers = {launcher_of(s.labels.pid, singles) for s in out if s.labels.rank is not None}
+        out = [s for s in out if s.labels.pid not in launchers]
         out.sort(key=lambda s: (s.labels.run, s.labels.rank or 0, s.labels.pid))
         return out
 
