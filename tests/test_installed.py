@@ -252,7 +252,8 @@ def test_the_installed_viewer_in_a_real_terminal(installed: Installed) -> None:
             check=True,
             env=installed.environ,
         )
-        live = wait_for(r"running .*pid \d+")
+        # The header comes in the first frame, the panels in the next ones: wait for all.
+        live = wait_for(r"(?s)(?=.*Host)(?=.*RSS)(?=.*view\.py).*running .*pid \d+")
         assert "view.py" in live and "Host" in live and "RSS" in live
         wait_for(r"step \d+ loss")
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True, env=installed.environ)
