@@ -325,7 +325,10 @@ def _nvml(machine: Machine, torch_uuids: list[str | None]) -> Check:
     detail = f"driver {driver}, {len(uuids)} GPU{'s' if len(uuids) != 1 else ''}"
     known = [u for u in torch_uuids if u]
     if known:
-        matched = [u for u in known if any(_same_uuid(u, n) for n in uuids)]
+        from torchtop.agent.probes.nvml import uuid_key
+
+        listed = {uuid_key(n) for n in uuids}
+        matched = [u for u in known if uuid_key(u) in listed]
         detail += f"; {len(matched)} of torch's {len(known)} matched by UUID"
         if len(matched) < len(known):
             return Check(
@@ -336,16 +339,6 @@ def _nvml(machine: Machine, torch_uuids: list[str | None]) -> Check:
                 "shown, utilisation and power are not for those",
             )
     return Check("nvml", "ok", detail)
-
-
-def _same_uuid(a: str, b: str) -> bool:
-    def bare(u: str) -> str:
-        u = u.lower()
-        for prefix in ("gpu-", "mig-"):
-            u = u.removeprefix(prefix)
-        return u
-
-    return bare(a) == bare(b)
 
 
 def _runtime_dir(machine: Machine) -> Check:

@@ -363,7 +363,7 @@ class NvmlProbe:
         if self._job_uuids is not None:
             with contextlib.suppress(Exception):
                 uuids = self._job_uuids()
-        cuda_index = {_uuid_key(u): i for i, u in enumerate(uuids or ()) if u}
+        cuda_index = {uuid_key(u): i for i, u in enumerate(uuids or ()) if u}
         if not cuda_index:
             return rows  # no usable UUID: which GPUs are the job's is unknown
         # A device whose UUID is unknown may be any GPU not matched, and a GPU whose UUID NVML
@@ -372,7 +372,7 @@ class NvmlProbe:
         job: list[tuple[int, GpuStats]] = []
         others: list[GpuStats] = []
         for row in rows:
-            index = cuda_index.get(_uuid_key(row.uuid)) if row.uuid else None
+            index = cuda_index.get(uuid_key(row.uuid)) if row.uuid else None
             if index is None:
                 others.append(replace(row, in_job=unmatched if row.uuid else None))
             else:
@@ -497,7 +497,7 @@ class NvmlProbe:
             return None
 
 
-def _uuid_key(uuid: str | None) -> str:
+def uuid_key(uuid: str | None) -> str:
     """A UUID's 32 hex digits: NVML writes ``GPU-``/``MIG-`` before them, torch does not."""
     text = (uuid or "").strip().lower()
     for prefix in ("gpu-", "mig-"):
