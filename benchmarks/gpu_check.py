@@ -346,7 +346,7 @@ class SmiPoller:
 def shown_devices(record: Path) -> list[str] | None:
     """The devices the memory view shows for a recording, as the model says (whichever of its
     names this checkout has); ``None`` when the model gives no answer."""
-    from torchtop.recording import read_recording
+    from torchtop.streams.recording import read_recording
 
     messages = read_recording(record).messages
     for module, name in (

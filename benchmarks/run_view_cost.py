@@ -1,6 +1,6 @@
 """What the live view of a multi-rank job costs: ``torchtop run torchrun ...`` with N ranks.
 
-The view runs as ``torchtop run`` runs it (a :class:`~torchtop.runner.RankRun` and the
+The view runs as ``torchtop run`` runs it (a :class:`~torchtop.streams.runner.RankRun` and the
 :class:`~torchtop.tui.run_view.RunView` app, headless at 80x24) in its own process, following
 N real ranks of ``tests/scripts/ddp.py`` (gloo, CPU; each step sleeps ``--sleep-ms`` so the
 ranks leave the CPU to the viewer) with the agent's default settings. Measured: the viewer
@@ -28,7 +28,7 @@ DDP = REPO / "tests" / "scripts" / "ddp.py"
 
 def viewer(ranks: int, seconds: float, sleep_ms: float, out: Path) -> None:
     """Run the view over a real job of ``ranks`` ranks; write what it cost to ``out``."""
-    from torchtop.runner import RankRun, RunSpec
+    from torchtop.streams.runner import RankRun, RunSpec
     from torchtop.tui.run_view import RunView
 
     spec = RunSpec(

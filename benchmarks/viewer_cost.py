@@ -205,9 +205,9 @@ def viewer(kind: str, seconds: float, out: Path, profiled: bool = False) -> None
 
     import torchtop.tui.app
     from torchtop.protocol import LogLine, Sample
-    from torchtop.runner import RunSpec
+    from torchtop.streams.runner import RunSpec
+    from torchtop.streams.sources import RunSource
     from torchtop.tui.app import TorchtopApp
-    from torchtop.tui.sources import RunSource
 
     samples: list[float] = []
     lines: list[float] = []

@@ -12,7 +12,7 @@ from typing import Any
 
 from torchtop.model import JobModel
 from torchtop.protocol import PhaseBegan
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 
 RESULT_PREFIX = "TORCHTOP_DEMO_RESULT "
 

@@ -467,7 +467,7 @@ def test_memory_that_grows_through_a_warm_up_is_no_creep() -> None:
 
 
 def test_a_finding_that_flaps_is_one_finding_with_its_periods() -> None:
-    from torchtop.report import finding_parts
+    from torchtop.report.job import finding_parts
 
     model = fed([*input_job(0.5, 10), *input_job(0.0, 14, T0 + 10), *input_job(0.5, 10, T0 + 24)])
     (finding,) = model.advice.all_findings

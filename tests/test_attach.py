@@ -19,7 +19,7 @@ from tests.conftest import SCRIPTS, torchtop
 from tests.test_tui_tmux import Terminal, terminal  # noqa: F401 - the tmux fixture
 from torchtop.attach import inject
 from torchtop.protocol import OpsWindow, ProbeStatus, Sample, StepStats
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 from torchtop.transport import list_agents
 
 PLAIN_TRAIN = SCRIPTS / "plain_train.py"

@@ -16,7 +16,7 @@ from tests.conftest import SCRIPTS, cuda_available, torchtop
 from tests.conftest import report_json as _report
 from torchtop.launch import python_module
 from torchtop.protocol import AgentStats
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 from torchtop.transport import AgentConnection, list_agents
 
 TRAIN = str(SCRIPTS / "train_mlp.py")

@@ -20,7 +20,7 @@ from demo_runner import false_findings, results_of
 
 from torchtop import cli
 from torchtop.protocol import PhaseBegan
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 
 MiB = 1 << 20
 LIMIT = 512 * MiB
@@ -161,7 +161,7 @@ def test_demo_oom_emulates_its_device_on_the_cpu_only(
 
 
 def test_the_catalog_reads_the_limit_without_importing_the_demo() -> None:
-    from torchtop.demo_catalog import find_demo, list_demos
+    from torchtop.commands.demo_catalog import find_demo, list_demos
 
     assert find_demo("oom").cpu_memory_limit == "512MiB"
     assert [d.name for d in list_demos() if d.cpu_memory_limit] == ["oom"]

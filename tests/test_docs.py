@@ -10,7 +10,7 @@ from urllib.parse import unquote
 
 from tests.conftest import REPO
 from torchtop.model.advice import RULES
-from torchtop.report import summarize
+from torchtop.report.job import summarize
 
 DOCS = REPO / "docs"
 

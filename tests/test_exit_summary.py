@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchtop.exit_summary import JobEnd, StderrTail, exit_summary, last_traceback
+from torchtop.report.exit_summary import JobEnd, StderrTail, exit_summary, last_traceback
 
 CRASH = [
     "step 0 loss 2.3",

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import SCRIPTS, torchtop
-from torchtop.recording import read_recording
-from torchtop.report import summarize
+from torchtop.report.job import summarize
+from torchtop.streams.recording import read_recording
 
 pytestmark = pytest.mark.slow
 metrics_service = pytest.importorskip(

@@ -29,8 +29,8 @@ import pytest
 from tests.conftest import REPO, SCRIPTS
 from tests.prometheus_server import Prometheus
 from torchtop.protocol import Sample, StepStats
-from torchtop.recording import read_recording
-from torchtop.report import summarize
+from torchtop.report.job import summarize
+from torchtop.streams.recording import read_recording
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import SCRIPTS, torchtop
 from torchtop.protocol import OpsWindow, StepStats
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,7 @@ from torchtop.protocol import (
     Request,
     encode,
 )
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 from torchtop.transport import list_agents
 
 HELLO = encode(ClientHello(protocol=PROTOCOL_VERSION))

@@ -505,7 +505,7 @@ def test_demo_direction() -> None:
 
 
 def test_every_demo_has_directions() -> None:
-    from torchtop.demo_catalog import list_demos
+    from torchtop.commands.demo_catalog import list_demos
 
     assert {d.name for d in list_demos()} == set(gpu_check.DEMOS)
 

@@ -27,7 +27,7 @@ import pytest
 
 from tests.conftest import REPO, SCRIPTS
 from torchtop.protocol import OutOfMemory
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 
 pytestmark = pytest.mark.slow
 
@@ -371,10 +371,10 @@ TORCH_FREE_MODULES = (
     "torchtop.tui.app",
     "torchtop.tui.run_view",
     "torchtop.model",
-    "torchtop.report",
+    "torchtop.report.job",
     "torchtop.export.service",
     "torchtop.export.prometheus",
-    "torchtop.relay",
-    "torchtop.nodes",
+    "torchtop.streams.relay",
+    "torchtop.streams.nodes",
     "torchtop.commands.doctor",
 )

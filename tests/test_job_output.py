@@ -13,8 +13,8 @@ import pytest
 
 from tests.conftest import torchtop
 from torchtop.protocol import LogLine
-from torchtop.recording import read_recording
-from torchtop.runner import Job, RunSpec
+from torchtop.streams.recording import read_recording
+from torchtop.streams.runner import Job, RunSpec
 
 #: name: (the job, torchtop's exit code, the stream, lines that must arrive)
 ABRUPT_ENDS = {

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import SCRIPTS, report_json, torchtop
 from torchtop.protocol import Hello
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from tests.conftest import SCRIPTS, torchtop
 from tests.conftest import report_json as _report
 from torchtop.protocol import JobExited, StepStats
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 from torchtop.transport import list_agents, socket_path_for
 
 IDLE = str(SCRIPTS / "idle_job.py")

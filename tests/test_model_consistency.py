@@ -21,11 +21,11 @@ from test_tui_app import cuda_job, drained, pilot_test, static_text
 from textual.widgets import Static
 
 from torchtop.model import JobModel, SourceConnected, SourceDisconnected
-from torchtop.model.events import END_OF_RECORDING
+from torchtop.model.connection import END_OF_RECORDING
 from torchtop.protocol import Message
-from torchtop.recording import RecordingWriter, read_recording
-from torchtop.report import fold, render_text, report_json
+from torchtop.report.job import fold, render_text, report_json
 from torchtop.sizes import format_bytes
+from torchtop.streams.recording import RecordingWriter, read_recording
 from torchtop.tui.app import TorchtopApp
 from torchtop.tui.format import format_percent
 from torchtop.tui.oom_screen import OomScreen
@@ -200,7 +200,7 @@ def test_the_reports_op_table_cuts_a_long_name_rather_than_wrapping_it_at_80_col
 
     from rich.console import Console
 
-    from torchtop.report import ops_parts
+    from torchtop.report.job import ops_parts
 
     def op(name: str) -> dict[str, Any]:
         return {"name": name, "calls": 1200, "self_cpu_s": 0.5, "total_cpu_s": 1.25,

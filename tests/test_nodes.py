@@ -30,7 +30,6 @@ import pytest
 
 from tests.conftest import SCRIPTS
 from tests.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
-from torchtop.nodes import NodeError, NodeFeed, NodeSpec, read_node_token
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     ClientHello,
@@ -40,8 +39,9 @@ from torchtop.protocol import (
     decode,
     encode,
 )
-from torchtop.ranks import AttachedRun
-from torchtop.relay import RelayOutput
+from torchtop.streams.nodes import NodeError, NodeFeed, NodeSpec, read_node_token
+from torchtop.streams.relay import RelayOutput
+from torchtop.streams.runs import AttachedRun
 from torchtop.transport import list_agents
 
 TORCHTOP = f"{sys.executable} -m torchtop"
@@ -652,7 +652,7 @@ def test_attach_node_fails_with_one_line_naming_the_fix(tmp_path: Path) -> None:
 def test_a_tcp_relay_listens_on_loopback_unless_told_and_tokens_stay_private(
     tmp_path: Path,
 ) -> None:
-    from torchtop.relay import RelayError, parse_listen, read_token, token_for
+    from torchtop.streams.relay import RelayError, parse_listen, read_token, token_for
 
     assert parse_listen("7000") == ("127.0.0.1", 7000)
     assert parse_listen("0.0.0.0:7000") == ("0.0.0.0", 7000)

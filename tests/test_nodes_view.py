@@ -9,7 +9,7 @@ import asyncio
 from textual.widgets import DataTable
 
 from torchtop.protocol import Hello, LogLine, Message
-from torchtop.ranks import RunFold
+from torchtop.streams.runs import RunFold
 from torchtop.tui.run_view import RunView
 
 

@@ -211,7 +211,7 @@ def test_the_viewer_side_and_the_oom_agent_modules_import_no_torch() -> None:
 
     modules = [
         "torchtop.model.oom_advice",
-        "torchtop.report",
+        "torchtop.report.job",
         "torchtop.sizes",
         "torchtop.model.captures",
         "torchtop.tui.oom_screen",
@@ -226,7 +226,7 @@ def test_the_viewer_side_and_the_oom_agent_modules_import_no_torch() -> None:
 def test_report_events_carry_the_evidence() -> None:
     from torchtop.model import JobModel
     from torchtop.protocol import MemoryStats, OomResumed, PhaseBegan, Sample
-    from torchtop.report import capture_parts, report_json
+    from torchtop.report.job import capture_parts, report_json
 
     model = JobModel()
     for i in range(60):  # allocated grows step over step

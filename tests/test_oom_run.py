@@ -12,7 +12,7 @@ from pathlib import Path
 from torch.cuda import _memory_viz
 
 from tests.conftest import SCRIPTS, torchtop
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 
 DOUBLING = str(SCRIPTS / "oom_doubling.py")
 MiB = 1 << 20

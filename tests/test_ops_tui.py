@@ -17,7 +17,6 @@ from textual.pilot import Pilot
 from textual.widget import Widget
 from textual.widgets import DataTable, Input, Static
 
-from torchtop.feed import AgentFeed
 from torchtop.model.job import JobModel
 from torchtop.protocol import (
     REQUEST_PROFILE,
@@ -28,9 +27,10 @@ from torchtop.protocol import (
     ProbeStatus,
     Request,
 )
+from torchtop.streams.feed import AgentFeed
+from torchtop.streams.source import Sink
+from torchtop.streams.sources import LiveSource
 from torchtop.tui.app import HelpScreen, QuitScreen, TorchtopApp
-from torchtop.tui.source import Sink
-from torchtop.tui.sources import LiveSource
 from torchtop.tui.widgets.ops import (
     OTHER_LABEL,
     OpsFilter,

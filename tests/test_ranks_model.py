@@ -12,8 +12,8 @@ from torchtop.agent import steps as step_hooks
 from torchtop.agent.stall import StallWatch
 from torchtop.agent.steps import StepCollector
 from torchtop.model import JobModel
-from torchtop.model.ranks import STRAGGLER_HOLD_S, job_frame, launcher_exits
 from torchtop.model.run import RunModel
+from torchtop.model.run_advice import STRAGGLER_HOLD_S, job_frame, launcher_exits
 from torchtop.protocol import (
     Hello,
     JobExited,
@@ -66,7 +66,7 @@ def test_the_rank_with_the_least_wait_in_backward_is_the_straggler_and_its_cause
     # Rank 2 waits 30 ms more for data; the others wait the same 30 ms in the all-reduce.
     fast = (0.040, 0.001, 0.032)
     run = feed_run({0: fast, 1: fast, 2: (0.040, 0.031, 0.002), 3: fast})
-    (finding,) = run.ranks.findings
+    (finding,) = run.advisor.findings
     assert (finding.name, finding.rank, finding.severity) == ("straggler", 2, "critical")
     assert finding.evidence["score"] == round(0.030 / 0.040, 3)
     assert finding.evidence["cause"] == "data" and finding.evidence["coverage"]["data"] == 1.0
@@ -77,19 +77,19 @@ def test_the_rank_with_the_least_wait_in_backward_is_the_straggler_and_its_cause
 def test_extra_forward_time_is_attributed_to_compute() -> None:
     fast = (0.040, 0.001, 0.032)
     run = feed_run({0: fast, 1: (0.040, 0.001, 0.002), 2: fast})
-    (finding,) = run.ranks.findings
+    (finding,) = run.advisor.findings
     assert finding.rank == 1 and finding.evidence["cause"] == "compute"
 
 
 def test_no_straggler_below_a_tenth_of_a_step_nor_in_a_balanced_run() -> None:
-    assert feed_run({0: (0.040, 0.001, 0.010), 1: (0.040, 0.001, 0.0065)}).ranks.findings == []
+    assert feed_run({0: (0.040, 0.001, 0.010), 1: (0.040, 0.001, 0.0065)}).advisor.findings == []
     balanced = (0.040, 0.001, 0.005)
-    assert feed_run({0: balanced, 1: balanced, 2: balanced}).ranks.findings == []
+    assert feed_run({0: balanced, 1: balanced, 2: balanced}).advisor.findings == []
 
 
 def test_no_straggler_without_backward_measured() -> None:
     # An older agent (no backward field): the rule abstains rather than call 0 a fast rank.
-    assert feed_run({0: (0.040, 0.001, 0.0), 1: (0.040, 0.030, 0.0)}).ranks.findings == []
+    assert feed_run({0: (0.040, 0.001, 0.0), 1: (0.040, 0.030, 0.0)}).advisor.findings == []
 
 
 def stack(t: float, *where: tuple[str, int, str]) -> StackSampled:
@@ -107,11 +107,11 @@ def test_a_hang_names_the_rank_outside_any_collective_and_where_it_blocks() -> N
     for rank in range(3):
         run.apply(str(rank), hello(rank, hang_after_s=3.0))
         run.apply(str(rank), steps(T0 + 1, 10, 10, 0.01, 0.0, 0.005))
-    assert run.ranks.findings == []
+    assert run.advisor.findings == []
     for rank in range(3):
         run.apply(str(rank), sample(T0 + 3.5))
     # Stuck for 2.5 s: under the 3 s floor (10 median steps are only 0.1 s).
-    assert run.ranks.findings == []
+    assert run.advisor.findings == []
     blocking = ("/job/train.py", 57, "train_step")
     lock = ("/usr/lib/python3.11/threading.py", 629, "wait")
     run.apply("1", stack(T0 + 4.2, MAIN, blocking, lock))
@@ -119,7 +119,7 @@ def test_a_hang_names_the_rank_outside_any_collective_and_where_it_blocks() -> N
         run.apply(str(rank), stack(T0 + 4.2, MAIN, ("/job/train.py", 60, "train_step"), WAITS))
     for rank in range(3):
         run.apply(str(rank), sample(T0 + 5.5))
-    (finding,) = run.ranks.findings
+    (finding,) = run.advisor.findings
     assert (finding.name, finding.rank) == ("hang", 1)
     assert finding.evidence["threshold_s"] == 3.0 and finding.evidence["stale_s"] == 4.5
     assert finding.evidence["outside_collective"] == [1]
@@ -130,7 +130,7 @@ def test_a_hang_names_the_rank_outside_any_collective_and_where_it_blocks() -> N
     # A step again: the hang clears.
     run.apply("0", steps(T0 + 6, 11, 1, 0.01, 0.0, 0.005))
     run.apply("0", sample(T0 + 7))
-    assert run.ranks.findings == [] and run.ranks.cleared[-1].name == "hang"
+    assert run.advisor.findings == [] and run.advisor.cleared[-1].name == "hang"
 
 
 def loaders(t: float, batches: int) -> LoaderInfo:
@@ -149,11 +149,11 @@ def test_an_evaluation_loop_taking_batches_without_steps_is_no_hang() -> None:
     for i in range(1, 11):
         for rank in range(2):
             run.apply(str(rank), loaders(T0 + 1 + i, 100 * i))
-    assert run.ranks.findings == [] and not run.ranks.cleared
+    assert run.advisor.findings == [] and not run.advisor.cleared
     # The batches stop too: now it is stuck.
     for rank in range(2):
         run.apply(str(rank), sample(T0 + 15))
-    assert [f.name for f in run.ranks.findings] == ["hang"]
+    assert [f.name for f in run.advisor.findings] == ["hang"]
 
 
 # torchrun's own failure summary, as it printed it for a rank killed with SIGKILL.
@@ -182,12 +182,12 @@ def test_a_killed_rank_is_dead_with_the_launchers_exit_code() -> None:
         run.apply(str(rank), steps(T0 + 1, 5, 5, 0.01, 0.0, 0.005))
     lost = "connection lost: the job is gone without an exit status (killed?)"
     run.apply("3", JobExited(t=T0 + 2, exit_code=None, reason=lost))
-    (finding,) = run.ranks.findings
+    (finding,) = run.advisor.findings
     assert (finding.name, finding.rank, finding.severity) == ("rank_died", 3, "critical")
     assert "rank 0 still running" in finding.summary
-    run.ranks.launcher_exits = launcher_exits(SUMMARY.splitlines())
+    run.advisor.launcher_exits = launcher_exits(SUMMARY.splitlines())
     run.apply("0", JobExited(t=T0 + 3, exit_code=-15, reason="killed by SIGTERM"))
-    found = {f.rank: f for f in run.ranks.findings}
+    found = {f.rank: f for f in run.advisor.findings}
     assert found[3].evidence["exit_code"] == -9 and "SIGKILL" in found[3].summary
     # Stopped by the launcher because rank 3 died: a consequence, not a second cause.
     assert found[0].severity == "info" and "after rank 3 died" in found[0].summary
@@ -252,7 +252,7 @@ def test_a_run_finding_is_exported_on_the_rank_it_names() -> None:
 
     fast = (0.040, 0.001, 0.032)
     run = feed_run({0: fast, 1: fast, 2: (0.040, 0.031, 0.002)})
-    findings = run.ranks.findings
+    findings = run.advisor.findings
     snaps = {rank: snapshot_of(run.jobs[str(rank)], findings) for rank in range(3)}
     assert snaps[2] is not None and ("straggler", "critical") in snaps[2].findings
     assert snaps[0] is not None and snaps[0].findings == ()
@@ -279,5 +279,5 @@ def test_a_job_that_becomes_a_rank_keeps_its_figures_under_its_new_identity() ->
     assert job.hello is not None and job.hello.rank == 0 and job.training.total == 160
     assert sorted(i.rank for i in run.by_identity() if i.rank is not None) == [0, 1]
     # The rules see it as the rank it became.
-    (finding,) = run.ranks.findings
+    (finding,) = run.advisor.findings
     assert (finding.name, finding.rank) == ("straggler", 0)

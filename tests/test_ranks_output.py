@@ -8,8 +8,8 @@ from tests.test_ranks_model import T0, feed_run, hello
 from torchtop.agent.rank_start import rank_environment
 from torchtop.job_output import RANK_PREFIX_TEMPLATE, split_rank
 from torchtop.protocol import LogLine
-from torchtop.ranks import RunFold
-from torchtop.runner import RankRun
+from torchtop.streams.runner import RankRun
+from torchtop.streams.runs import RunFold
 from torchtop.tui.run_view import STDERR_STYLE, log_line, rank_style, render_rank_strips
 from torchtop.tui.widgets.chart import ChartSeries
 
@@ -131,8 +131,8 @@ def test_the_chart_of_a_run_draws_each_ranks_time_outside_backward() -> None:
 def test_a_ranks_screen_shows_that_ranks_lines_from_the_launchers_output() -> None:
     """Opened from the run's view, a rank's screen gets its lines, those already folded and
     those that come while it is open, without their prefix and without the other ranks'."""
-    from torchtop.runner import RunSpec
-    from torchtop.tui.sources import RankLines
+    from torchtop.streams.runner import RunSpec
+    from torchtop.streams.sources import RankLines
 
     run = RankRun(RunSpec(target=["torchrun", "train.py"]))
 

@@ -27,7 +27,7 @@ from torchtop.agent.rank_start import (
     should_start,
 )
 from torchtop.protocol import Hello, LogLine
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 
 #: What the run's rank rules can find (tests/test_ranks_model.py has each).
 RANK_FINDINGS = ("straggler", "hang", "rank_died")
@@ -212,7 +212,7 @@ def test_python_m_torch_distributed_run_gives_each_rank_one_agent(tmp_path: Path
 
 
 def test_launchers_are_told_from_scripts(tmp_path: Path) -> None:
-    from torchtop.runner import RunSpec
+    from torchtop.streams.runner import RunSpec
 
     script = tmp_path / "train.py"
     script.write_text("")
@@ -273,7 +273,7 @@ def test_a_balanced_run_names_no_straggler(tmp_path: Path) -> None:
 def test_a_rank_blocked_before_a_collective_is_named_with_its_line_and_a_killed_rank_dead(
     tmp_path: Path,
 ) -> None:
-    from torchtop.report_ranks import summarize_ranks
+    from torchtop.report.run import summarize_ranks
 
     pids = tmp_path / "pids"
     pids.mkdir()

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import torchtop.relay as relay
+import torchtop.streams.relay as relay
 from torchtop.protocol import PROTOCOL_VERSION, ClientHello, Refused, decode, encode
-from torchtop.relay import RelayError, TcpRelay, bind_tcp, read_token
+from torchtop.streams.relay import RelayError, TcpRelay, bind_tcp, read_token
 
 TOKEN = "t" * 43
 

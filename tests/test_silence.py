@@ -11,11 +11,11 @@ import time
 
 from tests.conftest import SCRIPTS
 from torchtop.launch import python_module
-from torchtop.model.events import SourceSilent
+from torchtop.model.connection import SourceSilent
 from torchtop.model.job import JobModel
 from torchtop.protocol import Message, Sample
+from torchtop.streams.sources import LiveSource
 from torchtop.transport import list_agents
-from torchtop.tui.sources import LiveSource
 from torchtop.tui.widgets.header import connection_badge
 
 

@@ -22,7 +22,7 @@ from test_steps_tui import training_job
 from test_tui_app import T0, cpu_job, cuda_job, drained
 from textual.pilot import Pilot
 
-from torchtop.model.events import SourceDisconnected
+from torchtop.model.connection import SourceDisconnected
 from torchtop.protocol import JobExited, Message, OutOfMemory
 from torchtop.tui.app import TorchtopApp
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
-from torchtop.model.events import SourceConnected, SourceDisconnected
+from torchtop.model.connection import SourceConnected, SourceDisconnected
 from torchtop.protocol import Marked, Message
-from torchtop.tui.sources import RecordingSource
+from torchtop.streams.sources import RecordingSource
 
 
 class Collector:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchtop.model.events import SourceConnected, SourceDisconnected, SourceStatus
+from torchtop.model.connection import SourceConnected, SourceDisconnected, SourceStatus
 from torchtop.model.job import JobModel, visible_text
 from torchtop.protocol import (
     ClientHello,

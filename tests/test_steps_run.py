@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import SCRIPTS, torchtop
 from torchtop.protocol import LoaderInfo
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 
 SCRIPT = str(SCRIPTS / "train_loader.py")
 SHORT = ["--epochs", "2", "--batches", "16"]

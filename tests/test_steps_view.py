@@ -17,7 +17,7 @@ from torchtop.protocol import (
     encode,
     step_detail_weights,
 )
-from torchtop.report import summarize
+from torchtop.report.job import summarize
 from torchtop.tui.widgets.steps import (
     format_seconds,
     format_seconds_short,

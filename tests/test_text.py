@@ -6,7 +6,7 @@ import unicodedata
 
 import pytest
 
-from torchtop.model.events import SourceDisconnected, SourceStatus
+from torchtop.model.connection import SourceDisconnected, SourceStatus
 from torchtop.model.job import JobModel
 from torchtop.protocol import (
     DeviceInfo,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.conftest import SCRIPTS, torchtop
 from torchtop.protocol import OpsWindow, StepStats
-from torchtop.recording import read_recording
+from torchtop.streams.recording import read_recording
 
 
 def _result(stdout: str) -> dict:

@@ -38,8 +38,8 @@ from torchtop.protocol import (
     ProbeStatus,
     Sample,
 )
+from torchtop.streams.source import Sink, Source, SourceConnected, SourceDisconnected
 from torchtop.tui.app import HelpScreen, QuitScreen, TorchtopApp
-from torchtop.tui.source import Sink, Source, SourceConnected, SourceDisconnected
 from torchtop.tui.widgets.chart import TimeSeriesChart
 from torchtop.tui.widgets.device import DevicePanel
 from torchtop.tui.widgets.header import JobHeader

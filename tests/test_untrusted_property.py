@@ -33,7 +33,7 @@ import pytest
 from tests.fakes.untrusted import hostile, job_stream, with_text
 from torchtop import cli
 from torchtop.protocol import Hello, JobExited, LogLine, Message, encode
-from torchtop.recording import tag_frame
+from torchtop.streams.recording import tag_frame
 
 EXAMPLES = 25
 #: What no output may hold, whatever the recording: its escape sequences, a hyperlink made
@@ -132,8 +132,8 @@ def test_reports_ps_and_exposition_never_emit_a_recordings_escapes(
 
     from torchtop.export.prometheus import registry_for
     from torchtop.export.snapshot import snapshot_of
-    from torchtop.recording import read_recording
-    from torchtop.report_ranks import rank_models
+    from torchtop.report.run import rank_models
+    from torchtop.streams.recording import read_recording
 
     # Rich writes colours, as to a user's terminal (its own escapes are allowed; none of the
     # recording's are).

@@ -273,7 +273,7 @@ def _fake_ssh(tmp_path: Path, stdout: bytes, stderr: bytes, code: int) -> list[s
 def test_a_nodes_words_in_an_error_show_their_escapes(
     tmp_path: Path, stdout: bytes, stderr: bytes, code: int
 ) -> None:
-    from torchtop.nodes import NodeError, NodeFeed, NodeSpec
+    from torchtop.streams.nodes import NodeError, NodeFeed, NodeSpec
 
     ssh = _fake_ssh(tmp_path, stdout, stderr, code)
     with pytest.raises(NodeError) as caught:
@@ -284,8 +284,8 @@ def test_a_nodes_words_in_an_error_show_their_escapes(
 
 
 def test_a_relays_refusal_and_version_show_their_escapes(tmp_path: Path) -> None:
-    from torchtop.nodes import NodeError, NodeFeed, NodeSpec
     from torchtop.protocol import Refused, RelayHello, encode
+    from torchtop.streams.nodes import NodeError, NodeFeed, NodeSpec
 
     refusal = encode(Refused(reason=f"go away {TITLE}{CLEAR}"))
     with pytest.raises(NodeError) as caught:
@@ -351,8 +351,8 @@ def test_headless_passes_the_jobs_output_on_unchanged_and_its_recording_shows_it
 ) -> None:
     """The job's own output is the user's terminal stream: ``run --headless`` copies it as it
     is. What reads it back from the recording (the model: viewer, report) shows the escapes."""
-    from torchtop.recording import read_recording
-    from torchtop.report import fold
+    from torchtop.report.job import fold
+    from torchtop.streams.recording import read_recording
 
     script = tmp_path / "job.py"
     script.write_text(f"import sys\nsys.stdout.write({f'before {TITLE} after'!r} + '\\n')\n")

@@ -19,7 +19,7 @@ from textual.pilot import Pilot
 from textual.widgets import Static
 from textual.widgets._toast import Toast
 
-from torchtop.model.events import SourceDisconnected
+from torchtop.model.connection import SourceDisconnected
 from torchtop.protocol import JobExited, LogLine, MemoryStats, Message, PhaseBegan, Sample
 from torchtop.tui.app import TorchtopApp
 from torchtop.tui.widgets.chart import AXIS_WIDTH

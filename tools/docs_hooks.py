@@ -50,7 +50,7 @@ def metrics() -> str:
 
 
 def report_keys() -> str:
-    from torchtop.report import summarize
+    from torchtop.report.job import summarize
 
     rows = ["| key | type |", "| --- | --- |"]
 

@@ -512,7 +512,7 @@ def split_run_argv(run: argparse.ArgumentParser, argv: list[str]) -> tuple[list[
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from torchtop.runner import RunError, RunSpec
+    from torchtop.streams.runner import RunError, RunSpec
 
     target = list(args.target)
     if not target:
@@ -566,8 +566,8 @@ def _start_exporter(args: argparse.Namespace, accept: Any, run: str | None = Non
 
 
 def _run_spec(spec: Any) -> int:
-    from torchtop.recording import RecordingError
-    from torchtop.runner import RunError, run_headless
+    from torchtop.streams.recording import RecordingError
+    from torchtop.streams.runner import RunError, run_headless
     from torchtop.transport import TransportError, ensure_runtime_dir
 
     try:
@@ -580,8 +580,8 @@ def _run_spec(spec: Any) -> int:
         _require_terminal("torchtop run --headless")
         if spec.launcher:
             return _run_ranks_view(spec)
+        from torchtop.streams.sources import RunSource
         from torchtop.tui.app import TorchtopApp
-        from torchtop.tui.sources import RunSource
 
         source = RunSource(spec)
         app = TorchtopApp(source, title=spec.description)
@@ -606,7 +606,7 @@ def _run_spec(spec: Any) -> int:
 
 
 def _print_exit_summary(end: Any) -> None:
-    from torchtop.exit_summary import exit_summary
+    from torchtop.report.exit_summary import exit_summary
 
     for line in exit_summary(end):
         print(line, file=sys.stderr)
@@ -619,7 +619,7 @@ RANKS_APPEARED = "ranks appeared"
 def _view_script_run(source: Any, title: str) -> int:
     """The view of the ranks a script's processes became, until it quits; the job's exit
     code."""
-    from torchtop.tui.sources import ScriptRun
+    from torchtop.streams.sources import ScriptRun
 
     run = ScriptRun(source)
     try:
@@ -635,7 +635,7 @@ def _view_script_run(source: Any, title: str) -> int:
 
 def _run_ranks_view(spec: Any) -> int:
     """A multi-rank job under the live view of its ranks; the job's exit code."""
-    from torchtop.runner import RankRun
+    from torchtop.streams.runner import RankRun
 
     run = RankRun(spec)
     try:
@@ -652,10 +652,10 @@ def _run_ranks_view(spec: Any) -> int:
 def _view_run(run: Any, title: str) -> None:
     """The view of a run's ranks until it quits; ``enter`` on a rank opens that rank's full
     screens (the single-process viewer on its agent), whose ``q`` comes back to the run."""
+    from torchtop.streams.sources import LiveSource, RankLines
     from torchtop.transport import find_agent
     from torchtop.tui.app import TorchtopApp
     from torchtop.tui.run_view import RunView
-    from torchtop.tui.sources import LiveSource, RankLines
 
     while True:
         view = RunView(run, title=title)
@@ -850,14 +850,14 @@ def cmd_attach(args: argparse.Namespace) -> int:
         return _attach_nodes(args)
     _require_terminal(f"torchtop attach {args.pid or 'PID'} --headless --record FILE")
     info = _attach_target(args, ask=not args.yes)
-    from torchtop.recording import RecordingError, RecordingWriter
+    from torchtop.streams.recording import RecordingError, RecordingWriter
+    from torchtop.streams.sources import LiveSource, pick_agent_interactively
     from torchtop.tui.app import TorchtopApp
-    from torchtop.tui.sources import LiveSource, pick_agent_interactively
 
     if isinstance(info, _RunOfRanks):
         if args.record:
             raise CliError("--record follows one rank: give its PID (see `torchtop ps`)")
-        from torchtop.ranks import AttachedRun
+        from torchtop.streams.runs import AttachedRun
 
         run = AttachedRun(info.agents)
         try:
@@ -874,7 +874,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
     except RecordingError as exc:
         raise CliError(str(exc), code=1) from None
     if isinstance(info, _Outside):
-        from torchtop.attach.outside import outside_source
+        from torchtop.streams.outside import outside_source
 
         source = outside_source(info.pid, info.reason, writer)
         _run_app(TorchtopApp(source, title=f"pid {info.pid} (from outside)"))
@@ -888,7 +888,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 def _attached_end(state: Any, pid: int, record: Path | None) -> Any:
     """How a job ``torchtop attach`` watched stands once its viewer has closed."""
-    from torchtop.exit_summary import JobEnd
+    from torchtop.report.exit_summary import JobEnd
     from torchtop.transport import job_log_path, pid_alive
 
     log = job_log_path(pid)
@@ -905,8 +905,8 @@ def _attached_end(state: Any, pid: int, record: Path | None) -> Any:
 
 def _left_running_lines(pid: int) -> Any:
     """The log file of a job ``torchtop run`` started and left running, if it is one."""
+    from torchtop.streams.sources import LogFileLines
     from torchtop.transport import job_log_path
-    from torchtop.tui.sources import LogFileLines
 
     path = job_log_path(pid)
     return LogFileLines(path) if path.is_file() else None
@@ -921,9 +921,9 @@ def _attach_nodes(args: argparse.Namespace) -> int:
         if args.record is not None:
             raise CliError("--node records with --headless (`--headless --record FILE`)")
         _require_terminal("torchtop attach --node ... --headless --record FILE")
-    from torchtop.nodes import NodeError, NodeFeed, NodeSpec, read_node_token, ssh_command
-    from torchtop.ranks import AttachedRun
-    from torchtop.recording import RecordingError, RecordingWriter
+    from torchtop.streams.nodes import NodeError, NodeFeed, NodeSpec, read_node_token, ssh_command
+    from torchtop.streams.recording import RecordingError, RecordingWriter
+    from torchtop.streams.runs import AttachedRun
     from torchtop.transport import list_agents
 
     local = [
@@ -994,7 +994,7 @@ def _record_run(run: Any, writer: Any, duration: float | None) -> int:
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
-    from torchtop.relay import RelayError, serve_stdio, serve_tcp
+    from torchtop.streams.relay import RelayError, serve_stdio, serve_tcp
 
     try:
         if args.listen is not None:
@@ -1090,8 +1090,8 @@ class _Outside:
 
 def _record_outside(target: _Outside, path: Path, duration: float | None) -> int:
     """Record ``/proc`` and NVML figures of a job without an agent; exit code 1 (refused)."""
-    from torchtop.attach.outside import OutsideWatch
-    from torchtop.recording import RecordingError, RecordingWriter
+    from torchtop.streams.outside import OutsideWatch
+    from torchtop.streams.recording import RecordingError, RecordingWriter
 
     try:
         writer = RecordingWriter(path)
@@ -1127,8 +1127,8 @@ def _confirm_start(target: Any) -> bool:
 
 
 def _record_headless(info: Any, path: Path, duration: float | None) -> int:
-    from torchtop.feed import AgentFeed
-    from torchtop.recording import RecordingError, RecordingWriter
+    from torchtop.streams.feed import AgentFeed
+    from torchtop.streams.recording import RecordingError, RecordingWriter
 
     try:
         writer = RecordingWriter(path)
@@ -1239,24 +1239,24 @@ def _export_target(target: str | None) -> tuple[int | None, str | None]:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from torchtop.recording import RecordingError, read_recording
+    from torchtop.streams.recording import RecordingError, read_recording
 
     try:
         contents = read_recording(args.file)
     except RecordingError as exc:
         raise CliError(str(exc), code=1) from None
     _require_terminal(f"torchtop report {args.file}")
+    from torchtop.streams.sources import RecordingSource
     from torchtop.tui.app import TorchtopApp
-    from torchtop.tui.sources import RecordingSource
 
     source = RecordingSource(contents.messages, speed=args.speed)
     return _run_app(TorchtopApp(source, title=str(args.file)))
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from torchtop.recording import RecordingError, read_recording
-    from torchtop.report import render_text, summarize
-    from torchtop.report_ranks import is_multi_rank, ranks_parts, summarize_ranks
+    from torchtop.report.job import render_text, summarize
+    from torchtop.report.run import is_multi_rank, ranks_parts, summarize_ranks
+    from torchtop.streams.recording import RecordingError, read_recording
 
     try:
         contents = read_recording(args.file)
@@ -1288,7 +1288,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from torchtop.demo_catalog import DemoNotFound, find_demo, list_demos
+    from torchtop.commands.demo_catalog import DemoNotFound, find_demo, list_demos
 
     if args.list or not args.name:
         demos = list_demos()
@@ -1311,7 +1311,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.source:
         print(demo.path.read_text(), end="")
         return 0
-    from torchtop.runner import RunSpec
+    from torchtop.streams.runner import RunSpec
 
     demo_args = []
     if args.quick:

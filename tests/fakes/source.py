@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from torchtop.protocol import Message
-from torchtop.tui.source import Sink, Source
+from torchtop.streams.source import Sink, Source
 
 
 class FakeSource(Source):

@@ -1,3 +1,3 @@
 """``torchtop attach`` to a job started without torchtop: start an agent inside it from outside
 (:mod:`torchtop.attach.inject`), or, where that is refused, watch it from outside
-(:mod:`torchtop.attach.outside`). Never imports torch."""
+(:mod:`torchtop.streams.outside`). Never imports torch."""

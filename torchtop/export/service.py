@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtop.export.snapshot import JobSnapshot, snapshot_of
-from torchtop.feed import AgentFeed
 from torchtop.model.job import JobModel
 from torchtop.model.run import RunModel
 from torchtop.protocol import Hello, Message
+from torchtop.streams.feed import AgentFeed
 from torchtop.transport import AgentInfo, list_agents
 
 #: Seconds between looks for new agents.
@@ -138,7 +138,9 @@ class JobSet:
                 if not job.accepted:
                     continue
                 if job.dirty or job.snapshot is None:
-                    job.snapshot = snapshot_of(self.model.jobs[address], self.model.ranks.findings)
+                    job.snapshot = snapshot_of(
+                        self.model.jobs[address], self.model.advisor.findings
+                    )
                     job.dirty = False
                 if job.snapshot is not None:
                     out.append(job.snapshot)

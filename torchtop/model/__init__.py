@@ -2,7 +2,7 @@
 
 Standard library and :mod:`torchtop.protocol` only; no I/O. Feed a :class:`JobModel` every
 message of one job's stream, live or from a recording, with :meth:`JobModel.apply` (and the
-source events of :mod:`torchtop.model.events`); read it at any time. A :class:`RunModel` holds
+source events of :mod:`torchtop.model.connection`); read it at any time. A :class:`RunModel` holds
 the models of several jobs side by side. The viewer, the report and the exporters read the
 model, so a figure is computed once and is the same number everywhere.
 """
@@ -10,7 +10,7 @@ model, so a figure is computed once and is the same number everywhere.
 from __future__ import annotations
 
 from torchtop.model.captures import CaptureEntry, MemoryCaptures
-from torchtop.model.events import SourceConnected, SourceDisconnected, SourceStatus
+from torchtop.model.connection import SourceConnected, SourceDisconnected, SourceStatus
 from torchtop.model.job import DeviceMemory, JobIdentity, JobModel, LogEntry, Mark, Phase
 from torchtop.model.ops import OpTimings, UnavailablePeriod
 from torchtop.model.run import RunModel

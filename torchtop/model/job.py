@@ -17,7 +17,7 @@ from typing import Literal
 
 from torchtop.model.advice import Advisor
 from torchtop.model.captures import MemoryCaptures
-from torchtop.model.events import (
+from torchtop.model.connection import (
     SourceConnected,
     SourceDisconnected,
     SourceSilent,

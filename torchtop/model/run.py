@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from torchtop.model.job import JobIdentity, JobModel
-from torchtop.model.ranks import RankAdvisor
+from torchtop.model.run_advice import RankAdvisor
 from torchtop.protocol import JobExited, Message, StackSampled
 
 
@@ -24,7 +24,7 @@ class RunModel:
     new_job: Callable[[], JobModel] = JobModel
     jobs: dict[str, JobModel] = field(default_factory=dict)
     #: Findings about the ranks of each run together: a straggler, a hang, a dead rank.
-    ranks: RankAdvisor = field(default_factory=RankAdvisor)
+    advisor: RankAdvisor = field(default_factory=RankAdvisor)
 
     def apply(self, stream: str, message: Message) -> JobModel:
         """Fold ``message`` from ``stream`` into its job's model (made on first use)."""
@@ -36,7 +36,7 @@ class RunModel:
         if job.version != before:
             # A stack or an exit changes what the run-wide rules say at once (both are rare).
             urgent = isinstance(message, (StackSampled, JobExited))
-            self.ranks.observe(list(self.jobs.values()), force=urgent)
+            self.advisor.observe(list(self.jobs.values()), force=urgent)
         return job
 
     def __iter__(self) -> Iterator[JobModel]:

@@ -40,13 +40,13 @@ from torchtop.protocol import (
     Message,
     OpsWindow,
 )
+from torchtop.streams.source import Source, SourceDisconnected
 from torchtop.text import printable
 from torchtop.tui.advice_screen import AdviceScreen
-from torchtop.tui.commands import Action, ViewerCommands, actions, help_rows
 from torchtop.tui.heap import SettledHeap
 from torchtop.tui.oom_screen import OomScreen
+from torchtop.tui.palette import Action, ViewerCommands, actions, help_rows
 from torchtop.tui.settings import load_settings, save_setting
-from torchtop.tui.source import Source, SourceDisconnected
 from torchtop.tui.wake import WakeFilter
 from torchtop.tui.widgets.chart import TimeSeriesChart
 from torchtop.tui.widgets.device import DevicePanel
@@ -605,7 +605,7 @@ class TorchtopApp(App[int]):
         state = self.state
         return (state.connection, state.job_ended, state.captures.latest is not None)
 
-    # -- the command palette and the help (torchtop.tui.commands) --------------------------------
+    # -- the command palette and the help (torchtop.tui.palette) --------------------------------
 
     def actions(self) -> list[Action]:
         """The app's own keys and what they do."""

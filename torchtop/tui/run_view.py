@@ -3,11 +3,11 @@
 One table of ranks (step, recent step time, steps/s, data wait, time in backward, memory, last
 seen, state, and a trend: the last steps' times as bars on one scale for every rank; a node
 column once ranks of more than one node are shown, ``torchtop attach --node``), the run's
-findings (straggler, hang, dead ranks: :mod:`torchtop.model.ranks`), a chart of each rank's
+findings (straggler, hang, dead ranks: :mod:`torchtop.model.run_advice`), a chart of each rank's
 step time over the last minute (:class:`RankStepChart`) and the job's output, each rank's lines
 behind its rank's prefix (``[rank2]:``, as ``torchrun --tee`` shows them). It reads the
-:class:`~torchtop.model.run.RunModel` that :class:`~torchtop.ranks.RunFold` folds, four times a
-second, and redraws only when something arrived. ``enter`` on a rank's row opens that rank's
+:class:`~torchtop.model.run.RunModel` that :class:`~torchtop.streams.runs.RunFold` folds, four
+times a second, and redraws only when something arrived. ``enter`` on a rank's row opens that rank's
 full screens (the single-process viewer attached to its agent; its ``q`` comes back here; a
 rank of another node says where to open it); ``q`` stops the job (the launcher stops its
 ranks) and quits.
@@ -26,7 +26,7 @@ from textual.widget import Widget
 from textual.widgets import DataTable, Footer, RichLog, Static
 
 from torchtop.job_output import rank_prefix, split_rank
-from torchtop.model.ranks import died
+from torchtop.model.run_advice import died
 from torchtop.sizes import format_bytes
 from torchtop.text import printable
 from torchtop.tui.format import format_span
@@ -36,7 +36,7 @@ from torchtop.tui.widgets.steps import format_seconds_short, series_top
 
 if TYPE_CHECKING:
     from torchtop.model import JobModel
-    from torchtop.ranks import RunFold
+    from torchtop.streams.runs import RunFold
 
 #: Seconds between two looks at what arrived, and the least between two redraws of the table.
 REFRESH_S = 0.25
@@ -312,7 +312,7 @@ class RunView(App[int]):
         jobs = run.model.jobs
         now = max((j.now for j in jobs.values() if j.now is not None), default=None)
         table: DataTable[Text] = self.query_one("#ranks", DataTable)
-        exits = run.model.ranks.launcher_exits
+        exits = run.model.advisor.launcher_exits
         every = [d for job in jobs.values() for d in recent_durations(job)]
         scale = (min(every), max(every)) if every else (0.0, 0.0)
         added = False
@@ -384,7 +384,7 @@ class RunView(App[int]):
         return text
 
     def _findings(self) -> Text:
-        findings = self.run_.model.ranks.findings
+        findings = self.run_.model.advisor.findings
         if not findings:
             return Text("no straggler, hang or dead rank", style="dim")
         text = Text()

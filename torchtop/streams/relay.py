@@ -3,7 +3,7 @@
 A relay finds the agents of its node in the runtime directory (every agent, or those of one run:
 ``--run ID``), new ones as they start, connects to each as a viewer does, and writes their frames
 to its viewer, each tagged with its source (``"src"``: the agent's pid) exactly as a recording of
-several agents holds them (:func:`~torchtop.recording.tag_frame`): one framing for both.
+several agents holds them (:func:`~torchtop.streams.recording.tag_frame`): one framing for both.
 
 The viewer speaks first, its :class:`~torchtop.protocol.ClientHello`, and the relay checks it
 before it sends anything: over TCP the token first (``hmac.compare_digest``), then the protocol
@@ -55,7 +55,7 @@ from torchtop.protocol import (
     decode,
     encode,
 )
-from torchtop.ranks import RankFeeds
+from torchtop.streams.runs import RankFeeds
 from torchtop.text import printable
 from torchtop.transport import (
     AgentInfo,

@@ -1,7 +1,8 @@
 """``torchtop report`` on a recording of a multi-rank job: the job and each of its ranks.
 
 A recording made by ``torchtop run torchrun ...`` holds every rank's frames, each tagged with
-its source (:func:`torchtop.recording.tag_frame`), and the run's own lines untagged: the job's
+its source (:func:`torchtop.streams.recording.tag_frame`), and the run's own lines untagged:
+the job's
 output as the runner copied it and the launcher's exit. Each rank is folded into its own
 :class:`JobModel` (side by side in a :class:`RunModel`); the report is the single-process report
 of the lowest rank (its steps, memory, ops), with the job's exit and output lines taken from the
@@ -19,10 +20,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchtop.model import JobModel
-from torchtop.model.ranks import died, exit_status, launcher_exits
 from torchtop.model.run import RunModel
+from torchtop.model.run_advice import died, exit_status, launcher_exits
 from torchtop.protocol import Hello, Message
-from torchtop.report import add_text_row, fold, report_json
+from torchtop.report.job import add_text_row, fold, report_json
 
 
 def is_multi_rank(sources: Sequence[str | None]) -> bool:
@@ -64,11 +65,11 @@ def rank_models(
         return rank, hello.pid if hello is not None else 0
 
     launcher = fold(run)
-    ranks.ranks.launcher_exits = launcher_exits(entry.text for entry in launcher.logs)
+    ranks.advisor.launcher_exits = launcher_exits(entry.text for entry in launcher.logs)
     # Once more at the end: the exits came last, and the launcher's codes only now.
     now = max((job.now for job in ranks if job.now is not None), default=None)
     if now is not None:
-        ranks.ranks.evaluate(list(ranks), now)
+        ranks.advisor.evaluate(list(ranks), now)
     return launcher, sorted(ranks, key=order), ranks
 
 
@@ -116,11 +117,11 @@ def summarize_ranks(messages: Sequence[Message], sources: Sequence[str | None]) 
     report["exit_code"] = exit_.exit_code if exit_ is not None else None
     report["exit_reason"] = exit_.reason if exit_ is not None else "no exit recorded"
     report["log_lines"] = launcher.log_total
-    exits = run.ranks.launcher_exits
+    exits = run.advisor.launcher_exits
     report["ranks"] = [rank_json(job, exits, report["exit_code"]) for job in ranks]
     start = ranks[0].first_t if ranks else None
     ranked = []
-    for finding in run.ranks.all_findings:
+    for finding in run.advisor.all_findings:
         item = finding.to_json(start)
         item["demo"] = item["demo_command"] = None  # no demo shows a multi-rank finding
         ranked.append(item)

@@ -6,7 +6,7 @@ descends from the launcher) and streams each into the one recording, every frame
 source: a ``"src"`` field naming the rank's pid, which readers that do not know it ignore. Lines
 without it (the job's output as the runner copied it, the launcher's exit) belong to the run.
 :attr:`RecordingContents.sources` reads the tags back, so a report can fold each rank into its
-own model (:mod:`torchtop.report_ranks`).
+own model (:mod:`torchtop.report.run`).
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from torchtop.feed import AgentFeed
 from torchtop.job_output import rank_prefix, split_rank
 from torchtop.model import JobModel
 from torchtop.model.run import RunModel
 from torchtop.protocol import JobExited, LogLine, Message, encode
-from torchtop.recording import FrameSink, tag_frame
+from torchtop.streams.feed import AgentFeed
+from torchtop.streams.recording import FrameSink, tag_frame
 from torchtop.transport import AgentInfo, list_agents, pid_alive
 
 if TYPE_CHECKING:
-    from torchtop.nodes import NodeFeed
+    from torchtop.streams.nodes import NodeFeed
 
 #: How often the runtime directory is scanned for new ranks.
 SCAN_INTERVAL_S = 0.2
@@ -327,7 +327,7 @@ class RunFold:
 class AttachedRun(RunFold):
     """The ranks of a run torchtop did not start (``torchtop attach`` with no PID): this
     machine's agents, and those of other nodes through their relays (``--node``: connected
-    already, :class:`~torchtop.nodes.NodeFeed`), followed live until their streams end;
+    already, :class:`~torchtop.streams.nodes.NodeFeed`), followed live until their streams end;
     quitting detaches and leaves the job running."""
 
     on_quit = "detaches (the job runs on)"

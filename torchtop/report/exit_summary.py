@@ -123,7 +123,7 @@ def _exit_lines(end: JobEnd) -> list[str]:
 
 def _ended(returncode: int) -> str:
     if returncode < 0:
-        from torchtop.runner import exit_status
+        from torchtop.streams.runner import exit_status
 
         code, reason = exit_status(returncode)
         return f"was {reason} (exit code {code})"

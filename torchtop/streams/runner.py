@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from torchtop.agent.rank_start import job_environment, new_run_id, rank_environment
-from torchtop.exit_summary import JobEnd, StderrTail
-from torchtop.feed import AgentFeed
 from torchtop.job_output import JobOutput
 from torchtop.launch import python_module
 from torchtop.private_files import open_private
 from torchtop.protocol import JobExited, LogLine, Message, OutOfMemory
-from torchtop.ranks import JobFeeds, RankFeeds, RunFold, below, ranks_below
-from torchtop.recording import RecordingWriter
+from torchtop.report.exit_summary import JobEnd, StderrTail
+from torchtop.streams.feed import AgentFeed
+from torchtop.streams.recording import RecordingWriter
+from torchtop.streams.runs import JobFeeds, RankFeeds, RunFold, below, ranks_below
 from torchtop.transport import TransportError, ensure_runtime_dir, job_log_path
 
 OPTIONS_ENV = "TORCHTOP_AGENT_OPTIONS"

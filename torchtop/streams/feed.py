@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from torchtop.protocol import Hello, JobExited, Message, ProtocolError, decode
-from torchtop.recording import FrameSink
+from torchtop.streams.recording import FrameSink
 from torchtop.transport import (
     AgentConnection,
     AgentInfo,

@@ -5,8 +5,8 @@ A node is an ssh destination (the viewer runs ``ssh HOST torchtop relay``: nothi
 the node) or ``tcp://ADDR:PORT`` (a ``torchtop relay --listen`` there, with its token). The viewer
 says hello first (the token with it over TCP), the relay answers with its own hello or one
 refusal, then streams its agents' frames, each tagged with its source
-(:mod:`torchtop.relay`). :class:`NodeFeed` hands each to ``on_message`` under a stream of its
-own, ``NODE/PID``, so two nodes' equal pids never meet. Every failure to reach a node is a
+(:mod:`torchtop.streams.relay`). :class:`NodeFeed` hands each to ``on_message`` under a stream
+of its own, ``NODE/PID``, so two nodes' equal pids never meet. Every failure to reach a node is a
 :class:`NodeError` of one line that names the fix.
 """
 
@@ -37,7 +37,7 @@ from torchtop.protocol import (
     decode,
     encode,
 )
-from torchtop.recording import FrameSink, frame_source, retag_frame
+from torchtop.streams.recording import FrameSink, frame_source, retag_frame
 from torchtop.text import printable
 from torchtop.transport import keep_alive
 
@@ -458,7 +458,7 @@ def read_node_token(path: Path | None) -> str | None:
     """The token for TCP nodes, from ``--token-file``."""
     if path is None:
         return None
-    from torchtop.relay import RelayError, read_token
+    from torchtop.streams.relay import RelayError, read_token
 
     try:
         return read_token(path)

@@ -22,7 +22,7 @@ import psutil
 from torchtop.agent.probes.cpu_memory import CpuMemoryProbe
 from torchtop.agent.probes.host import HostProbe
 from torchtop.agent.sampler import Sampler
-from torchtop.model.events import SourceConnected, SourceDisconnected
+from torchtop.model.connection import SourceConnected, SourceDisconnected
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     DeviceInfo,
@@ -31,8 +31,8 @@ from torchtop.protocol import (
     Message,
     ProbeStatus,
 )
-from torchtop.recording import RecordingWriter
-from torchtop.tui.source import Sink, Source
+from torchtop.streams.recording import RecordingWriter
+from torchtop.streams.source import Sink, Source
 
 #: The probe status's name: the same as an attached agent's, "what attach cannot see".
 PROBE = "attach"

@@ -10,15 +10,14 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from torchtop.exit_summary import JobEnd, StderrTail
-from torchtop.feed import AgentFeed
 from torchtop.job_output import LogFollower
 from torchtop.protocol import Hello, JobExited, LogLine, Message, Request
-from torchtop.ranks import RankFeeds, RunFold, ranks_below
-from torchtop.recording import RecordingWriter
-from torchtop.runner import Job, LogLines, RunSpec, exit_status
-from torchtop.transport import AgentInfo
-from torchtop.tui.source import (
+from torchtop.report.exit_summary import JobEnd, StderrTail
+from torchtop.streams.feed import AgentFeed
+from torchtop.streams.recording import RecordingWriter
+from torchtop.streams.runner import Job, LogLines, RunSpec, exit_status
+from torchtop.streams.runs import RankFeeds, RunFold, ranks_below
+from torchtop.streams.source import (
     Sink,
     Source,
     SourceConnected,
@@ -26,6 +25,7 @@ from torchtop.tui.source import (
     SourceSilent,
     SourceStatus,
 )
+from torchtop.transport import AgentInfo
 
 
 class JobLines:

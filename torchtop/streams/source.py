@@ -1,7 +1,7 @@
 """Where the viewer's messages come from: a live agent, a job torchtop runs, or a recording.
 
 A source feeds :mod:`torchtop.protocol` messages, plus the source events of
-:mod:`torchtop.model.events`, to a thread-safe ``sink`` from its own background thread. The app
+:mod:`torchtop.model.connection`, to a thread-safe ``sink`` from its own background thread. The app
 drains what arrived at a steady frame rate into :class:`torchtop.model.JobModel`. Tests use a
 fake source.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
-from torchtop.model.events import (
+from torchtop.model.connection import (
     SourceConnected,
     SourceDisconnected,
     SourceSilent,
