@@ -23,7 +23,7 @@ def _modules_after_import(module: str) -> set[str]:
     "module",
     [
         "torchtop",
-        "torchtop.cli",
+        "torchtop.commands",
         "torchtop.protocol",
         "torchtop.transport",
         "torchtop.streams.recording",

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from demo_runner import false_findings, results_of
 
-from torchtop import cli
+from torchtop import commands as cli
 from torchtop.protocol import PhaseBegan
 from torchtop.streams.recording import read_recording
 

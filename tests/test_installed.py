@@ -367,7 +367,7 @@ _WHERE = "import torchtop; print(torchtop.__file__)"
 
 #: What runs without torch: the command line, the viewer, the model, reports and exporters.
 TORCH_FREE_MODULES = (
-    "torchtop.cli",
+    "torchtop.commands",
     "torchtop.tui.app",
     "torchtop.tui.run_view",
     "torchtop.model",

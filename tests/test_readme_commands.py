@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, torchtop
-from torchtop import cli
+from torchtop import commands as cli
 from torchtop.transport import list_agents
 
 #: README placeholders and the concrete values this test runs them with.

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.untrusted import hostile, job_stream, with_text
-from torchtop import cli
+from torchtop import commands as cli
 from torchtop.protocol import Hello, JobExited, LogLine, Message, encode
 from torchtop.streams.recording import tag_frame
 

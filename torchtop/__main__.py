@@ -1,3 +1,3 @@
-from torchtop.cli import main_entry
+from torchtop.commands import main_entry
 
 main_entry()

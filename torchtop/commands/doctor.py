@@ -7,6 +7,7 @@ timeout, in parallel with the other probes, since a broken CUDA install can hang
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.metadata
 import importlib.util
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchtop import __version__
+from torchtop.commands.core import Subparsers, positive_float
 from torchtop.text import printable
 
 Status = Literal["ok", "info", "warn", "missing"]
@@ -581,3 +583,28 @@ def _dist(name: str) -> str:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return "(version unknown)"
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    doctor = sub.add_parser(
+        "doctor",
+        help="what torchtop can and cannot see on this machine",
+        description="Check this machine for torchtop: Python, torch and its CUDA devices, NVML, "
+        "the runtime directory, attach (gdb, ptrace), the exporters, the terminal and "
+        "torch.distributed. One line each, with the fix for what is missing.",
+    )
+    doctor.add_argument(
+        "--json", action="store_true", help="print JSON (for scripts and bug reports)"
+    )
+    doctor.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long `import torch` may take in the check (default 30)",
+    )
+    return doctor
+
+
+def run(args: argparse.Namespace) -> int:
+    return main(json_output=args.json, timeout_s=args.timeout)

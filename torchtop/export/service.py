@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +20,9 @@ from torchtop.export.snapshot import JobSnapshot, snapshot_of
 from torchtop.model.job import JobModel
 from torchtop.model.run import RunModel
 from torchtop.protocol import Hello, Message
+from torchtop.streams.discovery import AgentScan, launcher_of, run_of
 from torchtop.streams.feed import AgentFeed
-from torchtop.transport import AgentInfo, list_agents
+from torchtop.transport import AgentInfo
 
 #: Seconds between looks for new agents.
 DISCOVER_INTERVAL_S = 0.5
@@ -46,35 +47,6 @@ def _exported_job() -> JobModel:
 
 
 AgentFilter = Callable[[AgentInfo], bool]
-
-
-def descends_from(ancestor: int) -> AgentFilter:
-    """Agents whose process descends from ``ancestor`` (the runner: its job, or torchrun's
-    ranks)."""
-    import psutil
-
-    def check(info: AgentInfo) -> bool:
-        try:
-            return any(p.pid == ancestor for p in psutil.Process(info.pid).parents())
-        except psutil.Error:
-            return False
-
-    return check
-
-
-def launcher_of(pid: int, candidates: Collection[int]) -> int | None:
-    """The nearest ancestor of ``pid`` among ``candidates`` (agents of single processes): the
-    job that started this rank (``torch.multiprocessing.spawn``'s parent, a job whose
-    subprocesses are a scheduler's tasks), or ``None``."""
-    import psutil
-
-    if not candidates:
-        return None
-    try:
-        parents = psutil.Process(pid).parents()
-    except psutil.Error:
-        return None
-    return next((p.pid for p in parents if p.pid in candidates), None)
 
 
 @dataclass
@@ -178,9 +150,15 @@ class Exporter:
         run: str | None = None,
     ) -> None:
         self.jobs = JobSet(run=run)
-        self._accept = accept
-        self._closed = threading.Event()
-        self._rejected: set[str] = set()
+        # A job is in or out for good; one whose description names no run yet is followed,
+        # and its hello decides (:class:`JobSet`).
+        self._scan = AgentScan(
+            lambda info: info.pid != os.getpid() and accept(info) and self._of_run(info),
+            self.follow,
+            interval_s=DISCOVER_INTERVAL_S,
+            name="torchtop-export",
+            remember_refused=True,
+        )
         self.server: Any = None
         self.otlp: Any = None
         if metrics is not None:
@@ -195,10 +173,9 @@ class Exporter:
             except Exception:
                 self.close()
                 raise
-        self._thread = threading.Thread(target=self._discover, name="torchtop-export", daemon=True)
 
     def start(self) -> Exporter:
-        self._thread.start()
+        self._scan.start()
         return self
 
     def announce(self) -> None:
@@ -208,22 +185,8 @@ class Exporter:
         if self.otlp is not None:
             print(f"torchtop: pushing metrics to {self.otlp.endpoint}", file=sys.stderr, flush=True)
 
-    def _discover(self) -> None:
-        while not self._closed.is_set():
-            try:
-                self.discover_once()
-            except Exception:
-                pass  # a bad description file must not stop the exporter; try again
-            self._closed.wait(DISCOVER_INTERVAL_S)
-
     def discover_once(self) -> None:
-        for info in list_agents(clean_stale=False):
-            if info.address in self._rejected or self.jobs.follows(info.address):
-                continue
-            if info.pid == os.getpid() or not self._accept(info) or not self._of_run(info):
-                self._rejected.add(info.address)
-                continue
-            self.follow(info)
+        self._scan.scan_once()
 
     def _of_run(self, info: AgentInfo) -> bool:
         """Whether the agent's description file places it in the run asked for (its hello
@@ -231,7 +194,7 @@ class Exporter:
         run = self.jobs.run
         if run is None or not info.identity:
             return True
-        return str(info.identity.get("run_id") or info.pid) == run
+        return run_of(info) == run
 
     def follow(self, info: AgentInfo) -> None:
         address = info.address
@@ -246,12 +209,12 @@ class Exporter:
 
     def _ended(self, address: str) -> None:
         if not self.jobs.ended(address):
-            self._rejected.add(address)  # not one to export: do not connect again
+            self._scan.refuse(address)  # not one to export: do not connect again
 
     def close(self, wait_s: float = 0.0) -> None:
         """Stop following and serving. ``wait_s``: first give feeds whose job has exited that
         long to read the job's last frames, so the final push carries its final figures."""
-        self._closed.set()
+        self._scan.close(wait_s=0.0)
         deadline = time.monotonic() + wait_s
         for feed in self.jobs.feeds():
             feed.join(max(0.0, deadline - time.monotonic()))

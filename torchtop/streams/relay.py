@@ -55,10 +55,10 @@ from torchtop.protocol import (
     decode,
     encode,
 )
+from torchtop.streams.discovery import Agents
 from torchtop.streams.runs import RankFeeds
 from torchtop.text import printable
 from torchtop.transport import (
-    AgentInfo,
     TransportError,
     existing_runtime_dir,
     keep_alive,
@@ -293,19 +293,12 @@ class RelayOutput:
 # -- one viewer -------------------------------------------------------------------------------
 
 
-def follows_run(run_id: str | None) -> Callable[[AgentInfo], bool]:
-    """Every agent, or only the ranks of ``run_id``."""
-    if run_id is None:
-        return lambda _info: True
-    return lambda info: str(info.identity.get("run_id")) == run_id
-
-
 class RelaySession:
     """One viewer's relay: its hello, then every agent's frames until :meth:`stop`."""
 
     def __init__(self, send: Callable[[bytes], None], run_id: str | None = None) -> None:
         self.output = RelayOutput(send)
-        self.feeds = RankFeeds(follows_run(run_id), self.output, client="relay")
+        self.feeds = RankFeeds(Agents(run=run_id), self.output, client="relay")
         self._run_id = run_id
         self.stopped = threading.Event()
 

@@ -12,7 +12,6 @@ own model (:mod:`torchtop.report.run`).
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -22,9 +21,10 @@ from torchtop.job_output import rank_prefix, split_rank
 from torchtop.model import JobModel
 from torchtop.model.run import RunModel
 from torchtop.protocol import JobExited, LogLine, Message, encode
+from torchtop.streams.discovery import Agents, AgentScan
 from torchtop.streams.feed import AgentFeed
 from torchtop.streams.recording import FrameSink, tag_frame
-from torchtop.transport import AgentInfo, list_agents, pid_alive
+from torchtop.transport import AgentInfo, pid_alive
 
 if TYPE_CHECKING:
     from torchtop.streams.nodes import NodeFeed
@@ -64,42 +64,33 @@ class RankFeeds:
         self._on_message = on_message
         self._on_rank = on_rank
         self.feeds: dict[int, AgentFeed] = {}
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._scan_loop, name="torchtop-ranks", daemon=True)
+        self._scan = AgentScan(
+            follows, self._follow, interval_s=SCAN_INTERVAL_S, name="torchtop-ranks"
+        )
         #: The launcher's exit is the job's: no rank's exit stands for it.
         self.saw_exit = None
 
     def start(self) -> RankFeeds:
-        self._thread.start()
+        self._scan.start()
         return self
-
-    def _scan_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                self.scan()
-            except Exception:  # a failed scan is retried; the recording goes on
-                pass
-            self._closed.wait(SCAN_INTERVAL_S)
 
     def scan(self) -> None:
         """Start following each new rank's agent."""
-        for info in list_agents(clean_stale=False):
-            if self._closed.is_set():
-                return  # closed meanwhile: no new connection may outlive close()
-            if info.pid in self.feeds or not self._follows(info):
-                continue
-            pid = info.pid
-            writer = TaggedWriter(self._writer, str(pid)) if self._writer is not None else None
-            feed = AgentFeed(
-                pid=pid,
-                alive=functools.partial(pid_alive, pid),
-                writer=writer,
-                client=self._client,
-                on_message=functools.partial(self._received, str(pid)),
-                on_end=functools.partial(self._ended, pid, writer),
-            )
-            self.feeds[pid] = feed
-            feed.start()
+        self._scan.scan_once()
+
+    def _follow(self, info: AgentInfo) -> None:
+        pid = info.pid
+        writer = TaggedWriter(self._writer, str(pid)) if self._writer is not None else None
+        feed = AgentFeed(
+            pid=pid,
+            alive=functools.partial(pid_alive, pid),
+            writer=writer,
+            client=self._client,
+            on_message=functools.partial(self._received, str(pid)),
+            on_end=functools.partial(self._ended, pid, writer),
+        )
+        self.feeds[pid] = feed
+        feed.start()
 
     def _received(self, stream: str, message: Message) -> None:
         if self._on_message is not None:
@@ -119,8 +110,7 @@ class RankFeeds:
 
     def join(self, timeout: float | None = None) -> bool:
         """Stop looking for new ranks; wait until every followed rank's stream has ended."""
-        self._closed.set()
-        self._thread.join(timeout)
+        self._scan.join(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         done = True
         for feed in list(self.feeds.values()):
@@ -130,9 +120,7 @@ class RankFeeds:
 
     def close(self) -> None:
         """Stop following: every agent's connection is closed when this returns."""
-        self._closed.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5.0)
+        self._scan.close()
         for feed in list(self.feeds.values()):
             feed.close()
 
@@ -150,18 +138,15 @@ class RankFeeds:
         return "; ".join(sorted({feed.end_reason for feed in self.feeds.values()}))
 
 
-def below(launcher_pid: int) -> Callable[[AgentInfo], bool]:
+def below(launcher_pid: int) -> Agents:
     """The agents whose process descends from ``launcher_pid``: the ranks it started."""
-    from torchtop.export.service import descends_from
-
-    return descends_from(launcher_pid)
+    return Agents(below=launcher_pid)
 
 
-def ranks_below(job_pid: int) -> Callable[[AgentInfo], bool]:
+def ranks_below(job_pid: int) -> Agents:
     """The agents below a job's own process that say which rank they are: the ranks that
     ``torch.multiprocessing.spawn``, Lightning's launcher or a scheduler's tasks started."""
-    descends = below(job_pid)
-    return lambda info: info.identity.get("rank") is not None and descends(info)
+    return Agents(below=job_pid, ranks_only=True)
 
 
 class JobFeeds:

@@ -1,0 +1,42 @@
+"""``torchtop replay``: a recording in the viewer."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from torchtop.commands.core import (
+    CliError,
+    Subparsers,
+    positive_float,
+    require_terminal,
+    run_app,
+)
+
+
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
+    replay = sub.add_parser(
+        "replay",
+        help="view a recording",
+        description="The viewer over a recording: space plays or pauses, e jumps to the end.",
+    )
+    replay.add_argument("file", type=Path)
+    replay.add_argument(
+        "--speed", type=positive_float, default=1.0, help="playback speed (default 1)"
+    )
+    return replay
+
+
+def run(args: argparse.Namespace) -> int:
+    from torchtop.streams.recording import RecordingError, read_recording
+
+    try:
+        contents = read_recording(args.file)
+    except RecordingError as exc:
+        raise CliError(str(exc), code=1) from None
+    require_terminal(f"torchtop report {args.file}")
+    from torchtop.streams.sources import RecordingSource
+    from torchtop.tui.app import TorchtopApp
+
+    source = RecordingSource(contents.messages, speed=args.speed)
+    return run_app(TorchtopApp(source, title=str(args.file)))
