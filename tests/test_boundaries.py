@@ -188,3 +188,62 @@ def test_nothing_torchtop_reads_is_unpickled_or_evaluated() -> None:
     # The check finds what it looks for.
     sample = "import pickle\nfrom pickle import loads\npickle.load(f)\neval(s)\nloads(b)\n"
     assert _calls_that_load_code(sample, "x") == ["x:3 pickle.load()", "x:4 eval()", "x:5 loads()"]
+
+
+def _model_imports(path: Path) -> set[str]:
+    """The ``torchtop.model`` modules ``path`` imports anywhere: at the top, under
+    ``TYPE_CHECKING``, inside functions (``ast.walk`` sees them all)."""
+    package = "torchtop.model"
+    submodules = {p.stem for p in MODEL.glob("*.py") if p.stem != "__init__"}
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: ``from .advice import x``, ``from . import advice``
+                base = ".".join([package, base]) if base else package
+            # ``from torchtop.model import advice`` imports the submodule.
+            modules = [base] + [
+                f"{base}.{a.name}" for a in node.names if base == package and a.name in submodules
+            ]
+        else:
+            continue
+        for module in modules:
+            if module == package or module.startswith(package + "."):
+                found.add(".".join(module.split(".")[:3]))
+    return found
+
+
+def _find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each cycle a depth-first walk closes, as the modules along it, the first repeated last."""
+    cycles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(graph.get(module, ())):
+            if target in path:
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in done:
+                visit(target, [*path, target])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    return cycles
+
+
+def test_the_model_has_no_import_cycles() -> None:
+    """The model's modules import each other one way only: counting imports under
+    ``TYPE_CHECKING`` and inside functions, which hide a cycle from Python but not from a
+    reader (each side must be understood before the other)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(MODEL.glob("*.py")):
+        name = "torchtop.model" if path.stem == "__init__" else f"torchtop.model.{path.stem}"
+        graph[name] = _model_imports(path) - {name}
+    assert len(graph) > 5
+    cycles = _find_cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+    # The check finds what it looks for.
+    assert _find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
