@@ -1,6 +1,6 @@
 """Module boundaries: the viewer side never imports torch; the agent never imports the UI; the
-model imports the protocol, the sanitizer of untrusted text and the standard library only, and
-does no I/O."""
+model imports the protocol, the sanitizer of untrusted text, the byte-size writer and the
+standard library only, does no I/O, and its modules import each other one way."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_agent_side_never_imports_the_ui(module: str) -> None:
     assert not {"textual", "rich"} & {m.split(".")[0] for m in loaded}
 
 
-@pytest.mark.parametrize("module", ["torchtop.transport", "torchtop.text"])
+@pytest.mark.parametrize("module", ["torchtop.transport", "torchtop.text", "torchtop.sizes"])
 def test_shared_ground_uses_the_standard_library_only(module: str) -> None:
     loaded = _modules_after_import(module)
     third_party = {"psutil", "pynvml", "torch", "textual", "rich", "numpy"}
@@ -102,12 +102,21 @@ IO_MODULES = {
 IO_CALLS = {"open", "print", "input", "exec", "eval", "__import__"}
 
 
+#: What the model may import of torchtop besides itself: the protocol it folds, the sanitizer of
+#: untrusted text, and ``torchtop.sizes``, the one writer of byte sizes (standard library only,
+#: shared ground like the other two), so the model's advice and the viewer write a size alike.
+MODEL_MAY_IMPORT = ("torchtop.protocol", "torchtop.text", "torchtop.sizes")
+
+
 def test_the_model_imports_the_protocol_and_the_standard_library_only() -> None:
+    """The model imports the protocol, the text sanitizer, the byte-size writer
+    (``torchtop.sizes``: standard library only, so the model's sentences and the viewer write a
+    size the same way from one function) and the standard library; nothing else."""
     # The package's own ``__init__`` (the job's ``torchtop.start()``) comes with any import.
     before = _modules_after_import("torchtop")
     loaded = _modules_after_import("torchtop.model") - before
     ours = {m for m in loaded if m.split(".")[0] == "torchtop"}
-    shared = {"torchtop.protocol", "torchtop.text"}
+    shared = set(MODEL_MAY_IMPORT)
     assert ours - shared == {m for m in ours if m.startswith("torchtop.model")}
     stdlib = set(sys.stdlib_module_names)
     third_party = {m.split(".")[0] for m in loaded} - stdlib - {"torchtop", "_distutils_hack"}
@@ -125,12 +134,9 @@ def test_the_model_does_no_io() -> None:
             elif isinstance(node, ast.ImportFrom):
                 names = {(node.module or "").split(".")[0]}
                 if node.module == "torchtop" or (node.module or "").startswith("torchtop."):
-                    assert node.module in (
-                        "torchtop.protocol",
-                        "torchtop.text",
-                    ) or node.module.startswith("torchtop.model"), (
-                        f"{path.name} imports {node.module}"
-                    )
+                    assert node.module in MODEL_MAY_IMPORT or node.module.startswith(
+                        "torchtop.model"
+                    ), f"{path.name} imports {node.module}"
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in IO_CALLS, f"{path.name}:{node.lineno} {node.func.id}()"
                 continue
