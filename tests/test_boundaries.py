@@ -1,6 +1,6 @@
 """Module boundaries: the viewer side never imports torch; the agent never imports the UI; the
-model imports the protocol, the sanitizer of untrusted text and the standard library only, and
-does no I/O."""
+model imports the protocol, the sanitizer of untrusted text, the byte-size writer and the
+standard library only, does no I/O, and its modules import each other one way."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_agent_side_never_imports_the_ui(module: str) -> None:
     assert not {"textual", "rich"} & {m.split(".")[0] for m in loaded}
 
 
-@pytest.mark.parametrize("module", ["torchtop.transport", "torchtop.text"])
+@pytest.mark.parametrize("module", ["torchtop.transport", "torchtop.text", "torchtop.sizes"])
 def test_shared_ground_uses_the_standard_library_only(module: str) -> None:
     loaded = _modules_after_import(module)
     third_party = {"psutil", "pynvml", "torch", "textual", "rich", "numpy"}
@@ -102,12 +102,21 @@ IO_MODULES = {
 IO_CALLS = {"open", "print", "input", "exec", "eval", "__import__"}
 
 
+#: What the model may import of torchtop besides itself: the protocol it folds, the sanitizer of
+#: untrusted text, and ``torchtop.sizes``, the one writer of byte sizes (standard library only,
+#: shared ground like the other two), so the model's advice and the viewer write a size alike.
+MODEL_MAY_IMPORT = ("torchtop.protocol", "torchtop.text", "torchtop.sizes")
+
+
 def test_the_model_imports_the_protocol_and_the_standard_library_only() -> None:
+    """The model imports the protocol, the text sanitizer, the byte-size writer
+    (``torchtop.sizes``: standard library only, so the model's sentences and the viewer write a
+    size the same way from one function) and the standard library; nothing else."""
     # The package's own ``__init__`` (the job's ``torchtop.start()``) comes with any import.
     before = _modules_after_import("torchtop")
     loaded = _modules_after_import("torchtop.model") - before
     ours = {m for m in loaded if m.split(".")[0] == "torchtop"}
-    shared = {"torchtop.protocol", "torchtop.text"}
+    shared = set(MODEL_MAY_IMPORT)
     assert ours - shared == {m for m in ours if m.startswith("torchtop.model")}
     stdlib = set(sys.stdlib_module_names)
     third_party = {m.split(".")[0] for m in loaded} - stdlib - {"torchtop", "_distutils_hack"}
@@ -125,12 +134,9 @@ def test_the_model_does_no_io() -> None:
             elif isinstance(node, ast.ImportFrom):
                 names = {(node.module or "").split(".")[0]}
                 if node.module == "torchtop" or (node.module or "").startswith("torchtop."):
-                    assert node.module in (
-                        "torchtop.protocol",
-                        "torchtop.text",
-                    ) or node.module.startswith("torchtop.model"), (
-                        f"{path.name} imports {node.module}"
-                    )
+                    assert node.module in MODEL_MAY_IMPORT or node.module.startswith(
+                        "torchtop.model"
+                    ), f"{path.name} imports {node.module}"
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in IO_CALLS, f"{path.name}:{node.lineno} {node.func.id}()"
                 continue
@@ -188,3 +194,62 @@ def test_nothing_torchtop_reads_is_unpickled_or_evaluated() -> None:
     # The check finds what it looks for.
     sample = "import pickle\nfrom pickle import loads\npickle.load(f)\neval(s)\nloads(b)\n"
     assert _calls_that_load_code(sample, "x") == ["x:3 pickle.load()", "x:4 eval()", "x:5 loads()"]
+
+
+def _model_imports(path: Path) -> set[str]:
+    """The ``torchtop.model`` modules ``path`` imports anywhere: at the top, under
+    ``TYPE_CHECKING``, inside functions (``ast.walk`` sees them all)."""
+    package = "torchtop.model"
+    submodules = {p.stem for p in MODEL.glob("*.py") if p.stem != "__init__"}
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: ``from .advice import x``, ``from . import advice``
+                base = ".".join([package, base]) if base else package
+            # ``from torchtop.model import advice`` imports the submodule.
+            modules = [base] + [
+                f"{base}.{a.name}" for a in node.names if base == package and a.name in submodules
+            ]
+        else:
+            continue
+        for module in modules:
+            if module == package or module.startswith(package + "."):
+                found.add(".".join(module.split(".")[:3]))
+    return found
+
+
+def _find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each cycle a depth-first walk closes, as the modules along it, the first repeated last."""
+    cycles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for target in sorted(graph.get(module, ())):
+            if target in path:
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in done:
+                visit(target, [*path, target])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    return cycles
+
+
+def test_the_model_has_no_import_cycles() -> None:
+    """The model's modules import each other one way only: counting imports under
+    ``TYPE_CHECKING`` and inside functions, which hide a cycle from Python but not from a
+    reader (each side must be understood before the other)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(MODEL.glob("*.py")):
+        name = "torchtop.model" if path.stem == "__init__" else f"torchtop.model.{path.stem}"
+        graph[name] = _model_imports(path) - {name}
+    assert len(graph) > 5
+    cycles = _find_cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+    # The check finds what it looks for.
+    assert _find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from torchtop.model.oom_advice import size
 from torchtop.tui.format import (
     MISSING,
     format_bytes,
@@ -36,6 +37,13 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 )
 def test_format_bytes(n: int | None, text: str) -> None:
     assert format_bytes(n) == text
+
+
+def test_the_model_writes_sizes_as_the_viewer_does() -> None:
+    """The model's sentences write sizes with the same function, ``?`` where one is unknown."""
+    for n in (0, 512, 1536, 512 * MiB, int(1.234 * GiB), 141 * GiB, 2 * 1024 * GiB):
+        assert size(n) == format_bytes(n)
+    assert size(None) == "?"
 
 
 @pytest.mark.parametrize(

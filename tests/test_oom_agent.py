@@ -31,7 +31,7 @@ from torchtop.agent.memory_limit import SOURCE_TENSORS, MemoryLimitTracker, oom_
 from torchtop.agent.oom import OomController, _arm_after_import, _ArmAfterImport
 from torchtop.agent.probes.cuda_memory import CudaMemoryProbe
 from torchtop.agent.server import EVENTS, SAMPLES, AgentServer, RingLimit
-from torchtop.model.job import DeviceMemory
+from torchtop.model.memory import DeviceMemory
 from torchtop.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,

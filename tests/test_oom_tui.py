@@ -272,7 +272,7 @@ def test_eval_phase_with_grad_on_suggests_no_grad(captured: OutOfMemory) -> None
     state.apply_all([*cuda_job(), PhaseBegan(T0 + 29.0, "eval", 9), captured])
     (entry,) = state.captures.entries
     assert "phase eval" in plain(banner_text(entry, state))
-    from torchtop.model.captures import capture_evidence
+    from torchtop.model.job import capture_evidence
     from torchtop.model.oom_advice import suggest
 
     assert [s.id for s in suggest(capture_evidence(state, captured))][:2] == [

@@ -31,13 +31,13 @@ from torchtop.streams.feed import AgentFeed
 from torchtop.streams.source import Sink
 from torchtop.streams.sources import LiveSource
 from torchtop.tui.app import HelpScreen, QuitScreen, TorchtopApp
+from torchtop.tui.format import format_share
 from torchtop.tui.widgets.ops import (
     OTHER_LABEL,
     OpsFilter,
     OpsPanel,
     elide_start,
     filter_ops,
-    format_share,
     name_width,
     next_sort,
     op_label,

@@ -18,9 +18,8 @@ from torchtop.protocol import (
     step_detail_weights,
 )
 from torchtop.report.job import summarize
+from torchtop.tui.format import format_seconds, format_seconds_short
 from torchtop.tui.widgets.steps import (
-    format_seconds,
-    format_seconds_short,
     nice_seconds,
     render_step_bars,
     scale_top,

@@ -1,7 +1,8 @@
 """Byte sizes written by people (``256MiB``, ``2GiB``, ``500MB``, ``1e9``) and for people.
 
-Standard library only: the CLI parses ``--memory-limit`` with it, and the agent writes its
-emulated out-of-memory message with it.
+Standard library only: the CLI parses ``--memory-limit`` with it, the agent writes its
+emulated out-of-memory message with it, and the model, the report and the viewer write sizes
+with :func:`format_bytes`.
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ def scale_binary(n: float) -> tuple[float, int]:
     return value, unit
 
 
-def format_bytes(n: int | float | None) -> str:
-    """Bytes in binary units with three significant digits: ``"1.23 GiB"``, ``"512 MiB"``."""
+def format_bytes(n: int | float | None, missing: str = "—") -> str:
+    """Bytes in binary units with three significant digits: ``"1.23 GiB"``, ``"512 MiB"``;
+    ``missing`` for a size that could not be read (the model's sentences write ``"?"``)."""
     if n is None:
-        return "—"  # could not be read
+        return missing
     value, unit = scale_binary(n)
     if unit == 0:
         return f"{int(value)} B"

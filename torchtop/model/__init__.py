@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from torchtop.model.captures import CaptureEntry, MemoryCaptures
 from torchtop.model.connection import SourceConnected, SourceDisconnected, SourceStatus
-from torchtop.model.job import DeviceMemory, JobIdentity, JobModel, LogEntry, Mark, Phase
+from torchtop.model.job import JobIdentity, JobModel, LogEntry, Mark, Phase
+from torchtop.model.memory import DeviceMemory
 from torchtop.model.ops import OpTimings, UnavailablePeriod
 from torchtop.model.run import RunModel
 from torchtop.model.training import StepPoint, StepTotals, TrainingState, weighted_quantile

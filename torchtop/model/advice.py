@@ -22,17 +22,46 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from dataclasses import replace as _replace
 from itertools import pairwise
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
+from torchtop.model.memory import DeviceMemory
 from torchtop.model.oom_advice import EVAL_PHASE, size, step_floors
-from torchtop.model.ops import op_avg_s
-from torchtop.model.training import MIN_RECENT_STEPS, RECENT_WINDOW_S, LoaderState
-
-if TYPE_CHECKING:
-    from torchtop.model.job import JobModel
+from torchtop.model.ops import OpTimings, op_avg_s
+from torchtop.model.training import MIN_RECENT_STEPS, RECENT_WINDOW_S, LoaderState, TrainingState
+from torchtop.protocol import DeviceInfo, GpuStats, Hello, HostStats
 
 Severity = Literal["info", "warning", "critical"]
 SEVERITY_ORDER: dict[str, int] = {"critical": 0, "warning": 1, "info": 2}
+
+
+class JobView(Protocol):
+    """What the rules read of a job: :class:`~torchtop.model.JobModel` is one (it holds the
+    :class:`Advisor`, so the rules know it by this shape rather than by name)."""
+
+    @property
+    def now(self) -> float | None: ...
+    @property
+    def start(self) -> float | None: ...
+    @property
+    def hello(self) -> Hello | None: ...
+    @property
+    def host(self) -> HostStats | None: ...
+    @property
+    def devices(self) -> list[DeviceInfo]: ...
+    @property
+    def memory(self) -> dict[str, DeviceMemory]: ...
+    @property
+    def primary_memory(self) -> DeviceMemory | None: ...
+    @property
+    def gpus(self) -> dict[int, GpuStats]: ...
+    @property
+    def gpu_t(self) -> float | None: ...
+    @property
+    def training(self) -> TrainingState: ...
+    @property
+    def op_timings(self) -> OpTimings: ...
+    def phase_at(self, t: float) -> str | None: ...
+
 
 #: Seconds of job time between two evaluations of the rules.
 EVAL_INTERVAL_S = 1.0
@@ -222,7 +251,7 @@ class _Rule:
     name: str
     #: Seconds of job time the check must hold before the finding appears.
     hold_s: float
-    check: Callable[[JobModel, float, Advisor], Check | None]
+    check: Callable[[JobView, float, Advisor], Check | None]
     #: Seconds of job time the check must fail before a shown finding clears.
     clear_s: float = 0.0
 
@@ -270,7 +299,7 @@ class Advisor:
             parts.append(f"{n} info")
         return ", ".join(parts)
 
-    def observe(self, model: JobModel) -> bool:
+    def observe(self, model: JobView) -> bool:
         """Evaluate the rules if :attr:`interval_s` of job time passed; True if the findings
         changed."""
         now = model.now
@@ -280,7 +309,7 @@ class Advisor:
             return False
         return self.evaluate(model, now)
 
-    def evaluate(self, model: JobModel, now: float) -> bool:
+    def evaluate(self, model: JobView, now: float) -> bool:
         """Run every rule at ``now``; True if the findings changed."""
         self.last_eval = now
         rank = model.hello.rank if model.hello is not None else None
@@ -315,7 +344,7 @@ class Advisor:
             (f.name, f.severity, f.summary) for f in self.findings
         ]
 
-    def _remember_gpu_util(self, model: JobModel, now: float) -> None:
+    def _remember_gpu_util(self, model: JobView, now: float) -> None:
         if model.gpu_t is None or now - model.gpu_t > GPU_READING_MAX_AGE_S:
             return
         utils = [
@@ -326,7 +355,7 @@ class Advisor:
         if utils:
             self._gpu_util.append((now, sum(utils) / len(utils)))
 
-    def _remember_loaders(self, model: JobModel) -> None:
+    def _remember_loaders(self, model: JobView) -> None:
         training = model.training
         stepped = training.total - self._steps_seen
         advanced = {
@@ -364,7 +393,7 @@ def _ms(seconds: float | None) -> str:
 # -- the rules ----------------------------------------------------------------------------------
 
 
-def _recent_start(model: JobModel, now: float) -> float:
+def _recent_start(model: JobView, now: float) -> float:
     """The earliest ``steps`` frame the recent figures cover (as :meth:`TrainingState.recent`)."""
     start = now
     steps = 0
@@ -378,7 +407,7 @@ def _recent_start(model: JobModel, now: float) -> float:
     return start
 
 
-def _busiest_loader(model: JobModel) -> LoaderState | None:
+def _busiest_loader(model: JobView) -> LoaderState | None:
     """The loader the training thread waited on most (its first batches included)."""
     loaders = model.training.loader_list
     if not loaders:
@@ -386,7 +415,7 @@ def _busiest_loader(model: JobModel) -> LoaderState | None:
     return max(loaders, key=lambda s: s.stats.wait_s + s.stats.first_batch_s)
 
 
-def input_bound(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+def input_bound(model: JobView, now: float, advisor: Advisor) -> Check | None:
     """The training thread waits for data for at least 10% of the step time (30%: critical)."""
     recent = model.training.recent(now)
     fraction = recent.wait_fraction
@@ -493,7 +522,7 @@ class _Machine:
     processes: int
 
     @classmethod
-    def of(cls, model: JobModel) -> _Machine:
+    def of(cls, model: JobView) -> _Machine:
         host = model.host
         return cls(
             gpu=any(d.id.startswith("cuda") for d in model.devices),
@@ -516,7 +545,7 @@ class _Machine:
         return f"DataLoader(ds, {', '.join(settings)})"
 
 
-def memory_creep(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+def memory_creep(model: JobView, now: float, advisor: Advisor) -> Check | None:
     """The memory at each step's low point rises over at least 50 steps and 10 s after the
     warm-up: allocated on CUDA; on the CPU the RSS (the heap misses the large tensors, mapped
     apart from it)."""
@@ -584,7 +613,7 @@ def memory_creep(model: JobModel, now: float, advisor: Advisor) -> Check | None:
     )
 
 
-def eval_with_grad(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+def eval_with_grad(model: JobView, now: float, advisor: Advisor) -> Check | None:
     """A loader that is not a training loader (or any loader during an eval-named phase)
     fetched batches with autograd on: the forward passes keep their graphs for nothing."""
     training = model.training
@@ -644,7 +673,7 @@ def eval_with_grad(model: JobModel, now: float, advisor: Advisor) -> Check | Non
     return None
 
 
-def host_syncs(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+def host_syncs(model: JobView, now: float, advisor: Advisor) -> Check | None:
     """At least one wait for the device per step on a CUDA job."""
     ops = model.op_timings
     per_step = ops.sync_points_per_step
@@ -684,7 +713,7 @@ def _syncs(name: str) -> bool:
     )
 
 
-def tiny_ops(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+def tiny_ops(model: JobView, now: float, advisor: Advisor) -> Check | None:
     """Most of the op time in ops of a few µs each, many per step: launch-bound."""
     latest = model.op_timings.latest
     if latest is None or latest.total_steps < TINY_OP_MIN_STEPS:
@@ -723,7 +752,7 @@ def tiny_ops(model: JobModel, now: float, advisor: Advisor) -> Check | None:
     )
 
 
-def _device_total(model: JobModel, device: str) -> int | None:
+def _device_total(model: JobView, device: str) -> int | None:
     memory = model.memory.get(device)
     if memory is not None and memory.latest.total_bytes:
         return memory.latest.total_bytes
@@ -733,7 +762,7 @@ def _device_total(model: JobModel, device: str) -> int | None:
     return None
 
 
-def memory_pressure(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+def memory_pressure(model: JobView, now: float, advisor: Advisor) -> Check | None:
     """The peak reserved memory is at least 90% of the device's."""
     memory = model.primary_memory
     if memory is None or not memory.is_cuda or memory.peak_reserved is None:
@@ -765,7 +794,7 @@ def memory_pressure(model: JobModel, now: float, advisor: Advisor) -> Check | No
     )
 
 
-def fragmentation(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+def fragmentation(model: JobView, now: float, advisor: Advisor) -> Check | None:
     """Reserved at least twice allocated while a large share of the device, or the
     allocator had to retry allocations."""
     memory = model.primary_memory
@@ -815,7 +844,7 @@ def _capability(text: str | None) -> tuple[int, int] | None:
         return None
 
 
-def float32_matmuls(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+def float32_matmuls(model: JobView, now: float, advisor: Advisor) -> Check | None:
     """Most sampled matmul calls take float32 inputs on a CUDA device with tensor cores: no
     autocast, so the tensor cores idle (or run TF32 at half bf16's rate)."""
     ops = model.op_timings
@@ -863,7 +892,7 @@ def float32_matmuls(model: JobModel, now: float, advisor: Advisor) -> Check | No
     )
 
 
-def cpu_oversubscription(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+def cpu_oversubscription(model: JobView, now: float, advisor: Advisor) -> Check | None:
     """More threads want the CPU than it has: torch's intra-op threads in each of the job's
     processes on the node (warning), or those and the busy DataLoader workers (info: the
     workers are measured busy, but whether the threads suffer is not). Where the threads are
@@ -957,7 +986,7 @@ GPU_IDLE_CAUSES = (
 )
 
 
-def low_gpu_utilization(model: JobModel, now: float, advisor: Advisor) -> Check | None:
+def low_gpu_utilization(model: JobView, now: float, advisor: Advisor) -> Check | None:
     """NVML says the job's GPUs are busy less than half the time while steps run: a symptom,
     named with whichever cause holds."""
     recent = model.training.recent(now)

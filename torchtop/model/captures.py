@@ -11,13 +11,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from torchtop.model.oom_advice import Evidence, Suggestion, suggest
 from torchtop.protocol import MemoryCapture, Message, OomResumed, OutOfMemory
-
-if TYPE_CHECKING:
-    from torchtop.model.job import JobModel
 
 #: Captures kept (each is small: at most 20 sites of 8 frames).
 MAX_CAPTURES = 50
@@ -93,11 +89,3 @@ class MemoryCaptures:
             if entry.holding:
                 return entry
         return None
-
-
-def capture_evidence(model: JobModel, capture: MemoryCapture) -> Evidence:
-    """The evidence the model gathered for ``capture`` when it arrived."""
-    for entry in model.captures.entries:
-        if entry.capture == capture:
-            return entry.evidence
-    return model.evidence_for(capture)

@@ -23,6 +23,7 @@ from torchtop.model.connection import (
     SourceSilent,
     SourceStatus,
 )
+from torchtop.model.memory import DeviceMemory, MemoryPoint
 from torchtop.model.oom_advice import Evidence, phase_at, step_floors
 from torchtop.model.ops import OpTimings
 from torchtop.model.training import TrainingState
@@ -59,93 +60,6 @@ DEFAULT_LOG_LINES = 5000
 DEFAULT_EVENTS = 2000
 
 ConnectionState = Literal["connecting", "live", "disconnected", "ended"]
-
-
-@dataclass(slots=True)
-class MemoryPoint:
-    """One sample of a device's memory on the time axis."""
-
-    t: float
-    allocated: int | None
-    reserved: int | None
-
-
-@dataclass
-class DeviceMemory:
-    """One device's memory: the latest reading, its history and its running peaks."""
-
-    device: str
-    latest: MemoryStats
-    series: deque[MemoryPoint]
-    peak_allocated: int | None = None
-    peak_reserved: int | None = None
-    #: The allocator's own counters, at their highest (``None`` where it has none).
-    num_ooms: int | None = None
-    num_alloc_retries: int | None = None
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.startswith("cuda")
-
-    @property
-    def cache(self) -> int | None:
-        """Reserved but not allocated: the caching allocator's cache, all of it (segments
-        ``empty_cache()`` would hand back included); on the CPU, RSS above the heap."""
-        allocated = self.latest.allocated_bytes
-        reserved = self.latest.reserved_bytes
-        if allocated is None or reserved is None:
-            return None
-        return reserved - allocated
-
-    @property
-    def fragmented(self) -> int | None:
-        """Free bytes inside segments that are split between live blocks (the allocator's
-        ``inactive_split_bytes``): memory a larger request cannot use, and ``empty_cache()``
-        cannot free. ``None`` where the allocator does not say (the CPU)."""
-        return self.latest.inactive_split_bytes
-
-    @property
-    def in_use(self) -> bool:
-        """The job has held memory here: allocated or reserved above 0, now or at a peak (or
-        nothing could be read)."""
-        stats = self.latest
-        known = [
-            value
-            for value in (
-                stats.allocated_bytes,
-                stats.reserved_bytes,
-                self.peak_allocated,
-                self.peak_reserved,
-            )
-            if value is not None
-        ]
-        # A device whose figures could not be read at all is shown (with dashes), not hidden.
-        return not known or any(value > 0 for value in known)
-
-    @property
-    def ooms(self) -> int | None:
-        """Out-of-memory failures the job saw: the allocator's count less those torch handled
-        itself (cuDNN's retries with a smaller workspace)."""
-        total = self.latest.num_ooms
-        if total is None:
-            return None
-        return max(0, total - (self.latest.handled_ooms or 0))
-
-    @property
-    def allocated_label(self) -> str:
-        """What ``allocated`` means on this device: "allocated", "heap" or "RSS"."""
-        if self.latest.source == "cpu-heap":
-            return "heap"
-        if self.latest.source == "cpu-rss":
-            return "RSS"
-        return "allocated"
-
-    @property
-    def reserved_label(self) -> str:
-        """What ``reserved`` means on this device: "reserved" on CUDA, "RSS" on the CPU."""
-        if self.latest.source.startswith("cpu"):
-            return "RSS"
-        return "reserved"
 
 
 @dataclass
@@ -675,3 +589,11 @@ class JobModel:
             if ended is None or (phase.end or 0.0) > (ended.end or 0.0):
                 ended = phase
         return ended
+
+
+def capture_evidence(model: JobModel, capture: MemoryCapture) -> Evidence:
+    """The evidence the model gathered for ``capture`` when it arrived."""
+    for entry in model.captures.entries:
+        if entry.capture == capture:
+            return entry.evidence
+    return model.evidence_for(capture)

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from torchtop.protocol import AllocationSite, MemoryCapture, StackFrame
+from torchtop.sizes import format_bytes
 
 #: Phases whose names say the model is evaluated, not trained.
 EVAL_PHASE = re.compile(r"eval|valid|\bval\b|^val|test|infer|predict|generat", re.IGNORECASE)
@@ -86,19 +87,9 @@ class Evidence:
 
 
 def size(n: int | None) -> str:
-    """Bytes in binary units with three significant digits, as the viewer writes them:
-    ``512 MiB``, ``15.0 GiB``, ``1.50 GiB``."""
-    if n is None:
-        return "?"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{int(value)} B"
-            digits = 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2
-            return f"{value:.{digits}f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
+    """A size in the model's sentences: :func:`torchtop.sizes.format_bytes` (``512 MiB``,
+    ``15.0 GiB``, ``1.50 GiB``), and ``?`` for one that could not be read."""
+    return format_bytes(n, missing="?")
 
 
 # -- the verdict --------------------------------------------------------------------------------

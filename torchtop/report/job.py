@@ -434,8 +434,6 @@ def capture_parts(events: list[dict[str, Any]]) -> list[Any]:
     """The text report's lines for each failure and snapshot (imports rich; JSON never does)."""
     from rich.text import Text
 
-    from torchtop.model.oom_advice import size
-
     parts: list[Any] = []
     for event in events:
         text = Text()
@@ -450,7 +448,9 @@ def capture_parts(events: list[dict[str, Any]]) -> list[Any]:
         text.append(f"\n  {event['verdict']}")
         for site in event["top_sites"][:3]:
             where = f"{site['function']} ({site['file'].rsplit('/', 1)[-1]}:{site['line']})"
-            text.append(f"\n  {size(site['bytes']):>10}  {site['count']:>4} live  {where}", "dim")
+            text.append(
+                f"\n  {format_bytes(site['bytes']):>10}  {site['count']:>4} live  {where}", "dim"
+            )
         for suggestion in event["suggestions"]:
             text.append(f"\n  try: {suggestion['title']}  ({suggestion['demo']})", "green")
         where = event["snapshot_path"] or event["snapshot_error"] or "no snapshot"

@@ -1,4 +1,4 @@
-"""Human units for the viewer: bytes, durations, percentages.
+"""Human units for the viewer: bytes, durations, rates, percentages.
 
 Pure functions with no Textual or Rich import, so the state, the widgets and the tests share
 one way of writing a number. A value that could not be read (``None``) shows as :data:`MISSING`.
@@ -101,3 +101,56 @@ def format_percent(p: float | None) -> str:
     if p is None or math.isnan(p):
         return MISSING
     return f"{p:.0f}%"
+
+
+def format_share(part: float, whole: float) -> str:
+    """``part`` as a percentage of ``whole``: ``"3.4%"``, ``"45%"``; :data:`MISSING` for no
+    whole."""
+    if whole <= 0:
+        return MISSING
+    p = part / whole * 100
+    return f"{p:.1f}%" if p < 9.95 else f"{p:.0f}%"
+
+
+def format_seconds(seconds: float | None) -> str:
+    """``"850 µs"``, ``"12.3 ms"``, ``"122 ms"``, ``"1.23 s"``."""
+    if seconds is None:
+        return MISSING
+    seconds = float(f"{seconds:.3g}")  # so that 0.0999999 reads 100 ms, not 100.0 ms
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 0.01:
+        return f"{seconds * 1e3:.2f} ms"
+    if seconds < 0.1:
+        return f"{seconds * 1e3:.1f} ms"
+    if seconds < 1:
+        return f"{seconds * 1e3:.0f} ms"
+    if seconds < 100:
+        return f"{seconds:.2f} s"
+    return f"{seconds:.0f} s"
+
+
+def format_seconds_short(seconds: float | None) -> str:
+    """At most five cells, for a chart's axis: ``"800µs"``, ``"12ms"``, ``"1.2s"``."""
+    if seconds is None:
+        return MISSING
+    if seconds == 0:
+        return "0"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f}µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g}ms" if seconds < 0.1 else f"{seconds * 1e3:.0f}ms"
+    return f"{seconds:.2g}s" if seconds < 10 else f"{seconds:.0f}s"
+
+
+def format_rate(rate: float | None) -> str:
+    """``"8.21"``, ``"262"``, ``"12.3k"``."""
+    if rate is None:
+        return MISSING
+    if rate >= 10_000:
+        return f"{rate / 1000:.1f}k"
+    if rate >= 100:
+        return f"{rate:.0f}"
+    if rate >= 10:
+        return f"{rate:.1f}"
+    return f"{rate:.2f}"

@@ -29,10 +29,10 @@ from torchtop.job_output import rank_prefix, split_rank
 from torchtop.model.run_advice import died
 from torchtop.sizes import format_bytes
 from torchtop.text import printable
-from torchtop.tui.format import format_span
+from torchtop.tui.format import format_seconds_short, format_span
 from torchtop.tui.heap import SettledHeap
 from torchtop.tui.widgets.chart import AXIS_WIDTH, ChartSeries, render_chart
-from torchtop.tui.widgets.steps import format_seconds_short, series_top
+from torchtop.tui.widgets.steps import series_top
 
 if TYPE_CHECKING:
     from torchtop.model import JobModel

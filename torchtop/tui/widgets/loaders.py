@@ -19,9 +19,8 @@ from textual.widgets import Static
 
 from torchtop.model.job import JobModel
 from torchtop.protocol import LoaderStats
-from torchtop.tui.format import format_bytes
+from torchtop.tui.format import format_bytes, format_seconds
 from torchtop.tui.widgets.quiet import set_titles, update_if_changed
-from torchtop.tui.widgets.steps import format_seconds
 
 
 def loader_lines(loader: LoaderStats) -> list[Text]:

@@ -11,7 +11,8 @@ from textual.containers import Vertical
 from textual.events import Resize
 from textual.widgets import Static
 
-from torchtop.model.job import DeviceMemory, JobModel
+from torchtop.model.job import JobModel
+from torchtop.model.memory import DeviceMemory
 from torchtop.tui.format import MISSING, format_bytes, format_used_total
 from torchtop.tui.widgets.chart import ChartMark, ChartSeries, ChartSpan, TimeSeriesChart
 from torchtop.tui.widgets.quiet import set_titles, update_if_changed

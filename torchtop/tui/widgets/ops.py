@@ -33,9 +33,8 @@ from torchtop.model.job import JobModel
 from torchtop.model.ops import op_avg_s
 from torchtop.model.ops import per_step as count_per_step
 from torchtop.protocol import OpStat, OpsWindow
-from torchtop.tui.format import MISSING, format_duration
+from torchtop.tui.format import MISSING, format_duration, format_seconds, format_share
 from torchtop.tui.widgets.quiet import set_titles, update_if_changed
-from torchtop.tui.widgets.steps import format_seconds
 
 SortKey = Literal["self", "calls", "avg"]
 #: The orders ``k`` cycles through, the first the default.
@@ -100,15 +99,6 @@ def per_step(count: int, steps: int | None) -> str:
     """``count`` per step in one decimal; :data:`MISSING` without steps to divide by."""
     value = count_per_step(count, steps)
     return MISSING if value is None else f"{value:.1f}"
-
-
-def format_share(part: float, whole: float) -> str:
-    """``part`` as a percentage of ``whole``: ``"3.4%"``, ``"45%"``; :data:`MISSING` for no
-    whole."""
-    if whole <= 0:
-        return MISSING
-    p = part / whole * 100
-    return f"{p:.1f}%" if p < 9.95 else f"{p:.0f}%"
 
 
 def shows_device(window: OpsWindow, cumulative: bool) -> bool:

@@ -22,7 +22,7 @@ from textual.widgets import Static
 
 from torchtop.model.job import JobModel
 from torchtop.model.training import INPUT_BOUND_FRACTION, StepPoint, TrainingState
-from torchtop.tui.format import MISSING, format_percent
+from torchtop.tui.format import format_percent, format_rate, format_seconds, format_seconds_short
 from torchtop.tui.widgets.chart import (
     AXIS_WIDTH,
     ChartSeries,
@@ -40,50 +40,6 @@ LIVE_WINDOW_S = 120.0
 MIN_WINDOW_S = 10.0
 #: Eighths of a cell, for the bars.
 _BLOCKS = " ▁▂▃▄▅▆▇█"
-
-
-def format_seconds(seconds: float | None) -> str:
-    """``"850 µs"``, ``"12.3 ms"``, ``"122 ms"``, ``"1.23 s"``."""
-    if seconds is None:
-        return MISSING
-    seconds = float(f"{seconds:.3g}")  # so that 0.0999999 reads 100 ms, not 100.0 ms
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} µs"
-    if seconds < 0.01:
-        return f"{seconds * 1e3:.2f} ms"
-    if seconds < 0.1:
-        return f"{seconds * 1e3:.1f} ms"
-    if seconds < 1:
-        return f"{seconds * 1e3:.0f} ms"
-    if seconds < 100:
-        return f"{seconds:.2f} s"
-    return f"{seconds:.0f} s"
-
-
-def format_seconds_short(seconds: float | None) -> str:
-    """At most five cells, for a chart's axis: ``"800µs"``, ``"12ms"``, ``"1.2s"``."""
-    if seconds is None:
-        return MISSING
-    if seconds == 0:
-        return "0"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f}µs"
-    if seconds < 1:
-        return f"{seconds * 1e3:.3g}ms" if seconds < 0.1 else f"{seconds * 1e3:.0f}ms"
-    return f"{seconds:.2g}s" if seconds < 10 else f"{seconds:.0f}s"
-
-
-def format_rate(rate: float | None) -> str:
-    """``"8.21"``, ``"262"``, ``"12.3k"``."""
-    if rate is None:
-        return MISSING
-    if rate >= 10_000:
-        return f"{rate / 1000:.1f}k"
-    if rate >= 100:
-        return f"{rate:.0f}"
-    if rate >= 10:
-        return f"{rate:.1f}"
-    return f"{rate:.2f}"
 
 
 def nice_seconds(value: float) -> float:
