@@ -994,7 +994,8 @@ def _record_run(run: Any, writer: Any, duration: float | None) -> int:
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
-    from torchtop.streams.relay import RelayError, serve_stdio, serve_tcp
+    from torchtop.streams.relay import serve_stdio, serve_tcp
+    from torchtop.streams.token import RelayError
 
     try:
         if args.listen is not None:
