@@ -66,10 +66,13 @@ test: setup $(if $(filter true 1,$(CI)),system-deps)
 	  echo "make: the tests that failed run once more, one at a time: failing again fails the run"; \
 	  $(BIN)/python -m pytest -q -p no:xdist --last-failed --last-failed-no-failures none; }
 
+# Style, types, and the import rules between torchtop's packages ([tool.importlinter] in
+# pyproject.toml; the boundaries an import really crosses at run time are tests/test_boundaries.py).
 lint: setup
 	$(BIN)/ruff check torchtop demos tests benchmarks tools setup.py
 	$(BIN)/ruff format --check torchtop demos tests benchmarks tools setup.py
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache --no-logo
 
 # The docs site into site/; any broken link, anchor or missing page fails it.
 docs: setup

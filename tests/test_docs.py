@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 from urllib.parse import unquote
 
+import pytest
+
 from tests.conftest import REPO
 from torchtop.model.advice import RULES
 from torchtop.report.job import summarize
@@ -73,3 +75,42 @@ def test_the_generated_tables_list_what_the_code_has() -> None:
     assert "`torchtop_steps_total` | counter" in metrics()
     assert "`step_time_s.median`" in report_keys()
     assert "<!--" not in on_page_markdown("<!-- torchtop:metrics -->")
+
+
+def test_every_package_says_what_lives_there_and_what_it_may_import() -> None:
+    from tools.docs_hooks import PACKAGE, first_paragraph, packages
+
+    found = packages()
+    assert {p.relative_to(PACKAGE).as_posix() for p in found} >= {"agent", "model", "tui"}
+    for package in found:
+        init = package / "__init__.py"
+        assert first_paragraph(init), f"{init} has no docstring"
+        assert "May import:" in init.read_text(), (
+            f"{init}'s docstring does not say what it may import"
+        )
+
+
+def test_the_layout_page_lists_the_shared_ground_the_package_root_has() -> None:
+    from tools.docs_hooks import ENTRY_POINTS, PACKAGE, layout, shared_ground
+
+    at_root = {f"torchtop.{p.stem}" for p in PACKAGE.glob("*.py")} - {
+        f"torchtop.{name}" for name in ENTRY_POINTS
+    }
+    assert set(shared_ground()) == at_root
+    page = layout().split("\n## ")[0]
+    listed = set(re.findall(r"^- `(torchtop\.[a-z_]+)`", page, flags=re.M))
+    assert listed == at_root
+    # The import rule that keeps the shared ground to the standard library names the same modules.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (rule,) = [c for c in config["contracts"] if c["name"].startswith("The shared ground")]
+    assert set(rule["source_modules"]) == at_root
+
+
+def test_the_layout_page_is_generated() -> None:
+    from tools.docs_hooks import layout, on_page_markdown
+
+    page = (DOCS / "layout.md").read_text()
+    assert "<!-- torchtop:layout -->" in page
+    assert "## torchtop.streams" in layout() and "- `relay.py`: " in layout()
+    assert "<!--" not in on_page_markdown("<!-- torchtop:layout -->")

@@ -652,7 +652,8 @@ def test_attach_node_fails_with_one_line_naming_the_fix(tmp_path: Path) -> None:
 def test_a_tcp_relay_listens_on_loopback_unless_told_and_tokens_stay_private(
     tmp_path: Path,
 ) -> None:
-    from torchtop.streams.relay import RelayError, parse_listen, read_token, token_for
+    from torchtop.streams.relay import parse_listen
+    from torchtop.streams.token import RelayError, read_token, token_for
 
     assert parse_listen("7000") == ("127.0.0.1", 7000)
     assert parse_listen("0.0.0.0:7000") == ("0.0.0.0", 7000)

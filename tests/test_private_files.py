@@ -156,7 +156,7 @@ def test_the_settings_are_not_written_through_a_symlink(
 
 
 def test_a_token_file_through_a_symlink_is_refused(tmp_path: Path) -> None:
-    from torchtop.streams.relay import RelayError, read_token, token_for
+    from torchtop.streams.token import RelayError, read_token, token_for
 
     token_for(tmp_path / "real.token")
     link = tmp_path / "relay.token"
@@ -174,7 +174,7 @@ def test_a_token_file_through_a_symlink_is_refused(tmp_path: Path) -> None:
 
 @needs_root
 def test_a_token_file_of_another_user_is_refused(tmp_path: Path) -> None:
-    from torchtop.streams.relay import RelayError, read_token, token_for
+    from torchtop.streams.token import RelayError, read_token, token_for
 
     path = tmp_path / "relay.token"
     token_for(path)

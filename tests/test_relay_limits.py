@@ -15,7 +15,8 @@ import pytest
 
 import torchtop.streams.relay as relay
 from torchtop.protocol import PROTOCOL_VERSION, ClientHello, Refused, decode, encode
-from torchtop.streams.relay import RelayError, TcpRelay, bind_tcp, read_token
+from torchtop.streams.relay import TcpRelay, bind_tcp
+from torchtop.streams.token import RelayError, read_token
 
 TOKEN = "t" * 43
 

@@ -2,12 +2,15 @@
 the reference tables are generated from the code, so neither can drift from the product.
 
 A page asks for a table with a marker line: ``<!-- torchtop:advice-rules -->``,
-``<!-- torchtop:metrics -->`` or ``<!-- torchtop:report-keys -->``.
+``<!-- torchtop:metrics -->``, ``<!-- torchtop:report-keys -->`` or ``<!-- torchtop:layout -->``
+(the packages and their modules, from their docstrings).
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +18,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOTS = ROOT / "tests" / "__snapshots__" / "test_snapshots"
+PACKAGE = ROOT / "torchtop"
+#: Modules at the package root that are not shared ground: the package itself (the job's API),
+#: ``python -m torchtop``, and the command line while its verbs move to torchtop.commands.
+ENTRY_POINTS = {"__init__", "__main__"}
 
 
 def on_pre_build(config: Any) -> None:
@@ -69,10 +76,72 @@ def report_keys() -> str:
     return "\n".join(rows)
 
 
+def _markdown(text: str) -> str:
+    """reStructuredText's inline marks as Markdown: ``code`` and :mod:`~a.b` as `a.b`."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: f"`{m.group(1)}`", text)
+    return text.replace("``", "`")
+
+
+def _docstring(path: Path) -> str:
+    return ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
+
+
+def first_paragraph(path: Path) -> str:
+    """The first paragraph of a module's docstring, on one line."""
+    return _markdown(" ".join(_docstring(path).split("\n\n")[0].split()))
+
+
+def first_sentence(path: Path) -> str:
+    """The first sentence of a module's docstring: its first paragraph up to the first full
+    stop that ends a sentence."""
+    paragraph = first_paragraph(path)
+    return re.split(r"(?<=\.)\s+(?=[A-Z`(])", paragraph, maxsplit=1)[0]
+
+
+def shared_ground() -> list[str]:
+    """The modules at the package root that every package may import: standard library only."""
+    return sorted(
+        f"torchtop.{path.stem}" for path in PACKAGE.glob("*.py") if path.stem not in ENTRY_POINTS
+    )
+
+
+def packages() -> list[Path]:
+    """Every package under torchtop/ (a folder with an ``__init__.py``), parents first."""
+    return sorted(path.parent for path in PACKAGE.rglob("__init__.py") if path.parent != PACKAGE)
+
+
+def _dotted(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def layout() -> str:
+    lines = ["## Shared ground", ""]
+    lines += [
+        f"- `{name}`: {first_sentence(PACKAGE / (name.split('.')[-1] + '.py'))}"
+        for name in shared_ground()
+    ]
+    inside = set(packages())
+    for package in packages():
+        lines += ["", f"## {_dotted(package)}", "", first_paragraph(package / "__init__.py"), ""]
+        modules = sorted(
+            path
+            for path in package.rglob("*.py")
+            if path.name != "__init__.py"
+            # a subpackage has its own section; a plain folder (agent/rank_site) is listed here
+            and not any(p in inside for p in path.parents if p != package and package in p.parents)
+        )
+        lines += [
+            f"- `{path.relative_to(package).as_posix()}`: {first_sentence(path)}"
+            for path in modules
+        ]
+    return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "advice-rules": advice_rules,
     "metrics": metrics,
     "report-keys": report_keys,
+    "layout": layout,
 }
 
 

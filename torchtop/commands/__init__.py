@@ -8,7 +8,8 @@ with an exit code. A verb's module imports only the standard library and the sha
 its top, so ``torchtop --help`` starts in a blink; the layers a verb drives (Textual, psutil,
 the exporters) are imported when that verb runs.
 
-May import every other package of torchtop; nothing imports this one but ``__main__``.
+May import: every other package of torchtop. Nothing imports this one but ``__main__``; the
+viewer (:mod:`torchtop.tui`) is started from here, never the other way round.
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchtop.streams.relay import RelayError, serve_stdio, serve_tcp
+    from torchtop.streams.relay import serve_stdio, serve_tcp
+    from torchtop.streams.token import RelayError
 
     try:
         if args.listen is not None:

@@ -2,6 +2,9 @@
 (push).
 
 Served from the torchtop process outside the job (``torchtop run --metrics``, ``torchtop
-export``), never from a training rank. Standard library and ``prometheus_client`` only;
-OpenTelemetry is imported only when ``--otlp`` is given. Never imports torch.
+export``), never from a training rank. May import: the shared ground, :mod:`torchtop.model`,
+:mod:`torchtop.streams` (the feeds it follows) and ``prometheus_client``; OpenTelemetry only when
+``--otlp`` is given. Never torch, Textual or rich. Neighbours: the figures are computed by
+:mod:`torchtop.model`; the text and JSON renderings are :mod:`torchtop.report`; the verb is in
+:mod:`torchtop.commands`.
 """

@@ -1,10 +1,15 @@
 """The model: protocol messages folded into the state of each job, and the queries on it.
 
-Standard library and :mod:`torchtop.protocol` only; no I/O. Feed a :class:`JobModel` every
-message of one job's stream, live or from a recording, with :meth:`JobModel.apply` (and the
-source events of :mod:`torchtop.model.connection`); read it at any time. A :class:`RunModel` holds
-the models of several jobs side by side. The viewer, the report and the exporters read the
-model, so a figure is computed once and is the same number everywhere.
+Feed a :class:`JobModel` every message of one job's stream, live or from a recording, with
+:meth:`JobModel.apply` (and the source events of :mod:`torchtop.model.connection`); read it at
+any time. A :class:`RunModel` holds the models of several jobs side by side. The viewer, the
+report and the exporters read the model, so a figure is computed once and is the same number
+everywhere.
+
+May import: the standard library, itself and the shared ground (in practice
+:mod:`torchtop.protocol` and :mod:`torchtop.text`); no I/O. Neighbours: the frames come from
+:mod:`torchtop.streams`; they are shown by :mod:`torchtop.tui`, written out by
+:mod:`torchtop.report` and exported by :mod:`torchtop.export`.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ reads it. Standard library only."""
 from __future__ import annotations
 
 import shlex
+import signal
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -121,10 +122,20 @@ def _exit_lines(end: JobEnd) -> list[str]:
     ]
 
 
+def exit_status(returncode: int) -> tuple[int, str]:
+    """The shell-style exit code of a finished child and its reason in words."""
+    if returncode < 0:
+        signum = -returncode
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return 128 + signum, f"killed by {name}"
+    return returncode, f"exited with code {returncode}"
+
+
 def _ended(returncode: int) -> str:
     if returncode < 0:
-        from torchtop.streams.runner import exit_status
-
         code, reason = exit_status(returncode)
         return f"was {reason} (exit code {code})"
     return f"exited with code {returncode}"

@@ -7,7 +7,7 @@ a job watched from outside: :mod:`~torchtop.streams.source`, :mod:`~torchtop.str
 :mod:`~torchtop.streams.outside`), the runner that starts a job under torchtop
 (:mod:`~torchtop.streams.runner`), recordings (:mod:`~torchtop.streams.recording`), and the
 relay that carries a node's agents to a viewer on another node (:mod:`~torchtop.streams.relay`,
-:mod:`~torchtop.streams.nodes`).
+:mod:`~torchtop.streams.nodes`, and the token both ends share, :mod:`~torchtop.streams.token`).
 
 May import: the shared ground (``torchtop.protocol``, ``transport``, ``private_files``,
 ``sizes``, ``text``, ``launch``, ``job_output``), :mod:`torchtop.model` and

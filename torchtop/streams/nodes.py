@@ -458,7 +458,7 @@ def read_node_token(path: Path | None) -> str | None:
     """The token for TCP nodes, from ``--token-file``."""
     if path is None:
         return None
-    from torchtop.streams.relay import RelayError, read_token
+    from torchtop.streams.token import RelayError, read_token
 
     try:
         return read_token(path)

@@ -29,7 +29,7 @@ from torchtop.job_output import JobOutput
 from torchtop.launch import python_module
 from torchtop.private_files import open_private
 from torchtop.protocol import JobExited, LogLine, Message, OutOfMemory
-from torchtop.report.exit_summary import JobEnd, StderrTail
+from torchtop.report.exit_summary import JobEnd, StderrTail, exit_status
 from torchtop.streams.feed import AgentFeed
 from torchtop.streams.recording import RecordingWriter
 from torchtop.streams.runs import JobFeeds, RankFeeds, RunFold, below, ranks_below
@@ -90,18 +90,6 @@ class RunSpec:
     @property
     def description(self) -> str:
         return " ".join(self.target[1:] if self.target[0] == "-m" else self.target)
-
-
-def exit_status(returncode: int) -> tuple[int, str]:
-    """The shell-style exit code of a finished child and its reason in words."""
-    if returncode < 0:
-        signum = -returncode
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = f"signal {signum}"
-        return 128 + signum, f"killed by {name}"
-    return returncode, f"exited with code {returncode}"
 
 
 class LogLines:

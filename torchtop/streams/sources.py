@@ -12,10 +12,10 @@ from pathlib import Path
 
 from torchtop.job_output import LogFollower
 from torchtop.protocol import Hello, JobExited, LogLine, Message, Request
-from torchtop.report.exit_summary import JobEnd, StderrTail
+from torchtop.report.exit_summary import JobEnd, StderrTail, exit_status
 from torchtop.streams.feed import AgentFeed
 from torchtop.streams.recording import RecordingWriter
-from torchtop.streams.runner import Job, LogLines, RunSpec, exit_status
+from torchtop.streams.runner import Job, LogLines, RunSpec
 from torchtop.streams.runs import RankFeeds, RunFold, ranks_below
 from torchtop.streams.source import (
     Sink,
