@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import SCRIPTS, torchtop
 from torchtop.export.families import families
+from torchtop.export.figures import JobFigures, figures_of
 from torchtop.export.prometheus import (
     MAX_CONNECTIONS,
     MetricsError,
@@ -30,7 +31,6 @@ from torchtop.export.prometheus import (
     registry_for,
 )
 from torchtop.export.service import JobSet
-from torchtop.export.snapshot import JobSnapshot, snapshot_of
 from torchtop.model.job import JobModel
 from torchtop.protocol import (
     DeviceInfo,
@@ -123,7 +123,7 @@ def model_of(messages: list[Message]) -> JobModel:
     return model
 
 
-def exposition(snapshots: list[JobSnapshot]) -> str:
+def exposition(snapshots: list[JobFigures]) -> str:
     return generate_latest(registry_for(lambda: snapshots)).decode()
 
 
@@ -141,7 +141,7 @@ def labels(**extra: str) -> frozenset[tuple[str, str]]:
 
 
 def test_a_ranks_figures_under_prometheus_names_and_dcgm_labels() -> None:
-    snap = snapshot_of(model_of(job_messages()))
+    snap = figures_of(model_of(job_messages()))
     assert snap is not None
     got = values(exposition([snap]))
     gpu0 = labels(device="cuda:0", UUID=UUID0)
@@ -170,7 +170,7 @@ def test_a_ranks_figures_under_prometheus_names_and_dcgm_labels() -> None:
 
 
 def test_an_oom_on_a_device_never_sampled_is_still_counted() -> None:
-    snap = snapshot_of(model_of([hello(3), oom(T0 + 1, "cuda:1")]))
+    snap = figures_of(model_of([hello(3), oom(T0 + 1, "cuda:1")]))
     assert snap is not None
     got = values(exposition([snap]))
     assert got[("torchtop_ooms_total", labels(device="cuda:1", UUID=UUID1))] == 1
@@ -178,7 +178,7 @@ def test_an_oom_on_a_device_never_sampled_is_still_counted() -> None:
 
 
 def test_a_single_process_has_no_rank_and_its_pid_names_the_run() -> None:
-    snap = snapshot_of(model_of(job_messages(rank=None)))
+    snap = figures_of(model_of(job_messages(rank=None)))
     assert snap is not None
     text = exposition([snap])
     steps_total = [line for line in text.splitlines() if line.startswith("torchtop_steps_total")]
@@ -189,20 +189,20 @@ def test_a_single_process_has_no_rank_and_its_pid_names_the_run() -> None:
 
 def test_several_ranks_are_several_series() -> None:
     jobs = [model_of([hello(rank, pid=100 + rank), *job_messages()[1:]]) for rank in range(4)]
-    snaps = [s for s in map(snapshot_of, jobs) if s is not None]
+    snaps = [s for s in map(figures_of, jobs) if s is not None]
     got = values(exposition(snaps))
     ranks = {dict(lbl)["rank"] for name, lbl in got if name == "torchtop_steps_total"}
     assert ranks == {"0", "1", "2", "3"}
 
 
 def test_a_job_before_its_hello_exports_nothing() -> None:
-    assert snapshot_of(JobModel()) is None
+    assert figures_of(JobModel()) is None
     assert all(not f.points for f in families([]))
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
 def test_promtool_accepts_the_exposition_of_a_gpu_job() -> None:
-    snaps = [s for s in [snapshot_of(model_of(job_messages()))] if s is not None]
+    snaps = [s for s in [figures_of(model_of(job_messages()))] if s is not None]
     lint = subprocess.run(
         ["promtool", "check", "metrics"], input=exposition(snaps), capture_output=True, text=True
     )
@@ -214,7 +214,7 @@ def test_promtool_accepts_the_exposition_of_a_gpu_job() -> None:
 
 @pytest.fixture
 def server() -> Iterator[MetricsServer]:
-    snap = snapshot_of(model_of(job_messages()))
+    snap = figures_of(model_of(job_messages()))
     assert snap is not None
     srv = MetricsServer(registry_for(lambda: [snap])).start()
     yield srv
@@ -274,11 +274,11 @@ def test_hanging_and_excess_connections_cost_only_themselves(server: MetricsServ
 def test_a_figure_that_fails_fails_that_scrape_only() -> None:
     calls = []
 
-    def read() -> list[JobSnapshot]:
+    def read() -> list[JobFigures]:
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("a model in a state nobody foresaw")
-        snap = snapshot_of(model_of(job_messages()))
+        snap = figures_of(model_of(job_messages()))
         assert snap is not None
         return [snap]
 
@@ -341,7 +341,7 @@ def test_the_job_set_serves_only_the_run_asked_for() -> None:
         feeds[address] = Feed()
         jobs.add(AgentInfo(1, [], T0, address), feeds[address])  # type: ignore[arg-type]
         jobs.apply(address, hello(rank))
-    assert [s.labels.rank for s in jobs.snapshots()] == [0]
+    assert [s.labels.rank for s in jobs.figures()] == [0]
     assert feeds["b"].closed and not feeds["a"].closed
 
 
@@ -367,7 +367,7 @@ def test_otlp_carries_the_same_figures_as_prometheus() -> None:
 
     from torchtop.export.otlp import instrument
 
-    snap = snapshot_of(model_of(job_messages()))
+    snap = figures_of(model_of(job_messages()))
     assert snap is not None
     reader = InMemoryMetricReader()
     provider = instrument(lambda: [snap], reader)
@@ -427,7 +427,7 @@ def test_each_finding_that_holds_is_a_series_until_it_clears() -> None:
     from test_advice import input_job
 
     model = model_of([hello(3), *input_job(0.5, 10, T0)])
-    snap = snapshot_of(model)
+    snap = figures_of(model)
     assert snap is not None and snap.findings == (("input-bound", "critical"),)
     got = values(exposition([snap]))
     finding = labels(finding="input-bound", severity="critical")
@@ -435,7 +435,7 @@ def test_each_finding_that_holds_is_a_series_until_it_clears() -> None:
     assert [n for n, _ in got].count("torchtop_advice_finding") == 1
 
     model.apply_all(input_job(0.0, 15, T0 + 10))  # the waits stop: the finding clears
-    cleared = snapshot_of(model)
+    cleared = figures_of(model)
     assert cleared is not None and cleared.findings == ()
     assert "torchtop_advice_finding" not in {n for n, _ in values(exposition([cleared]))}
 
@@ -444,7 +444,7 @@ def test_peers_that_trickle_bytes_cannot_hold_the_server(monkeypatch: pytest.Mon
     import torchtop.export.prometheus as prometheus
 
     monkeypatch.setattr(prometheus, "CONNECTION_DEADLINE_S", 1.0)
-    snap = snapshot_of(model_of(job_messages()))
+    snap = figures_of(model_of(job_messages()))
     assert snap is not None
     srv = MetricsServer(registry_for(lambda: [snap]), max_connections=4).start()
     stop = threading.Event()
@@ -507,7 +507,7 @@ def test_a_job_that_only_launched_its_ranks_is_not_exported_as_a_job() -> None:
         for pid, rank in roles:
             jobs.add(AgentInfo(pid, [], T0, f"a{pid}"), None)  # type: ignore[arg-type]
             jobs.apply(f"a{pid}", hello(rank, pid=pid))
-        exported = {(s.labels.pid, s.labels.rank) for s in jobs.snapshots()}
+        exported = {(s.labels.pid, s.labels.rank) for s in jobs.figures()}
         assert exported == {(loner.pid, None), (kids[0], 0), (kids[1], 1)}
     finally:
         for process in (parent, loner):

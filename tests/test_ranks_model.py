@@ -248,12 +248,12 @@ def test_a_stuck_main_thread_s_stack_is_sent_from_another_thread() -> None:
 
 
 def test_a_run_finding_is_exported_on_the_rank_it_names() -> None:
-    from torchtop.export.snapshot import snapshot_of
+    from torchtop.export.figures import figures_of
 
     fast = (0.040, 0.001, 0.032)
     run = feed_run({0: fast, 1: fast, 2: (0.040, 0.031, 0.002)})
     findings = run.advisor.findings
-    snaps = {rank: snapshot_of(run.jobs[str(rank)], findings) for rank in range(3)}
+    snaps = {rank: figures_of(run.jobs[str(rank)], findings) for rank in range(3)}
     assert snaps[2] is not None and ("straggler", "critical") in snaps[2].findings
     assert snaps[0] is not None and snaps[0].findings == ()
 

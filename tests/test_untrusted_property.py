@@ -130,8 +130,8 @@ def test_reports_ps_and_exposition_never_emit_a_recordings_escapes(
 ) -> None:
     from prometheus_client.exposition import generate_latest
 
+    from torchtop.export.figures import figures_of
     from torchtop.export.prometheus import registry_for
-    from torchtop.export.snapshot import snapshot_of
     from torchtop.report.run import rank_models
     from torchtop.streams.recording import read_recording
 
@@ -149,7 +149,7 @@ def test_reports_ps_and_exposition_never_emit_a_recordings_escapes(
         assert_clean(run_cli("ps", "--json"), terminal=False)
         contents = read_recording(path)
         launcher, ranks, _run = rank_models(contents.messages, contents.sources)
-        snapshots = [s for job in [launcher, *ranks] if (s := snapshot_of(job)) is not None]
+        snapshots = [s for job in [launcher, *ranks] if (s := figures_of(job)) is not None]
         exposition = generate_latest(registry_for(lambda s=snapshots: s)).decode()
         assert_clean(exposition, terminal=False)
 

@@ -1,4 +1,4 @@
-"""The exported metrics: names, kinds, help and labels, built from job snapshots.
+"""The exported metrics: names, kinds, help and labels, built from job figures.
 
 One table serves Prometheus and OpenTelemetry, so both carry the same figures. Names follow
 Prometheus's conventions: a ``torchtop_`` prefix, base units (``_bytes``, ``_seconds``) and
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from torchtop.export.snapshot import DeviceFigures, JobSnapshot
+from torchtop.export.figures import DeviceFigures, JobFigures
 
 Kind = Literal["counter", "gauge", "summary"]
 
@@ -55,16 +55,16 @@ def _opt(value: int | None) -> str:
     return "" if value is None else str(value)
 
 
-def job_labels(snap: JobSnapshot) -> tuple[str, ...]:
+def job_labels(snap: JobFigures) -> tuple[str, ...]:
     i = snap.labels
     return (i.run, _opt(i.rank), _opt(i.local_rank), i.hostname)
 
 
-def device_labels(snap: JobSnapshot, dev: DeviceFigures) -> tuple[str, ...]:
+def device_labels(snap: JobFigures, dev: DeviceFigures) -> tuple[str, ...]:
     return (*job_labels(snap), dev.device, dev.uuid or "")
 
 
-def families(snapshots: Iterable[JobSnapshot]) -> list[Family]:
+def families(figures: Iterable[JobFigures]) -> list[Family]:
     """Every family, with one point per job (or per job and device) that has the figure.
 
     A figure that is unknown (``None``) is left out rather than exported as zero.
@@ -156,7 +156,7 @@ def families(snapshots: Iterable[JobSnapshot]) -> list[Family]:
         FINDING_LABELS,
         "{finding}",
     )
-    for snap in snapshots:
+    for snap in figures:
         labels = job_labels(snap)
         for name, severity in snap.findings:
             findings.points.append(Point((*labels, name, severity), 1))

@@ -1,7 +1,7 @@
 """OpenTelemetry: the same figures, pushed with the OTLP exporter (``--otlp ENDPOINT``).
 
 Needs the ``otel`` extra (``pip install torchtop[otel]``). Each family becomes an observable
-instrument whose callback reads the jobs' snapshots when the SDK collects, so nothing is
+instrument whose callback reads the jobs' figures when the SDK collects, so nothing is
 recorded between pushes. Instrument names are the Prometheus names without the unit suffix,
 with the unit as the instrument's unit: a collector's Prometheus exporter turns them back into
 the same names (``torchtop_cuda_memory_allocated`` in ``By`` becomes
@@ -17,13 +17,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torchtop.export.families import Family, families
-from torchtop.export.snapshot import JobSnapshot
+from torchtop.export.figures import JobFigures
 
 #: The instrumentation scope of every instrument.
 SCOPE = "torchtop"
 _UNIT_SUFFIXES = {"By": "_bytes", "s": "_seconds"}
 
-Read = Callable[[], Iterable[JobSnapshot]]
+Read = Callable[[], Iterable[JobFigures]]
 
 
 class OtlpUnavailable(Exception):

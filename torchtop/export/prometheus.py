@@ -1,6 +1,6 @@
-"""``/metrics`` for Prometheus: a custom collector over the jobs' snapshots, and its HTTP server.
+"""``/metrics`` for Prometheus: a custom collector over the jobs' figures, and its HTTP server.
 
-The collector reads snapshots that the feeds keep up to date; a scrape never waits for a feed
+The collector reads figures that the feeds keep up to date; a scrape never waits for a feed
 and a feed never waits for a scrape. The server runs in daemon threads of the torchtop process
 (never in a training rank), answers each connection within a timeout, serves a bounded number
 at once and closes the rest, and reports its own errors to nobody: a scraper that hangs, floods
@@ -28,7 +28,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from torchtop.export.families import Family, families
-from torchtop.export.snapshot import JobSnapshot
+from torchtop.export.figures import JobFigures
 
 DEFAULT_HOST = "127.0.0.1"
 #: ``torchtop export``'s port when none is given.
@@ -85,9 +85,9 @@ def to_prometheus(family: Family) -> Metric:
 
 
 class JobCollector(Collector):
-    """Reads the jobs' snapshots at each scrape (no state of its own, no multiprocess mode)."""
+    """Reads the jobs' figures at each scrape (no state of its own, no multiprocess mode)."""
 
-    def __init__(self, read: Callable[[], Iterable[JobSnapshot]]) -> None:
+    def __init__(self, read: Callable[[], Iterable[JobFigures]]) -> None:
         self._read = read
 
     def describe(self) -> Iterator[Metric]:
@@ -98,7 +98,7 @@ class JobCollector(Collector):
             yield to_prometheus(family)
 
 
-def registry_for(read: Callable[[], Iterable[JobSnapshot]]) -> CollectorRegistry:
+def registry_for(read: Callable[[], Iterable[JobFigures]]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(JobCollector(read))
     return registry
@@ -243,8 +243,8 @@ class MetricsServer:
 
 
 def serve(
-    read: Callable[[], Iterable[JobSnapshot]], address: Sequence[Any] = (DEFAULT_HOST, 0)
+    read: Callable[[], Iterable[JobFigures]], address: Sequence[Any] = (DEFAULT_HOST, 0)
 ) -> MetricsServer:
-    """Start serving the snapshots that ``read`` returns; raises :class:`MetricsError`."""
+    """Start serving the figures that ``read`` returns; raises :class:`MetricsError`."""
     host, port = address
     return MetricsServer(registry_for(read), host, port).start()

@@ -3,7 +3,7 @@
 ``torchtop run --metrics`` follows the agents that descend from the runner (the job, or every
 rank under torchrun); ``torchtop export`` follows one PID, one run, or every agent of this user,
 picking up jobs that start later. Each agent gets its own connection (client ``exporter``), read
-in its own thread; scrapes and OTLP pushes read immutable snapshots and never wait for a feed.
+in its own thread; scrapes and OTLP pushes read immutable figures and never wait for a feed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchtop.export.snapshot import JobSnapshot, snapshot_of
+from torchtop.export.figures import JobFigures, figures_of
 from torchtop.model.job import JobModel
 from torchtop.model.run import RunModel
 from torchtop.protocol import Hello, Message
@@ -36,7 +36,7 @@ class _Followed:
     feed: AgentFeed
     #: Its hello arrived, of the run asked for: its stream is folded into the run's model.
     accepted: bool = False
-    snapshot: JobSnapshot | None = None
+    figures: JobFigures | None = None
     ended_at: float | None = None
     dirty: bool = False
 
@@ -97,7 +97,7 @@ class JobSet:
                 return False
             return True
 
-    def snapshots(self) -> list[JobSnapshot]:
+    def figures(self) -> list[JobFigures]:
         """The figures of every job, as of now (ended jobs for ``ended_keep_s``)."""
         now = time.monotonic()
         out = []
@@ -109,13 +109,11 @@ class JobSet:
                     continue
                 if not job.accepted:
                     continue
-                if job.dirty or job.snapshot is None:
-                    job.snapshot = snapshot_of(
-                        self.model.jobs[address], self.model.advisor.findings
-                    )
+                if job.dirty or job.figures is None:
+                    job.figures = figures_of(self.model.jobs[address], self.model.advisor.findings)
                     job.dirty = False
-                if job.snapshot is not None:
-                    out.append(job.snapshot)
+                if job.figures is not None:
+                    out.append(job.figures)
         # A job that only started its run's ranks and waits (mp.spawn's parent) is their
         # launcher, not a job of 0 steps: its figures are the ranks'.
         singles = {s.labels.pid for s in out if s.labels.rank is None}
@@ -164,12 +162,12 @@ class Exporter:
         if metrics is not None:
             from torchtop.export.prometheus import serve
 
-            self.server = serve(self.jobs.snapshots, metrics)
+            self.server = serve(self.jobs.figures, metrics)
         if otlp is not None:
             from torchtop.export.otlp import push
 
             try:
-                self.otlp = push(self.jobs.snapshots, otlp, interval_s=otlp_interval_s)
+                self.otlp = push(self.jobs.figures, otlp, interval_s=otlp_interval_s)
             except Exception:
                 self.close()
                 raise

@@ -1,8 +1,8 @@
 """What an exporter reads about one job (one rank): its identity and its figures.
 
 The figures come from the job's :class:`~torchtop.model.job.JobModel` (the fold the viewer and
-the report read, so a figure is the same number everywhere); :func:`snapshot_of` copies the
-ones exported into an immutable :class:`JobSnapshot` that the HTTP and OTLP threads read.
+the report read, so a figure is the same number everywhere); :func:`figures_of` copies the
+ones exported into an immutable :class:`JobFigures` that the HTTP and OTLP threads read.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class DeviceFigures:
 
 
 @dataclass(frozen=True)
-class JobSnapshot:
+class JobFigures:
     """A job's figures at one moment. Counters are totals since the job started (steps) or
     since the exporter attached (the sums over steps it saw)."""
 
@@ -75,7 +75,7 @@ class JobSnapshot:
     findings: tuple[tuple[str, str], ...] = ()
 
 
-def snapshot_of(model: JobModel, run_findings: Sequence[Finding] = ()) -> JobSnapshot | None:
+def figures_of(model: JobModel, run_findings: Sequence[Finding] = ()) -> JobFigures | None:
     """The exported figures of one job's model; ``None`` before its hello. ``run_findings``
     (the run's findings about its ranks: straggler, hang, dead rank) add those that name this
     job's rank of its run to its own."""
@@ -110,7 +110,7 @@ def snapshot_of(model: JobModel, run_findings: Sequence[Finding] = ()) -> JobSna
             )
         )
     training = model.training
-    return JobSnapshot(
+    return JobFigures(
         labels=JobLabels.of(hello),
         sample_t=_last_sample_t(model),
         steps_total=training.total,
