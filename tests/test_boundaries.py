@@ -310,25 +310,15 @@ def _named(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
 
 #: Cycles known and not yet broken, each as the set of modules in it. A new cycle fails the
 #: test; so does one of these once it is gone (take it off the list).
-KNOWN_CYCLES = [
-    # The agent's core follows a rank's process group (rank_start.follow_group); a rank's
-    # start, from the rank's sitecustomize, starts the core. Every edge but one is deferred.
-    {"torchtop.agent.core", "torchtop.agent.rank_start", "torchtop.agent.rank_site.sitecustomize"},
-]
-
-
 def test_no_module_imports_itself_round_a_cycle() -> None:
     graph = import_graph()
     assert len(graph) > 80
     groups = import_groups(graph)
-    new = [
+    cycles = [
         f"{_named(shortest_cycle(graph, group), graph)} (modules in the cycle: {sorted(group)})"
         for group in groups
-        if group not in KNOWN_CYCLES
     ]
-    assert not new, "import cycles:\n" + "\n".join(new)
-    gone = [sorted(known) for known in KNOWN_CYCLES if known not in groups]
-    assert not gone, f"no longer cycles, take them off KNOWN_CYCLES: {gone}"
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
 def test_the_cycle_finder_finds_cycles(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 def start(**options: Any) -> None:
     """Start the in-process agent (idempotent); options are ``AgentConfig`` fields."""
-    from torchtop.agent.core import start as _start
+    from torchtop.agent.rank_start import start as _start
 
     _start(**options)
 

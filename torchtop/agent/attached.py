@@ -29,12 +29,12 @@ def start_attached(status_path: str, options: dict[str, Any], runtime_dir: str) 
         if os.environ.get("TORCHTOP_RUNTIME_DIR") != runtime_dir:
             # The attacher looks for the socket in its own directory.
             os.environ["TORCHTOP_RUNTIME_DIR"] = runtime_dir
-        from torchtop.agent import core
+        from torchtop.agent import core, rank_start
 
         agent = core.current()
         reused = agent is not None and not agent.finished
         if agent is None or agent.finished:
-            agent = core.start(**options)
+            agent = rank_start.start(**options)
             agent.publish(attach_status(time.time(), _process_started_at()))
         write_status(status_path, {"ok": True, "reused": reused, "address": agent.info.address})
     except BaseException as exc:  # nothing of ours may reach the job

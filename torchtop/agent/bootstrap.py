@@ -76,9 +76,9 @@ def main(argv: list[str]) -> int:
     # The job's own argv first: the agent describes the job by it.
     sys.argv = [module, *args] if module is not None else [script, *args]
 
-    from torchtop.agent import core
+    from torchtop.agent import core, rank_start
 
-    core.start(**options)
+    rank_start.start(**options)
 
     if module is not None:
         import importlib.util

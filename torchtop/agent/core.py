@@ -450,12 +450,6 @@ def start(identity: dict[str, Any] | None = None, **options: Any) -> Agent:
         agent = Agent(AgentConfig.from_options(options), identity)
         agent.start()
         _agent = agent
-    if agent.identity.get("rank") is None:
-        # No launcher named the rank: its process group will, if it has one.
-        from torchtop.agent.rank_start import follow_group
-
-        with contextlib.suppress(Exception):
-            follow_group()
     atexit.register(_finish_at_exit)
     _chain_excepthook()
     _handle_sigterm()

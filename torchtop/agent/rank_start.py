@@ -11,16 +11,17 @@ becomes rank 0 as Lightning's does) keeps it and announces its rank.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchtop.agent.identity import RUN_ID_ENV, group_identity
-from torchtop.agent.rank_site.sitecustomize import (
+from torchtop.agent.rank_site.torchtop_rank_marks import (
     OWNER_ENV,
     OWNER_RANK_ENV,
     RANK_MARKS,
@@ -31,6 +32,9 @@ from torchtop.agent.rank_site.sitecustomize import (
     wrap_init_process_group,
 )
 from torchtop.job_output import RANK_PREFIX_TEMPLATE
+
+if TYPE_CHECKING:
+    from torchtop.agent.core import Agent
 
 __all__ = [
     "OWNER_ENV",
@@ -47,6 +51,8 @@ __all__ = [
     "start_if_rank",
 ]
 
+#: Whether this process already waits for its process group (:func:`follow_group`).
+_following = False
 #: The folder ``torchtop run`` puts first on ``PYTHONPATH`` (holds ``sitecustomize.py``).
 SITE_DIR = Path(__file__).with_name("rank_site")
 #: torchrun's options (and their environment variables) that say where the ranks' output goes.
@@ -71,7 +77,7 @@ def _options() -> dict[str, Any]:
 
 def start_if_rank() -> bool:
     """Start the agent here if the launcher named this process's rank (see
-    :func:`~torchtop.agent.rank_site.sitecustomize.should_start`)."""
+    :func:`~torchtop.agent.rank_site.torchtop_rank_marks.should_start`)."""
     if not should_start(os.environ):
         return False
     _mark_owner()
@@ -116,9 +122,26 @@ def _store_id(dist: Any) -> str | None:
         return None
 
 
+def start(identity: dict[str, Any] | None = None, **options: Any) -> Agent:
+    """Start the agent in this process (:func:`torchtop.agent.core.start`, once); one that no
+    launcher named a rank learns it from its process group, now or when the job makes one."""
+    from torchtop.agent import core
+
+    agent = core.start(identity, **options)
+    if agent.identity.get("rank") is None:
+        with contextlib.suppress(Exception):
+            follow_group()
+    return agent
+
+
 def follow_group() -> None:
     """For an agent started in the script (``torchtop.start()``) that no launcher named a
-    rank: its rank once its process group exists (now, or when it is initialised)."""
+    rank: its rank once its process group exists (now, or when it is initialised). Once per
+    process."""
+    global _following
+    if _following:
+        return
+    _following = True
     if wrap_init_process_group(_announce):
         import torch.distributed as dist
 

@@ -1,0 +1,124 @@
+"""What says that a process is a rank, and the hook that notices when it becomes one: the
+launchers' marks in the environment (:func:`launcher_rank`, :func:`should_start`) and the wrap
+of ``init_process_group`` (:func:`wrap_init_process_group`, :class:`GroupWatcher`).
+
+Shared by the job's ``sitecustomize`` (which imports it by this file's name: this folder is
+first on the job's ``PYTHONPATH``) and by :mod:`torchtop.agent.rank_start`. Standard library
+only, and it imports nothing of torchtop: every Python process of every job loads it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+TYPE_CHECKING = False  # typing itself costs every process of every job a few milliseconds
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from typing import Any
+
+#: The agent's options (JSON) for each rank; its presence turns rank start-up on.
+RANK_OPTIONS_ENV = "TORCHTOP_RANK_OPTIONS"
+#: Set by a process once its agent runs: its pid, and the launcher's rank it had then.
+OWNER_ENV = "TORCHTOP_RANK_AGENT_PID"
+OWNER_RANK_ENV = "TORCHTOP_RANK_AGENT_RANK"
+#: torchelastic sets these in each rank it starts, and not in its own process.
+RANK_MARKS = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+#: A scheduler's task marks: the task's rank and the number of tasks.
+TASK_MARKS = (
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS"),
+    ("mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+)
+#: Where ``init_process_group`` lives, and the package that exports it.
+C10D_MODULE = "torch.distributed.distributed_c10d"
+DIST_MODULE = "torch.distributed"
+
+
+def _above_one(text: str | None) -> bool:
+    return text is not None and text.strip().isdigit() and int(text) > 1
+
+
+def launcher_rank(env: Mapping[str, str]) -> str | None:
+    """The rank a launcher's marks in ``env`` give this process (``"torchrun:1"``,
+    ``"slurm:3"``, ``"local:0:1"``), or None where no launcher named one."""
+    if all(env.get(name) for name in RANK_MARKS):
+        return f"torchrun:{env['RANK']}"
+    if env.get("RANK"):
+        return None  # a rank set by hand: its process group says more, once it has one
+    for kind, rank, size in TASK_MARKS:
+        if env.get(rank) and _above_one(env.get(size)):
+            return f"{kind}:{env[rank]}"
+    if env.get("LOCAL_RANK") and _above_one(env.get("WORLD_SIZE")):
+        node = env.get("NODE_RANK") or env.get("GROUP_RANK") or "0"
+        return f"local:{node}:{env['LOCAL_RANK']}"
+    return None
+
+
+def should_start(env: Mapping[str, str]) -> bool:
+    """True in a process under ``torchtop run`` whose launcher named its rank, unless the
+    process that started it had that same rank (a DataLoader worker, a subprocess of a rank)."""
+    if RANK_OPTIONS_ENV not in env:
+        return False
+    rank = launcher_rank(env)
+    return rank is not None and env.get(OWNER_RANK_ENV) != rank
+
+
+def _loaded(name: str) -> Any:
+    """The module ``name`` if it has finished loading; never imports anything."""
+    module = sys.modules.get(name)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return None
+    return module
+
+
+def _wrapped(original: Callable[..., Any], joined: Callable[[], None]) -> Callable[..., Any]:
+    import functools
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        joined()
+        return result
+
+    init_process_group._torchtop = True  # type: ignore[attr-defined]
+    return init_process_group
+
+
+def wrap_init_process_group(joined: Callable[[], None]) -> bool:
+    """Wrap ``init_process_group`` where the job can reach it (``torch.distributed`` and its
+    ``distributed_c10d``); True once both are wrapped."""
+    c10d = _loaded(C10D_MODULE)
+    if c10d is None:
+        return False
+    original = getattr(c10d, "init_process_group", None)
+    if original is None:
+        return True  # a torch without it: nothing to wrap
+    if getattr(original, "_torchtop", False):
+        wrapper, original = original, original.__wrapped__
+    else:
+        wrapper = c10d.init_process_group = _wrapped(original, joined)
+    dist = _loaded(DIST_MODULE)
+    if dist is None:
+        return False  # still loading: it may yet bind the original
+    if getattr(dist, "init_process_group", None) is original:
+        dist.init_process_group = wrapper
+    return True
+
+
+class GroupWatcher:
+    """A ``sys.meta_path`` entry that finds nothing; it wraps ``init_process_group`` once
+    ``torch.distributed`` has loaded (inside the job's ``import torch``), then leaves."""
+
+    def __init__(self, joined: Callable[[], None]) -> None:
+        self.active = True
+        self._joined = joined
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if self.active and C10D_MODULE in sys.modules and wrap_init_process_group(self._joined):
+            self.remove()
+        return None
+
+    def remove(self) -> None:
+        """Leave ``sys.meta_path``; rebound, never changed in place, since another thread may
+        be walking the list in an import at this moment."""
+        self.active = False
+        sys.meta_path = [finder for finder in sys.meta_path if finder is not self]
