@@ -2,10 +2,10 @@
 thread, or the main thread between two bytecodes for time-based windows), and hands the closed
 ones to :class:`~torchtop.agent.ops.frames.FrameMaker`.
 
-Which thread runs what: :meth:`OpsSampler.tick` and :meth:`OpsSampler.stop` run in the sampler
-thread, under its lock; :meth:`OpsSampler.at_boundary` and :meth:`OpsSampler.window` in the
-training thread; :meth:`OpsSampler.request_window` in the server's I/O thread. The state of a
-window (idle, armed, open) changes only in the thread that owns it once it is armed.
+:meth:`OpsSampler.tick` runs in the sampler thread, under the sampler's lock;
+:meth:`OpsSampler.at_boundary` and :meth:`OpsSampler.window` in the training thread;
+:meth:`OpsSampler.request_window` in the server's I/O thread. Once a window is armed, its state
+changes only in the training thread (the thread that opened it closes it).
 """
 
 from __future__ import annotations
