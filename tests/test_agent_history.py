@@ -21,7 +21,7 @@ from torchtop.agent.core import (
     Agent,
     AgentConfig,
 )
-from torchtop.agent.oom import _empty_capture, _fields
+from torchtop.agent.oom.capture import _empty_capture, _fields
 from torchtop.protocol import (
     REQUEST_SNAPSHOT,
     Hello,

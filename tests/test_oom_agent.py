@@ -28,7 +28,8 @@ from torch.cuda import _memory_viz
 
 from torchtop.agent.core import AgentConfig
 from torchtop.agent.memory_limit import SOURCE_TENSORS, MemoryLimitTracker, oom_message
-from torchtop.agent.oom import OomController, _arm_after_import, _ArmAfterImport
+from torchtop.agent.oom import OomController
+from torchtop.agent.oom.import_hook import _arm_after_import, _ArmAfterImport
 from torchtop.agent.probes.cuda_memory import CudaMemoryProbe
 from torchtop.agent.server import EVENTS, SAMPLES, AgentServer, RingLimit
 from torchtop.model.memory import DeviceMemory

@@ -160,7 +160,7 @@ def test_library_frames() -> None:
     assert not is_library_frame("/home/alice/torchvision_tricks/model.py")
     # torchtop's own code is not the job's; the demos it ships are.
     torchtop_dir = Path(torchtop.__file__).resolve().parent
-    assert is_library_frame(str(torchtop_dir / "agent" / "oom.py"))
+    assert is_library_frame(str(torchtop_dir / "agent" / "oom" / "controller.py"))
     assert not is_library_frame(str(torchtop_dir / "demos" / "oom.py"))
     only_torch = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "f"}]
     assert [f.function for f in site_stack(only_torch)] == ["f"]

@@ -29,6 +29,9 @@ from torchtop.agent.ops import (
     records_inputs,
     site_reader,
 )
+from torchtop.agent.ops import aggregation as ops_aggregation
+from torchtop.agent.ops import frames as ops_frames
+from torchtop.agent.ops import profiler as ops_profiler
 from torchtop.agent.training import TrainingMonitor
 from torchtop.protocol import OpsWindow, ProbeStatus, decode, encode
 
@@ -256,7 +259,7 @@ def test_ranked_orders_by_self_time_limits_and_sums_the_rest() -> None:
 
 
 def test_cumulative_table_adds_windows_and_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops_module, "MAX_CUMULATIVE_KEYS", 3)
+    monkeypatch.setattr(ops_aggregation, "MAX_CUMULATIVE_KEYS", 3)
     cumulative: dict[Any, Any] = {}
     for _ in range(2):
         merge(cumulative, aggregate([ev("a", 0, 10), ev("b", 20, 30)]).ops)
@@ -466,7 +469,7 @@ def test_three_failures_stop_sampling_and_say_why(
     def broken(self: Any, **_: Any) -> bool:
         raise RuntimeError("no profiler here")
 
-    monkeypatch.setattr(ops_module._Profiler, "start", broken)
+    monkeypatch.setattr(ops_profiler._Profiler, "start", broken)
     steps = FakeSteps()
     details = []
     for _ in range(4):
@@ -785,7 +788,7 @@ def test_a_window_that_cannot_open_leaves_nothing_armed(
     def broken(self: Any, **_: Any) -> bool:
         raise RuntimeError("no profiler here")
 
-    monkeypatch.setattr(ops_module._Profiler, "start", broken)
+    monkeypatch.setattr(ops_profiler._Profiler, "start", broken)
     sampler.tick(time.time(), FakeSteps())
     assert sampler._state == ARMED
     with sampler.window() as opened:
@@ -796,7 +799,7 @@ def test_a_window_that_cannot_open_leaves_nothing_armed(
 def test_requested_windows_are_rate_limited_and_their_traces_bounded(
     sampler: OpsSampler, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(ops_module, "KEPT_TRACES", 2)
+    monkeypatch.setattr(ops_frames, "KEPT_TRACES", 2)
     steps = FakeSteps()
     model, opt = _model()
     paths = []
@@ -858,7 +861,7 @@ def test_a_cpu_job_records_no_inputs_unless_asked_and_a_cuda_job_one_window_in_f
 
 
 def test_runtime_calls_by_name_where_torch_has_no_activity_type() -> None:
-    from torchtop.agent.ops import _runtime_call
+    from torchtop.agent.ops.torch_events import _runtime_call
 
     runtime = ["cudaDeviceSynchronize", "cudaLaunchKernel", "cuLaunchKernel", "hipMemcpyAsync"]
     ops = ["aten::cumsum", "cumulative_loss", "Optimizer.step#AdamW.step", "custom_block"]
@@ -912,7 +915,7 @@ def test_the_profilers_sync_is_the_devices() -> None:
     from types import SimpleNamespace
 
     synced: list[str] = []
-    profiler = ops_module._Profiler(record_shapes=False, with_stack=False)
+    profiler = ops_profiler._Profiler(record_shapes=False, with_stack=False)
     profiler._cuda = SimpleNamespace(synchronize=lambda: synced.append("cuda"))
     profiler.sync()
     assert synced == ["cuda"]

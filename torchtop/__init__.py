@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtop.agent.events import mark, phase
+from torchtop.agent.phases import mark, phase
 from torchtop.agent.steps import step
 
 __version__ = "0.1.0"

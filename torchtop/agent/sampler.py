@@ -1,6 +1,6 @@
 """The sampler thread: reads the probes on a drift-free schedule and publishes frames.
 
-It also drains the events the training thread left in :data:`torchtop.agent.events.PENDING`,
+It also drains the events the training thread left in :data:`torchtop.agent.phases.PENDING`,
 so that the training thread's own cost stays one ``deque.append``. Nothing here raises into the
 job: a probe that fails three times in a row, or says it is unavailable, is switched off and
 reported once as a ``probe_status`` message.
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torchtop.agent import events
+from torchtop.agent import phases
 from torchtop.agent.probes.base import ProbeUnavailable
 from torchtop.agent.threads import agent_thread
 from torchtop.protocol import (
@@ -177,7 +177,7 @@ class Sampler:
 
     def drain_events(self) -> None:
         """Publish every phase and mark the training thread has left so far."""
-        pending = events.PENDING
+        pending = phases.PENDING
         while pending:
             try:
                 kind, t, name, phase_id, description = pending.popleft()

@@ -1,64 +1,49 @@
-"""The out-of-memory flow: capture at the moment of failure, explain it, save it, and pause.
+"""The out-of-memory controller: capture at the moment of failure, in the thread that failed;
+snapshots on request, in its own worker thread; and the job held with ``--pause-on-oom``.
 
-On CUDA, :class:`OomController` has the caching allocator record its history (bounded:
-``torch.cuda.memory._record_memory_history(max_entries=N, stacks="python", context="alloc")``)
-and attaches an out-of-memory observer. Both are installed through ``torch.cuda._lazy_call``,
-so they take effect when the job itself initializes CUDA, before its first allocation, and the
-agent never initializes CUDA on its own. Recording is never switched off again:
-``_record_memory_history(enabled=None)`` would leave the allocator's hooks behind.
-
-The allocator calls the observer in the thread that failed, after it has given back what cache
-it could and before it raises: the flow reads the snapshot there, so the live blocks are the
-ones that caused the failure. Under ``--memory-limit`` the CPU emulation
-(:mod:`torchtop.agent.memory_limit`) calls the same flow from its dispatch mode.
-
-The flow: group the live blocks by the job's allocating line, tell *fragmented* from *full*,
-save the snapshot (a pickle memory_viz opens), publish an ``oom`` event, and with
-``--pause-on-oom`` hold the job until a viewer sends ``resume`` or the timeout passes. Then the
-job's own ``OutOfMemoryError`` goes on unchanged: nothing here raises into the job.
-
-A job may catch an OOM and retry: failures that reach the job for the same device and size
-within :data:`REPEAT_WINDOW_S` of the last one published are published once (each is still
-followed, so those torch handles are counted), and at most ``max_captures`` failures per run
-are captured in full.
-
-Viewer requests (``snapshot``, ``resume``) arrive on the server's I/O thread, which only hands
-them over: a snapshot is taken in this module's own worker thread.
-
-This module imports torch only inside functions that run once the job has imported it.
+See :mod:`torchtop.agent.oom` for the flow. This module imports torch only inside functions
+that run once the job has imported it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import importlib.abc
 import itertools
-import os
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from torchtop.agent.memory_snapshot import (
-    _is_torchtop,
-    _torch_dir,
-    failed_request,
-    is_library_frame,
-    save_snapshot,
-    site_stack,
-    top_sites,
-    totals,
-    verdict,
+from torchtop.agent.memory_snapshot import failed_request, save_snapshot, site_stack
+from torchtop.agent.oom.capture import (
+    _empty_capture,
+    _fields,
+    _fit,
+    _int,
+    _read,
+    _reason,
+    analyse_snapshot,
+)
+from torchtop.agent.oom.import_hook import _arm_after_import
+from torchtop.agent.oom.watch import (
+    _WAKE,
+    BACKWARD_POLL_S,
+    _backward_threads,
+    _BackwardWatch,
+    _frames_of,
+    _Pending,
+    _python_frames,
+    _training_thread,
+    _Watch,
+    _went_on,
 )
 from torchtop.agent.probes.cuda_memory import free_under_cap
 from torchtop.agent.threads import agent_thread
 from torchtop.protocol import (
-    MAX_FRAME_BYTES,
     REQUEST_RESUME,
     REQUEST_SNAPSHOT,
     MemoryCapture,
@@ -69,7 +54,6 @@ from torchtop.protocol import (
     OutOfMemory,
     ProbeStatus,
     Request,
-    encode,
 )
 
 #: Failures reaching the job for the same device and size this close together are published once.
@@ -441,7 +425,7 @@ class OomController:
         if grad_enabled is not None:
             with contextlib.suppress(Exception):
                 grad = bool(grad_enabled())
-        capture = self._capture(
+        capture = analyse_snapshot(
             0,
             device=device,
             index=index,
@@ -562,7 +546,7 @@ class OomController:
             live = int(tracker.live_bytes)
             limit = tracker.limit_bytes
             snap, error = _read(tracker.snapshot)
-            body = self._capture(
+            body = analyse_snapshot(
                 capture_id,
                 device="cpu",
                 index=0,
@@ -621,7 +605,7 @@ class OomController:
                 _int(counters.get("reserved_bytes.all.current")),
             )
 
-        body = self._capture(
+        body = analyse_snapshot(
             capture_id,
             device=f"cuda:{index}",
             index=index,
@@ -635,56 +619,6 @@ class OomController:
             figures=figures,
         )
         return self._save(body, snap, f"snapshot-{capture_id}")
-
-    def _capture(
-        self,
-        capture_id: int,
-        *,
-        device: str,
-        index: int,
-        emulated: bool,
-        requested: int | None,
-        stream: int | None,
-        free: int | None,
-        total: int | None,
-        snap: Mapping[str, Any],
-        error: str,
-        figures: Callable[[Mapping[str, Any]], tuple[int | None, int | None]],
-        segment: int | None = None,
-    ) -> MemoryCapture:
-        """Analyse one snapshot (``error`` says why there is none). Every step may fail on its
-        own and says so in ``snapshot_error``; the figures that could be read are still sent.
-        Free blocks count only on the failing ``stream``, as the allocator reuses them."""
-        mine = _for_device(snap, index)
-        sums = totals(mine, requested, stream)
-        sites, live = top_sites(mine)
-        allocated, reserved = None, None
-        with contextlib.suppress(Exception):
-            allocated, reserved = figures(mine)
-        if allocated is None and mine.get("segments"):
-            allocated = sums.allocated
-        if reserved is None and mine.get("segments"):
-            reserved = sums.reserved
-        return MemoryCapture(
-            t=time.time(),
-            id=capture_id,
-            device=device,
-            emulated=emulated,
-            requested_bytes=requested,
-            free_bytes=free,
-            total_bytes=total,
-            reserved_bytes=reserved,
-            allocated_bytes=allocated,
-            largest_free_block_bytes=(
-                sums.largest_free_block if mine.get("segments") and not emulated else None
-            ),
-            fragmented=verdict(requested, free, sums, segment) if requested is not None else None,
-            top_sites=sites,
-            snapshot_path=None,
-            snapshot_error=error,
-            live_count=live,
-            requested_stack=_failed_stack(snap, index) if requested is not None else [],
-        )
 
     def _save(self, body: MemoryCapture, snap: Mapping[str, Any], name: str) -> MemoryCapture:
         """Write the snapshot as a pickle memory_viz opens; the capture says where, or why not."""
@@ -712,322 +646,6 @@ class OomController:
             )
 
 
-# -- helpers --------------------------------------------------------------------------------------
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _fields(capture: MemoryCapture) -> dict[str, Any]:
-    """A capture's fields, to build an ``oom`` or ``memory_snapshot`` message from."""
-    return {f.name: getattr(capture, f.name) for f in dataclasses.fields(MemoryCapture)}
-
-
-def _empty_capture(capture_id: int, error: str) -> MemoryCapture:
-    return MemoryCapture(
-        t=time.time(),
-        id=capture_id,
-        device="",
-        emulated=False,
-        requested_bytes=None,
-        free_bytes=None,
-        total_bytes=None,
-        reserved_bytes=None,
-        allocated_bytes=None,
-        largest_free_block_bytes=None,
-        fragmented=None,
-        top_sites=[],
-        snapshot_path=None,
-        snapshot_error=error,
-    )
-
-
-def _for_device(snapshot: Mapping[str, Any], index: int) -> dict[str, Any]:
-    """The part of a snapshot about one device (segments carry ``device``; traces are a list
-    per device)."""
-    segments = [s for s in snapshot.get("segments", ()) if int(s.get("device", index)) == index]
-    traces = snapshot.get("device_traces") or []
-    trace = traces[index] if index < len(traces) else []
-    return {"segments": segments, "device_traces": [trace]}
-
-
-def _failed_stack(snapshot: Mapping[str, Any], index: int) -> list[Any]:
-    """The stack of the last ``oom`` in the device's trace: the allocation that failed."""
-    traces = snapshot.get("device_traces") or []
-    trace = traces[index] if index < len(traces) else []
-    for entry in reversed(trace):
-        if entry.get("action") == "oom":
-            return site_stack(entry.get("frames") or ())
-    return []
-
-
-def _fit(message: Message) -> Message:
-    """The message, made small enough for one frame: stacks go first, then sites."""
-    if not isinstance(message, MemoryCapture):
-        return message
-    try:
-        if len(encode(message)) <= MAX_FRAME_BYTES:
-            return message
-    except Exception:
-        pass
-    lean = replace(
-        message,
-        top_sites=[replace(site, stack=site.stack[:1]) for site in message.top_sites],
-        requested_stack=message.requested_stack[:1],
-    )
-    try:
-        if len(encode(lean)) <= MAX_FRAME_BYTES:
-            return lean
-    except Exception:
-        pass
-    return replace(lean, top_sites=[])
-
-
-# -- telling handled failures from those that reach the job ----------------------------------------
-
-#: Wakes the worker thread to look at backward failures.
-_WAKE = Request(action="_wake")
-#: How often the worker looks whether a backward with a failure has ended.
-BACKWARD_POLL_S = 0.02
-
-
-@dataclass
-class _Pending:
-    """A failure captured at the observer, not yet known to reach the job's code."""
-
-    capture: MemoryCapture
-    snap: Mapping[str, Any]
-    message: str
-    stream: int | None
-    done: bool = False
-
-
-@dataclass
-class _BackwardWatch:
-    """A failure in the autograd engine's thread, waiting for backward to end."""
-
-    pending: _Pending
-    thread: int
-    index: int
-    time_us: int | None
-    stream: int | None
-
-
-class _Watch:
-    """Follows a failure in the thread that failed, until it reaches the job's code or not.
-
-    The allocator calls its observers, in the order attached, before it throws; torch may
-    catch the error in C++ and go on (cuDNN retries with a smaller workspace). Between this
-    observer and the throw other Python may run: the job's own observer (a snapshot dump, as
-    PyTorch's docs suggest), a finalizer, garbage collection. So only the frames that were on
-    the stack at the failure are followed, and only where the error goes decides: an
-    ``exception`` event in one of the job's frames (not torch's, not torchtop's) means it
-    reached the job (published, and paused there with ``--pause-on-oom``); a frame the error
-    has not gone through moving on to another line or returning means torch handled it
-    (counted). Lines that torch's frames run while the error goes through them (a finally, a
-    context manager's exit, a handler) and calls into new frames decide nothing. Tracing ends
-    at the first decision, and whatever trace function was there before (a debugger,
-    coverage) is put back.
-    """
-
-    def __init__(self, controller: OomController, pending: _Pending, frames: list[Any]) -> None:
-        self._controller = controller
-        self.pending = pending
-        self._frames = frames  # innermost first
-        self._outermost = frames[-1]
-        self._saved = [(f, f.f_trace, f.f_trace_lines) for f in frames]
-        self._previous = sys.gettrace()
-        self._torch_dir = _torch_dir()
-        #: The frames the error has gone through so far (torch's).
-        self._raised_through: list[Any] = []
-        self._done = False
-        # One bound method, so that the trace function set can be recognised again.
-        self._tracer = self._global
-        self._frame_tracer = self._local
-
-    @property
-    def done(self) -> bool:
-        return self._done or self.pending.done
-
-    @done.setter
-    def done(self, value: bool) -> None:
-        if value:
-            self._stop()
-        self.pending.done = value
-
-    def arm(self) -> None:
-        for frame in self._frames:
-            frame.f_trace = self._frame_tracer
-            # Line events tell a frame that moved on past the failing call.
-            frame.f_trace_lines = True
-        sys.settrace(self._tracer)
-
-    def _global(self, frame: Any, event: str, arg: Any) -> Any:
-        # New frames (other observers, finalizers, the job going on) are not followed: only
-        # the frames of the failure decide. This function only keeps their tracing on.
-        return None
-
-    def _local(self, frame: Any, event: str, arg: Any) -> Any:
-        if self._done:
-            return None
-        reached = any(frame is f for f in self._raised_through)
-        if event == "exception":
-            if not reached:
-                self._raised_through.append(frame)
-            if frame is self._outermost or not is_library_frame(
-                frame.f_code.co_filename, self._torch_dir
-            ):
-                # Another error (torch caught the OOM, then failed otherwise): the job saw
-                # no out-of-memory error, so torch handled this one.
-                self._finish(reached=_is_oom(arg[1]))
-                return None
-        elif event in ("line", "return") and not reached:
-            # A frame the error never reached runs on (its callee, or the op, came back
-            # normally): torch handled the failure.
-            self._finish(reached=False)
-            return None
-        elif event == "return" and frame is self._outermost:
-            # Out of the thread's last frame with the error in it: the thread ends by it.
-            self._finish(reached=True)
-            return None
-        # Otherwise a frame of torch's the error went through: its cleanups (a finally, a
-        # context manager's exit) or a handler run; what decides is where it goes next.
-        return self._frame_tracer
-
-    def _stop(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if sys.gettrace() is self._tracer:
-            sys.settrace(self._previous)
-        for frame, trace, lines in self._saved:
-            with contextlib.suppress(Exception):
-                frame.f_trace = trace
-                frame.f_trace_lines = lines
-        # Hold no frame (nor the tensors in their locals) past the end of the watch.
-        self._saved = []
-        self._frames = []
-        self._raised_through = []
-
-    def _finish(self, *, reached: bool) -> None:
-        self._stop()
-        self._outermost = None
-        controller = self._controller
-        with controller._lock:
-            if controller._pending_here.get(threading.get_ident()) is self:
-                del controller._pending_here[threading.get_ident()]
-        if self.pending.done:
-            return
-        if reached:
-            with contextlib.suppress(Exception):
-                controller._publish_failure(self.pending, pause=True)
-        else:
-            self.pending.done = True
-            controller._count_handled(self.pending.capture.device)
-
-
-def _is_oom(exc: BaseException | None) -> bool:
-    """An out-of-memory error, or an error raised from or while handling one."""
-    for _ in range(8):
-        if exc is None:
-            return False
-        if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower():
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _python_frames(frame: Any) -> list[Any]:
-    """The frames of the calling thread outside torchtop, innermost first."""
-    frames = []
-    while frame is not None:
-        if not _is_torchtop(frame.f_code.co_filename):
-            frames.append(frame)
-        frame = frame.f_back
-    return frames
-
-
-def _run_backward_frame(frame: Any) -> Any:
-    """autograd's ``_engine_run_backward`` frame in a thread's stack, or ``None``."""
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "_engine_run_backward" and _AUTOGRAD in code.co_filename:
-            return frame
-        frame = frame.f_back
-    return None
-
-
-_AUTOGRAD = f"{os.sep}torch{os.sep}autograd{os.sep}"
-
-
-def _backward_threads() -> dict[int, Any]:
-    """Threads waiting in autograd's ``run_backward`` (the engine runs their backward), with
-    the frame that waits there."""
-    waiting = {}
-    for ident, frame in sys._current_frames().items():
-        found = _run_backward_frame(frame)
-        if found is not None:
-            waiting[ident] = found
-    return waiting
-
-
-def _training_thread() -> tuple[int, Any] | None:
-    """The thread whose backward the engine runs (the main thread first, if several)."""
-    waiting = _backward_threads()
-    if not waiting:
-        return None
-    main = threading.main_thread().ident
-    ident = main if main in waiting else next(iter(waiting))
-    return ident, waiting[ident]
-
-
-def _frames_of(frame: Any) -> list[dict[str, Any]]:
-    """A thread's stack in a snapshot's frame format, innermost first."""
-    out = []
-    while frame is not None:
-        out.append(
-            {
-                "filename": frame.f_code.co_filename,
-                "line": frame.f_lineno,
-                "name": frame.f_code.co_name,
-            }
-        )
-        frame = frame.f_back
-    return out
-
-
-def _went_on(snap: Mapping[str, Any], watch: _BackwardWatch) -> bool:
-    """An allocation without Python frames (the engine's) on the failing stream after the
-    failure: backward went on past it."""
-    if watch.time_us is None:
-        return False
-    traces = snap.get("device_traces") or []
-    trace = traces[watch.index] if 0 <= watch.index < len(traces) else []
-    return any(
-        entry.get("action") == "alloc"
-        and not entry.get("frames")
-        and int(entry.get("time_us", 0) or 0) > watch.time_us
-        and (watch.stream is None or entry.get("stream", watch.stream) == watch.stream)
-        for entry in trace
-    )
-
-
-def _reason(exc: BaseException) -> str:
-    """An exception as one line for a person: its message, without a traceback."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-def _read(
-    snapshot: Callable[[], Mapping[str, Any]],
-) -> tuple[Mapping[str, Any], str]:
-    try:
-        return snapshot(), ""
-    except Exception as exc:
-        return {"segments": [], "device_traces": []}, f"no snapshot: {exc!r}"
-
-
 class _EmulatedDeviceProbe:
     """The CPU memory probe under ``--memory-limit``: the emulated device's exact figures."""
 
@@ -1046,60 +664,3 @@ class _EmulatedDeviceProbe:
             return base
         stats: MemoryStats = tracker.stats(base)
         return stats
-
-
-class _ArmAfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``callback(module)`` right after module ``name`` has been executed, once.
-
-    It finds the module with the other finders and wraps only that module's loader instance
-    for the one ``exec_module`` call, so the module keeps its own loader.
-    """
-
-    def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
-        self.name = name
-        self.callback = callback
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            return None
-        spec = None
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            if find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                break
-        loader = getattr(spec, "loader", None)
-        original = getattr(loader, "exec_module", None)
-        if original is None:
-            return spec
-        callback = self.callback
-
-        def exec_module(module: Any) -> None:
-            try:
-                original(module)
-            finally:
-                try:
-                    del loader.exec_module  # type: ignore[union-attr]
-                except AttributeError:
-                    pass
-            with contextlib.suppress(Exception):
-                callback(module)
-
-        try:
-            loader.exec_module = exec_module  # type: ignore[union-attr]
-        except (AttributeError, TypeError):
-            pass  # the worker thread arms it once torch is imported
-        return spec
-
-
-def _arm_after_import(name: str, callback: Callable[[Any], None]) -> None:
-    if name in sys.modules:
-        callback(sys.modules[name])
-        return
-    sys.meta_path.insert(0, _ArmAfterImport(name, callback))

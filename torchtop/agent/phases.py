@@ -1,4 +1,4 @@
-"""Events raised in the training thread: phases and marks.
+"""Phases and marks, raised in the training thread.
 
 The training thread only appends a tuple to a deque (atomic in CPython, well under a
 microsecond); the sampler thread drains it, encodes and publishes. With no agent running the
