@@ -19,6 +19,7 @@ import pytest
 from demo_runner import false_findings, results_of
 
 from torchtop import commands as cli
+from torchtop.commands import demo as demo_verb
 from torchtop.protocol import PhaseBegan
 from torchtop.streams.recording import read_recording
 
@@ -126,8 +127,8 @@ def test_without_a_limit_on_the_cpu_it_refuses_to_fill_the_ram() -> None:
 def spec_of(monkeypatch: pytest.MonkeyPatch, argv: list[str], default_device: str) -> Any:
     """The run ``torchtop demo ...`` would start, without starting it."""
     started: list[Any] = []
-    monkeypatch.setattr(cli, "_run_spec", lambda spec: started.append(spec) or 0)
-    monkeypatch.setattr(cli, "_default_device", lambda: default_device)
+    monkeypatch.setattr(demo_verb, "run_spec", lambda spec: started.append(spec) or 0)
+    monkeypatch.setattr(demo_verb, "_default_device", lambda: default_device)
     assert cli.main(argv) == 0
     (spec,) = started
     return spec

@@ -25,7 +25,9 @@ are captured in full.
 Viewer requests (``snapshot``, ``resume``) arrive on the server's I/O thread, which only hands
 them over: a snapshot is taken in the controller's own worker thread.
 
-This package imports torch only inside functions that run once the job has imported it.
+May import: the shared ground and the rest of :mod:`torchtop.agent`; torch only inside functions
+that run once the job has imported it. The live memory figures are :mod:`torchtop.agent.probes`;
+the advice drawn from a capture is the model's (:mod:`torchtop.model.oom_advice`).
 
 What lives where:
 

@@ -342,7 +342,7 @@ class OomController:
             earlier.done = True
             self._count_handled(earlier.pending.capture.device)
         if job_frames:
-            watch = _Watch(self, pending, job_frames)
+            watch = _Watch(self._watch_finished, pending, job_frames)
             with self._lock:
                 self._pending_here[threading.get_ident()] = watch
             watch.arm()
@@ -644,6 +644,21 @@ class OomController:
             self._publish(
                 ProbeStatus(t=time.time(), probe=PROBE_NAME, available=False, detail=detail)
             )
+
+    def _watch_finished(self, watch: _Watch, reached: bool) -> None:
+        """A watch in the thread that failed has decided: the failure reached the job's code
+        (published, and paused there with ``--pause-on-oom``), or torch handled it (counted)."""
+        with self._lock:
+            if self._pending_here.get(threading.get_ident()) is watch:
+                del self._pending_here[threading.get_ident()]
+        if watch.pending.done:
+            return
+        if reached:
+            with contextlib.suppress(Exception):
+                self._publish_failure(watch.pending, pause=True)
+        else:
+            watch.pending.done = True
+            self._count_handled(watch.pending.capture.device)
 
 
 class _EmulatedDeviceProbe:

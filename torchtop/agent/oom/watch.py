@@ -13,15 +13,12 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchtop.agent.memory_snapshot import _is_torchtop, _torch_dir, is_library_frame
 from torchtop.protocol import MemoryCapture, Request
-
-if TYPE_CHECKING:
-    from torchtop.agent.oom.controller import OomController
 
 #: Wakes the worker thread to look at backward failures.
 _WAKE = Request(action="_wake")
@@ -68,8 +65,15 @@ class _Watch:
     coverage) is put back.
     """
 
-    def __init__(self, controller: OomController, pending: _Pending, frames: list[Any]) -> None:
-        self._controller = controller
+    def __init__(
+        self,
+        finished: Callable[[_Watch, bool], None],
+        pending: _Pending,
+        frames: list[Any],
+    ) -> None:
+        """``finished(watch, reached)``: called once the watch has decided, in the thread that
+        failed, with whether the error reached the job's code."""
+        self._finished = finished
         self.pending = pending
         self._frames = frames  # innermost first
         self._outermost = frames[-1]
@@ -150,18 +154,7 @@ class _Watch:
     def _finish(self, *, reached: bool) -> None:
         self._stop()
         self._outermost = None
-        controller = self._controller
-        with controller._lock:
-            if controller._pending_here.get(threading.get_ident()) is self:
-                del controller._pending_here[threading.get_ident()]
-        if self.pending.done:
-            return
-        if reached:
-            with contextlib.suppress(Exception):
-                controller._publish_failure(self.pending, pause=True)
-        else:
-            self.pending.done = True
-            controller._count_handled(self.pending.capture.device)
+        self._finished(self, reached)
 
 
 def _is_oom(exc: BaseException | None) -> bool:

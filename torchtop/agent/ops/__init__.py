@@ -18,6 +18,10 @@ The job's own profiler always wins: while it runs, no window opens; if it starts
 ours is open, ours is stopped first and thrown away, and the viewer is told "op timings
 unavailable" until the job's profiler ends.
 
+May import: the shared ground and the rest of :mod:`torchtop.agent`; torch only inside functions
+that run once a window opens. The step clock the windows follow is :mod:`torchtop.agent.steps`;
+the op table the viewer shows is the model's (:mod:`torchtop.model.ops`).
+
 What lives where:
 
 - :mod:`.aggregation`: plain events in, ranked ops and counts out (pure, no torch).

@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from torchtop.agent.ops.sampler import OpsSampler
+
+class Windows(Protocol):
+    """What these sections need of the agent's op sampler
+    (:class:`~torchtop.agent.ops.sampler.OpsSampler`, which registers itself here)."""
+
+    def window(self) -> contextlib.AbstractContextManager[bool]: ...
+
+    def close_now(self, *, disarm: bool = True) -> None: ...
+
 
 #: Nesting depth of :func:`paused` sections: no window opens while above zero.
 _paused = [0]
 #: The agent's sampler, for :func:`paused` to close a window that is open.
-_active: list[OpsSampler | None] = [None]
+_active: list[Windows | None] = [None]
 
 
 def window() -> contextlib.AbstractContextManager[bool]:
