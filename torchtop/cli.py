@@ -651,24 +651,10 @@ def _run_ranks_view(spec: Any) -> int:
 
 def _view_run(run: Any, title: str) -> None:
     """The view of a run's ranks until it quits; ``enter`` on a rank opens that rank's full
-    screens (the single-process viewer on its agent), whose ``q`` comes back to the run."""
-    from torchtop.streams.sources import LiveSource, RankLines
-    from torchtop.transport import find_agent
+    screens (a job screen on its agent), whose ``q`` comes back to the run."""
     from torchtop.tui.app import TorchtopApp
-    from torchtop.tui.run_view import RunView
 
-    while True:
-        view = RunView(run, title=title)
-        _run_app(view)
-        if view.open_pid is None:
-            return
-        info = find_agent(view.open_pid)
-        if info is not None:
-            rank = info.identity.get("rank")
-            # A run torchtop launched has its ranks' output (their agents do not send it).
-            lines = RankLines(run, rank) if isinstance(rank, int) and not run.rank_lines else None
-            source = LiveSource(info.address, lines=lines)
-            _run_app(TorchtopApp(source, title=f"rank {rank}: {info.command}"))
+    _run_app(TorchtopApp.for_run(run, title))
 
 
 def _require_terminal(alternative: str) -> None:
@@ -882,7 +868,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
     source = LiveSource(info.address, writer=writer, lines=_left_running_lines(info.pid))
     app = TorchtopApp(source, title=info.command)
     code = _run_app(app)
-    _print_exit_summary(_attached_end(app.state, info.pid, args.record))
+    _print_exit_summary(_attached_end(app.job.state, info.pid, args.record))
     return code
 
 

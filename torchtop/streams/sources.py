@@ -449,7 +449,8 @@ def _request(feed: AgentFeed | None, action: str) -> bool:
 
 def pick_agent_interactively() -> AgentInfo | None:
     """Offer the running agents in a small picker; None if the user cancels."""
-    from torchtop.tui.picker import AgentPicker
+    from torchtop.tui.app import TorchtopApp
 
-    result = AgentPicker().run()
-    return result if isinstance(result, AgentInfo) else None
+    app = TorchtopApp.picker()
+    app.run()
+    return app.picked
