@@ -76,6 +76,7 @@ class TorchtopApp(App[int]):
             self._first = RunScreen(run, title or "", open_rank=open_rank)
         elif pick:
             self._first = PickerScreen()
+            self.title = PickerScreen.TITLE
         elif source is not None:
             self._first = self.JOB_SCREEN(source, title=title)
             if title is not None:  # a job's command line, or a file's name: not ours
@@ -140,14 +141,18 @@ class TorchtopApp(App[int]):
         title: str = "",
         severity: SeverityLevel = "information",
         timeout: float | None = None,
-        markup: bool = False,
+        markup: bool | None = None,
     ) -> None:
         """Show ``message`` in the one-line notification over the footer, in place of the one
         shown before (two at once would stack over the log's rows). Plain text unless
         ``markup``: a notification may quote the job (a snapshot's path, why ops are off).
-        (The run's screen and the picker keep Textual's toasts, and stack them.)"""
+        The run's screen and the picker keep Textual's toasts: they stack, and read markup
+        unless told not to."""
         if self.shown_job is not None:
             self.clear_notifications()
+            markup = bool(markup)
+        elif markup is None:
+            markup = True
         super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
 
     # -- the job screen's keys ------------------------------------------------------------------

@@ -31,7 +31,11 @@ class PickerScreen(Screen[None]):
     q cancels."""
 
     TITLE = "torchtop: choose a job to attach to"
-    BINDINGS = [Binding("q,escape", "cancel", "cancel")]
+    BINDINGS = [
+        Binding("q,escape", "cancel", "cancel"),
+        # Textual's own: ctrl+c says how to quit (the job screen's ctrl+c is off here).
+        Binding("ctrl+c", "app.help_quit", show=False, system=True),
+    ]
 
     def __init__(self) -> None:
         super().__init__()

@@ -264,6 +264,8 @@ class RunScreen(Screen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("q", "stop", "quit"),
         Binding("enter", "open_rank", "open the rank"),
+        # Textual's own: ctrl+c says how to quit (the job screen's ctrl+c is off here).
+        Binding("ctrl+c", "app.help_quit", show=False, system=True),
     ]
 
     def __init__(self, run: RunFold, title: str, *, open_rank: RankOpener = attach_rank) -> None:
