@@ -1,11 +1,12 @@
 """What the live view of a multi-rank job costs: ``torchtop run torchrun ...`` with N ranks.
 
 The view runs as ``torchtop run`` runs it (a :class:`~torchtop.streams.runner.RankRun` and the
-:class:`~torchtop.tui.run_view.RunView` app, headless at 80x24) in its own process, following
-N real ranks of ``tests/scripts/ddp.py`` (gloo, CPU; each step sleeps ``--sleep-ms`` so the
-ranks leave the CPU to the viewer) with the agent's default settings. Measured: the viewer
-process's own CPU time (every thread: the ranks' feeds, the folding, the drawing; not the
-job's) over ``--seconds`` once every rank has stepped, as a share of one core (psutil).
+viewer app on its :class:`~torchtop.tui.screens.run.RunScreen`, headless at 80x24) in its own
+process, following N real ranks of ``tests/scripts/ddp.py`` (gloo, CPU; each step sleeps
+``--sleep-ms`` so the ranks leave the CPU to the viewer) with the agent's default settings.
+Measured: the viewer process's own CPU time (every thread: the ranks' feeds, the folding, the
+drawing; not the job's) over ``--seconds`` once every rank has stepped, as a share of one
+core (psutil).
 
     python -m benchmarks.run_view_cost                 # 8 ranks, about a minute
     python -m benchmarks.run_view_cost --ranks 4 --seconds 10
@@ -29,7 +30,8 @@ DDP = REPO / "tests" / "scripts" / "ddp.py"
 def viewer(ranks: int, seconds: float, sleep_ms: float, out: Path) -> None:
     """Run the view over a real job of ``ranks`` ranks; write what it cost to ``out``."""
     from torchtop.streams.runner import RankRun, RunSpec
-    from torchtop.tui.run_view import RunView
+    from torchtop.streams.sources import attach_rank
+    from torchtop.tui.app import TorchtopApp
 
     spec = RunSpec(
         target=[sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -38,7 +40,7 @@ def viewer(ranks: int, seconds: float, sleep_ms: float, out: Path) -> None:
         headless=False,
     )  # fmt: skip
     run = RankRun(spec)
-    app = RunView(run, title="run_view_cost")
+    app = TorchtopApp.for_run(run, "run_view_cost", open_rank=attach_rank)
     me = psutil.Process()
     result: dict[str, float] = {}
 

@@ -121,7 +121,8 @@ class Profile:
         from textual.widget import Widget
         from textual.widgets import Static
 
-        from torchtop.tui.app import TorchtopApp
+        from torchtop.tui.screens import job
+        from torchtop.tui.screens.job import JobScreen
 
         def widget(w: Any) -> str:
             return type(w).__name__ + (f"#{w.id}" if w.id else "")
@@ -131,14 +132,13 @@ class Profile:
         self.timed(Widget, "refresh", lambda w: f"refresh asked {widget(w)}")
         self.timed(Screen, "_refresh_layout", lambda _s: "screen layout")
         self.timed(Screen, "_compositor_refresh", lambda _s: "screen composite (all renders)")
-        self.timed(TorchtopApp, "_show", lambda _a: "app _show (all panels)")
-        from torchtop.tui import app
+        self.timed(JobScreen, "_show", lambda _a: "app _show (all panels)")
 
-        for name in dir(app):  # each panel's show_state: what it costs to build what it shows
-            panel = getattr(app, name)
+        for name in dir(job):  # each panel's show_state: what it costs to build what it shows
+            panel = getattr(job, name)
             if isinstance(panel, type) and "show_state" in panel.__dict__:
                 self.timed(panel, "show_state", lambda w: f"show_state {widget(w)}")
-        self.timed(TorchtopApp, "drain", lambda _a: "app drain (apply + _show)")
+        self.timed(JobScreen, "drain", lambda _a: "app drain (apply + _show)")
 
     def report(self) -> list[tuple[str, int, float]]:
         """(what, calls, milliseconds), the costliest first."""
@@ -208,6 +208,7 @@ def viewer(kind: str, seconds: float, out: Path, profiled: bool = False) -> None
     from torchtop.streams.runner import RunSpec
     from torchtop.streams.sources import RunSource
     from torchtop.tui.app import TorchtopApp
+    from torchtop.tui.screens.job import JobScreen
 
     samples: list[float] = []
     lines: list[float] = []
@@ -215,12 +216,11 @@ def viewer(kind: str, seconds: float, out: Path, profiled: bool = False) -> None
     waking: set[int] = set()
     profile = Profile() if profiled else None
 
-    class Measured(TorchtopApp):
-        CSS_PATH = str(Path(torchtop.tui.app.__file__).with_name("app.tcss"))
+    class MeasuredJob(JobScreen):
         measuring = False
 
         def on_mount(self) -> None:
-            # Textual calls every class's on_mount in turn: TorchtopApp's starts the source
+            # Textual calls every class's on_mount in turn: JobScreen's starts the source
             # after this one (calling it here too would start a second job).
             self.set_timer(WARMUP_S, self.begin)
 
@@ -258,7 +258,7 @@ def viewer(kind: str, seconds: float, out: Path, profiled: bool = False) -> None
             if hasattr(self, "frames"):  # an older viewer drew a frame every tick
                 result["frames"] = self.frames - result["frames0"]
             source.stop_job()
-            self.exit(0)
+            self.app.exit(0)
 
         def drain(self) -> None:
             if not self.measuring:
@@ -284,6 +284,10 @@ def viewer(kind: str, seconds: float, out: Path, profiled: bool = False) -> None
             now = time.time()
             for into, t in shown:
                 into.append(now - t)
+
+    class Measured(TorchtopApp):
+        CSS_PATH = str(Path(torchtop.tui.app.__file__).with_name("app.tcss"))
+        JOB_SCREEN = MeasuredJob
 
     spec = RunSpec(target=["-m", "benchmarks.viewer_cost", "--job", kind])
     source = RunSource(spec)

@@ -8,8 +8,8 @@ from test_advice import input_job
 from test_tui_app import SIZE, T0, drained, header_text, hello, pilot_test, static_text
 from textual.widgets import Static
 
-from torchtop.tui.advice_screen import AdviceScreen
 from torchtop.tui.app import TorchtopApp
+from torchtop.tui.screens.advice import AdviceScreen
 
 
 @pilot_test

@@ -369,7 +369,7 @@ _WHERE = "import torchtop; print(torchtop.__file__)"
 TORCH_FREE_MODULES = (
     "torchtop.commands",
     "torchtop.tui.app",
-    "torchtop.tui.run_view",
+    "torchtop.tui.screens.run",
     "torchtop.model",
     "torchtop.report.job",
     "torchtop.export.service",

@@ -28,7 +28,7 @@ from torchtop.sizes import format_bytes
 from torchtop.streams.recording import RecordingWriter, read_recording
 from torchtop.tui.app import TorchtopApp
 from torchtop.tui.format import format_percent
-from torchtop.tui.oom_screen import OomScreen
+from torchtop.tui.screens.oom import OomScreen
 from torchtop.tui.widgets.header import JobHeader
 from torchtop.tui.widgets.loaders import LoaderPanel
 from torchtop.tui.widgets.memory import MemoryPanel
@@ -130,15 +130,15 @@ def test_model_report_and_viewer_show_the_same_figures(
         app = TorchtopApp(FakeSource(_replayed(messages), mode="replay"))
         async with app.run_test(size=WIDE) as pilot:
             await drained(pilot)
-            state = app.state
+            state = app.job.state
             # The viewer's model is the report's model: the same fold of the same frames.
             _model_agrees_with_report(state, report)
-            header = static_text(app.query_one(JobHeader))
+            header = static_text(app.job.query_one(JobHeader))
             if report["exit_code"] is not None:
                 assert f"exit {report['exit_code']}" in header
             primary = state.primary_memory
             if primary is not None:
-                figures = static_text(app.query_one(MemoryPanel).query_one("#memory-figures"))
+                figures = static_text(app.job.query_one(MemoryPanel).query_one("#memory-figures"))
                 peak = next(
                     d["peak_allocated_bytes"]
                     for d in report["devices"]
@@ -153,7 +153,7 @@ def test_model_report_and_viewer_show_the_same_figures(
                 if ooms is not None and (primary.is_cuda or "emulated" in figures):
                     assert f"OOMs {ooms}" in figures, figures
             if report["steps"]:
-                steps = static_text(app.query_one(StepPanel).query_one("#step-figures", Static))
+                steps = static_text(app.job.query_one(StepPanel).query_one("#step-figures", Static))
                 assert f"step {report['steps']:,}" in steps
                 # The report rounds it to 4 places (0.27496 -> 0.275): the screen shows the
                 # model's own figure, which agrees with the report's to that rounding.
@@ -162,7 +162,7 @@ def test_model_report_and_viewer_show_the_same_figures(
                 assert round(fraction, 4) == report["dataloader"]["wait_fraction"]
                 assert f"(avg {format_percent(fraction * 100)})" in steps
             for loader in report["dataloader"]["loaders"]:
-                shown = static_text(app.query_one(LoaderPanel).query_one(Static))
+                shown = static_text(app.job.query_one(LoaderPanel).query_one(Static))
                 assert f"{loader['index']} {loader['dataset']} · batch" in shown
             if report["profile_windows"]:
                 everything = ops_summary(state, cumulative=True).plain

@@ -324,12 +324,13 @@ def _pilot_two_hosts(run: AttachedRun) -> list[list[str]]:
     """The run view, driven by Pilot, until it shows ranks 0-3; its table's rows."""
     from textual.widgets import DataTable
 
-    from torchtop.tui.run_view import RunView
+    from torchtop.streams.sources import attach_rank
+    from torchtop.tui.app import TorchtopApp
 
     async def drive() -> list[list[str]]:
-        app = RunView(run, title="two nodes")
+        app = TorchtopApp.for_run(run, "two nodes", open_rank=attach_rank)
         async with app.run_test(size=(120, 30)) as pilot:
-            table: DataTable[str] = app.query_one("#ranks", DataTable)
+            table: DataTable[str] = app.run_screen.query_one("#ranks", DataTable)
             deadline = time.monotonic() + 60
             while True:
                 await pilot.pause(0.5)

@@ -10,7 +10,8 @@ from textual.widgets import DataTable
 
 from torchtop.protocol import Hello, LogLine, Message
 from torchtop.streams.runs import RunFold
-from torchtop.tui.run_view import RunView
+from torchtop.streams.sources import attach_rank
+from torchtop.tui.app import TorchtopApp
 
 
 def hello(rank: int, pid: int, host: str) -> Hello:
@@ -63,9 +64,9 @@ def test_ranks_of_two_nodes_with_equal_pids_show_side_by_side_with_their_node() 
     run.feed("101", hello(1, 101, "a"))
 
     async def drive() -> None:
-        app = RunView(run, title="run")
+        app = TorchtopApp.for_run(run, "run", open_rank=attach_rank)
         async with app.run_test(size=(120, 30)) as pilot:
-            table: DataTable[str] = app.query_one("#ranks", DataTable)
+            table: DataTable[str] = app.run_screen.query_one("#ranks", DataTable)
             await pilot.pause(0.6)
             # One node: no node column.
             assert [str(c.label) for c in table.columns.values()][:2] == ["rank", "pid"]
@@ -86,7 +87,7 @@ def test_ranks_of_two_nodes_with_equal_pids_show_side_by_side_with_their_node() 
             table.move_cursor(row=[r[1] for r in rows(table)].index("2"))
             await pilot.press("enter")
             await pilot.pause(0.2)
-            assert app.open_pid is None and app.is_running
+            assert app.run_screen.open_pid is None and app.is_running
             notes = [str(n.message) for n in app._notifications]
             assert any("runs on node b" in n for n in notes), notes
 

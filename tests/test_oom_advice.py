@@ -214,7 +214,7 @@ def test_the_viewer_side_and_the_oom_agent_modules_import_no_torch() -> None:
         "torchtop.report.job",
         "torchtop.sizes",
         "torchtop.model.captures",
-        "torchtop.tui.oom_screen",
+        "torchtop.tui.screens.oom",
         "torchtop.agent.oom",  # imports torch only once the job has
         "torchtop.agent.memory_snapshot",
     ]

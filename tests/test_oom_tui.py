@@ -28,8 +28,9 @@ from torchtop.protocol import (
     OutOfMemory,
     PhaseBegan,
 )
-from torchtop.tui.app import HelpScreen, TorchtopApp
-from torchtop.tui.oom_screen import OomScreen, banner_text, site_rows, stack_text
+from torchtop.tui.app import TorchtopApp
+from torchtop.tui.screens.help import HelpScreen
+from torchtop.tui.screens.oom import OomScreen, banner_text, site_rows, stack_text
 from torchtop.tui.widgets.chart import TimeSeriesChart
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -176,7 +177,7 @@ def test_a_held_job_is_resumed_when_the_screen_closes(captured: OutOfMemory) -> 
             assert source.requests() == [REQUEST_RESUME]
             source.deliver([OomResumed(T0 + 31, held.id, "dismissed")])
             await drained(pilot)
-            assert app.state.captures.holding is None
+            assert app.job.state.captures.holding is None
             await pilot.press("o")
             await pilot.pause()
             screen = screen_of(app)
@@ -237,7 +238,7 @@ def test_a_snapshot_someone_else_asked_for_only_notifies(captured: OutOfMemory) 
         async with app.run_test(size=SIZE) as pilot:
             await drained(pilot)
             assert not isinstance(app.screen, OomScreen)
-            assert app.state.captures.latest is not None
+            assert app.job.state.captures.latest is not None
 
     scenario()
 

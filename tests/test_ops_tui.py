@@ -30,8 +30,10 @@ from torchtop.protocol import (
 from torchtop.streams.feed import AgentFeed
 from torchtop.streams.source import Sink
 from torchtop.streams.sources import LiveSource
-from torchtop.tui.app import HelpScreen, QuitScreen, TorchtopApp
+from torchtop.tui.app import TorchtopApp
 from torchtop.tui.format import format_share
+from torchtop.tui.screens.help import HelpScreen
+from torchtop.tui.screens.quit import QuitScreen
 from torchtop.tui.widgets.ops import (
     OTHER_LABEL,
     OpsFilter,
@@ -97,7 +99,7 @@ def ops_job(*extra: Message) -> list[Message]:
 
 
 def table_of(app: TorchtopApp) -> DataTable[Any]:
-    return cast("DataTable[Any]", app.query_one("#ops-table", DataTable))
+    return cast("DataTable[Any]", app.job.query_one("#ops-table", DataTable))
 
 
 def names(app: TorchtopApp) -> list[str]:
@@ -113,7 +115,7 @@ def column(app: TorchtopApp, label: str) -> list[str]:
 
 
 def summary(app: TorchtopApp) -> str:
-    return static_text(app.query_one("#ops-summary", Static))
+    return static_text(app.job.query_one("#ops-summary", Static))
 
 
 def shown(widget: Widget) -> bool:
@@ -133,7 +135,7 @@ async def open_ops(pilot: Pilot[int]) -> OpsPanel:
     await pilot.pause()
     app = pilot.app
     assert isinstance(app, TorchtopApp)
-    return app.query_one(OpsPanel)
+    return app.job.query_one(OpsPanel)
 
 
 class FeedStub:
@@ -286,31 +288,35 @@ async def test_t_shows_the_ops_panel_in_place_of_the_rest() -> None:
     app = TorchtopApp(FakeSource(ops_job(window())))
     async with app.run_test(size=SIZE) as pilot:
         await drained(pilot)
-        assert not shown(app.query_one(OpsPanel))
-        assert shown(app.query_one("#log"))
+        assert not shown(app.job.query_one(OpsPanel))
+        assert shown(app.job.query_one("#log"))
         panel = await open_ops(pilot)
         assert shown(panel) and shown(table_of(app))
-        assert not shown(app.query_one("#log")) and not shown(app.query_one("#memory"))
+        assert not shown(app.job.query_one("#log")) and not shown(app.job.query_one("#memory"))
         assert panel.size.height >= 18  # the body's full height at 80x24
         assert table_of(app).has_focus
         assert "window 7" in summary(app)
         await pilot.press("t")
         await pilot.pause()
-        assert not shown(panel) and shown(app.query_one("#log")) and shown(app.query_one("#memory"))
+        assert (
+            not shown(panel)
+            and shown(app.job.query_one("#log"))
+            and shown(app.job.query_one("#memory"))
+        )
         await pilot.press("t", "l")  # the log alone replaces the ops panel
         await pilot.pause()
-        assert not shown(panel) and shown(app.query_one("#log"))
-        assert not shown(app.query_one("#memory"))
+        assert not shown(panel) and shown(app.job.query_one("#log"))
+        assert not shown(app.job.query_one("#memory"))
         assert not panel.has_focus_within
         await pilot.press("k")  # the hidden panel's keys do nothing
         await pilot.pause()
         assert panel.sort == "self"
         await pilot.press("t")  # and the ops panel replaces the log
         await pilot.pause()
-        assert shown(panel) and not shown(app.query_one("#log"))
+        assert shown(panel) and not shown(app.job.query_one("#log"))
         await pilot.press("t")
         await pilot.pause()
-        assert shown(app.query_one("#memory")) and shown(app.query_one("#log"))
+        assert shown(app.job.query_one("#memory")) and shown(app.job.query_one("#log"))
 
 
 @pilot_test
@@ -370,14 +376,14 @@ async def test_slash_filters_by_name_and_letters_type_into_the_filter() -> None:
         panel = await open_ops(pilot)
         await pilot.press("slash")
         await pilot.pause()
-        field = app.query_one(OpsFilter)
+        field = app.job.query_one(OpsFilter)
         assert shown(field) and field.has_focus
         # "l" and "e" are the app's keys (log, end) and "q" quits: here they only type.
         await pilot.press("l", "e", "q")
         await pilot.pause()
         assert field.value == "leq" and app.is_running
         assert not isinstance(app.screen, QuitScreen)
-        assert "log-only" not in app.query_one("#body").classes
+        assert "log-only" not in app.job.query_one("#body").classes
         assert names(app) == []
         await pilot.press("backspace", "backspace", "backspace", "A", "D", "D")
         await pilot.pause()
@@ -461,10 +467,10 @@ async def test_p_on_a_live_source_sends_a_profile_request_and_opens_the_window()
         await pilot.pause()
         (request,) = source.stub.sent
         assert isinstance(request, Request) and request.action == REQUEST_PROFILE == "profile"
-        assert not shown(app.query_one(OpsPanel))
-        app.sink(window(requested=True, window=8))
+        assert not shown(app.job.query_one(OpsPanel))
+        app.job.sink(window(requested=True, window=8))
         await drained(pilot)
-        assert shown(app.query_one(OpsPanel))  # the window it asked for opens the panel
+        assert shown(app.job.query_one(OpsPanel))  # the window it asked for opens the panel
         assert "on request" in summary(app)
 
 

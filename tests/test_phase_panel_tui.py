@@ -37,7 +37,7 @@ def described_job() -> list[Message]:
 
 def panel_text(app: TorchtopApp) -> str:
     """What the panel shows, its title first, as plain text wrapped and cut to its size."""
-    panel = app.query_one(PhaseInfo)
+    panel = app.job.query_one(PhaseInfo)
     rendered = panel.render()
     title = Text.from_markup(str(panel.border_title)).plain  # Textual keeps titles as markup
     return f"{title}\n{getattr(rendered, 'plain', rendered)}"
@@ -58,7 +58,7 @@ async def test_the_running_phase_is_explained_and_the_next_one_replaces_it() -> 
     app = TorchtopApp(source)
     async with app.run_test(size=SIZE) as pilot:
         await drained(pilot)
-        panel = app.query_one(PhaseInfo)
+        panel = app.job.query_one(PhaseInfo)
         assert shown(panel)
         text = panel_text(app)
         assert text.splitlines()[:2] == [" Phase · ▶ running · 3.9 s ", "repeat"]
@@ -93,8 +93,8 @@ async def test_the_panel_fits_beside_the_chart_at_80x24() -> None:
     app = TorchtopApp(FakeSource(described_job()))
     async with app.run_test(size=SIZE) as pilot:
         await drained(pilot)
-        panel = app.query_one(PhaseInfo)
-        chart = app.query_one(TimeSeriesChart)
+        panel = app.job.query_one(PhaseInfo)
+        chart = app.job.query_one(TimeSeriesChart)
         # Side by side on the chart's rows, inside the screen, the chart keeping most columns.
         assert panel.region.x >= chart.region.right
         assert panel.region.right <= SIZE[0]
@@ -112,10 +112,10 @@ async def test_no_panel_without_descriptions() -> None:
     app = TorchtopApp(FakeSource(cuda_job()))
     async with app.run_test(size=SIZE) as pilot:
         await drained(pilot)
-        assert app.state.phases and not app.state.explained_phase
-        assert not shown(app.query_one(PhaseInfo))
-        assert "has-phase-info" not in app.query_one("#memory-row").classes
-        assert app.query_one(MemoryPanel).outer_size.width == SIZE[0]
+        assert app.job.state.phases and not app.job.state.explained_phase
+        assert not shown(app.job.query_one(PhaseInfo))
+        assert "has-phase-info" not in app.job.query_one("#memory-row").classes
+        assert app.job.query_one(MemoryPanel).outer_size.width == SIZE[0]
 
 
 def test_a_long_description_ends_in_an_ellipsis() -> None:
@@ -165,8 +165,10 @@ async def test_with_the_steps_row_and_a_taller_device_panel_everything_stays_on_
         await drained(pilot)
         source.deliver([steps_frame(T0 + 2, 1, [None]), steps_frame(T0 + 3, 11, [0.1] * 10)])
         await drained(pilot)
-        assert "has-training" in app.query_one("#body").classes
-        rows = [app.query_one(s).region for s in ("#memory-row", "#training", "#panels", "#log")]
+        assert "has-training" in app.job.query_one("#body").classes
+        rows = [
+            app.job.query_one(s).region for s in ("#memory-row", "#training", "#panels", "#log")
+        ]
         assert all(r.height > 0 for r in rows)
         assert rows[-1].bottom <= SIZE[1] - 1  # above the footer
-        assert shown(app.query_one(PhaseInfo))
+        assert shown(app.job.query_one(PhaseInfo))

@@ -10,7 +10,7 @@ from torchtop.job_output import RANK_PREFIX_TEMPLATE, split_rank
 from torchtop.protocol import LogLine
 from torchtop.streams.runner import RankRun
 from torchtop.streams.runs import RunFold
-from torchtop.tui.run_view import STDERR_STYLE, log_line, rank_style, render_rank_strips
+from torchtop.tui.screens.run import STDERR_STYLE, log_line, rank_style, render_rank_strips
 from torchtop.tui.widgets.chart import ChartSeries
 
 
@@ -115,7 +115,7 @@ def test_each_rank_has_a_strip_on_one_scale_and_the_slower_stands_higher() -> No
 
 
 def test_the_chart_of_a_run_draws_each_ranks_time_outside_backward() -> None:
-    from torchtop.tui.run_view import outside_backward
+    from torchtop.tui.screens.run import outside_backward
 
     # Rank 2 arrives last at the all-reduce: its whole step is everyone's, its backward the
     # shortest.

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from tests.conftest import torchtop
 from torchtop.transport import list_agents
-from torchtop.tui.picker import AgentPicker, describe
+from torchtop.tui.app import TorchtopApp
+from torchtop.tui.screens.picker import describe
 
 JOB = """\
 import time, torchtop
@@ -63,10 +64,10 @@ def test_ps_and_the_picker_show_rank_world_size_and_run(tmp_path: Path) -> None:
             assert f"rank {agent.identity['rank']}/2 of run {run_id}  ddp.py" in describe(agent)
 
         async def shown() -> list[str]:
-            app = AgentPicker()
+            app = TorchtopApp.picker()
             async with app.run_test(size=(120, 20)) as pilot:
                 await pilot.pause()
-                options = app.query_one("OptionList")
+                options = app.screen.query_one("OptionList")
                 return [str(options.get_option_at_index(i).prompt) for i in range(2)]
 
         assert sorted(asyncio.run(shown())) == sorted(describe(a) for a in agents)

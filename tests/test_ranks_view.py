@@ -24,7 +24,7 @@ from tests.conftest import SCRIPTS
 from tests.test_ranks_output import _heights
 from tests.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
 from torchtop.transport import list_agents
-from torchtop.tui.run_view import BARS, trend
+from torchtop.tui.screens.run import BARS, trend
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 

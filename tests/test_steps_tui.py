@@ -12,7 +12,8 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from torchtop.protocol import Message
-from torchtop.tui.app import HelpScreen, TorchtopApp
+from torchtop.tui.app import TorchtopApp
+from torchtop.tui.screens.help import HelpScreen
 from torchtop.tui.widgets.host import HostPanel
 from torchtop.tui.widgets.loaders import LoaderPanel
 from torchtop.tui.widgets.memory import MemoryPanel
@@ -39,11 +40,11 @@ def text_of(widget: Static) -> str:
 
 
 def figures(app: TorchtopApp) -> str:
-    return text_of(app.query_one("#step-figures", Static))
+    return text_of(app.job.query_one("#step-figures", Static))
 
 
 def loaders(app: TorchtopApp) -> str:
-    return text_of(app.query_one("#loader-text", Static))
+    return text_of(app.job.query_one("#loader-text", Static))
 
 
 def shown(widget: Widget) -> bool:
@@ -55,8 +56,8 @@ async def test_the_panels_stay_hidden_until_the_job_steps() -> None:
     app = TorchtopApp(FakeSource(cuda_job()))
     async with app.run_test(size=SIZE) as pilot:
         await drained(pilot)
-        assert not shown(app.query_one("#training"))
-        assert "has-training" not in app.query_one("#body").classes
+        assert not shown(app.job.query_one("#training"))
+        assert "has-training" not in app.job.query_one("#body").classes
 
 
 @pilot_test
@@ -65,28 +66,28 @@ async def test_step_and_loader_panels_show_live_figures_at_80x24() -> None:
     app = TorchtopApp(source)
     async with app.run_test(size=SIZE) as pilot:
         await drained(pilot)
-        steps = app.query_one(StepPanel)
-        assert shown(steps) and shown(app.query_one(LoaderPanel))
+        steps = app.job.query_one(StepPanel)
+        assert shown(steps) and shown(app.job.query_one(LoaderPanel))
         text = figures(app)
         assert "step 301" in text and "100 ms" in text and "10.0 steps/s" in text
         assert "320 samples/s" in text
         assert "wait 10% (avg 10%)" in text and "compute 90.0 ms" in text and "opt 1.00 ms" in text
         assert "INPUT-BOUND" not in str(steps.border_title)
         # The bars and the step time chart fill their space with data.
-        bars = app.query_one(StepBars).render_text().plain
+        bars = app.job.query_one(StepBars).render_text().plain
         assert "█" in bars and bars.splitlines()[0].startswith("100ms┤")
-        history = app.query_one(StepTimeChart).render_text().plain
+        history = app.job.query_one(StepTimeChart).render_text().plain
         assert any(0x2800 < ord(c) < 0x2900 for c in history)
         listing = loaders(app)
         assert "0 ImageFolder · batch 32 · first 1.20 s" in listing
         assert "4 workers fork · pin · prefetch 2" in listing
         assert "●●○ 2/3 alive CPU 192% RSS 610 MiB" in listing
         assert "1 ValSet · batch 64" in listing and "main process" in listing
-        assert app.query_one(LoaderPanel).border_title == "Loaders · 2 "
+        assert app.job.query_one(LoaderPanel).border_title == "Loaders · 2 "
         # Everything else still has its room at 80x24.
-        assert app.query_one(MemoryPanel).outer_size.height >= 7  # rule, figures, chart of 4
-        assert app.query_one(StepPanel).outer_size.height >= 6
-        assert app.query_one(HostPanel).outer_size.height >= 4
+        assert app.job.query_one(MemoryPanel).outer_size.height >= 7  # rule, figures, chart of 4
+        assert app.job.query_one(StepPanel).outer_size.height >= 6
+        assert app.job.query_one(HostPanel).outer_size.height >= 4
         assert len(log_text(app)) == 2 and "● live" in header_text(app)
         # More steps arrive: the figures follow.
         source.deliver([steps_frame(T0 + 31, 400, [0.2] * 10, wait=0.01)])
@@ -99,7 +100,7 @@ async def test_a_job_waiting_on_data_is_flagged_input_bound() -> None:
     app = TorchtopApp(FakeSource(training_job(wait=0.06)))
     async with app.run_test(size=SIZE) as pilot:
         await drained(pilot)
-        title = str(app.query_one(StepPanel).border_title)
+        title = str(app.job.query_one(StepPanel).border_title)
         assert "INPUT-BOUND: 60% waiting for data" in title
         assert "wait 60%" in figures(app)
 
@@ -111,7 +112,7 @@ async def test_skipped_steps_show_in_the_title() -> None:
     app = TorchtopApp(FakeSource(messages))
     async with app.run_test(size=SIZE) as pilot:
         await drained(pilot)
-        assert "3 skipped" in str(app.query_one(StepPanel).border_title)
+        assert "3 skipped" in str(app.job.query_one(StepPanel).border_title)
 
 
 @pilot_test
@@ -121,10 +122,10 @@ async def test_log_only_hides_the_panels_and_help_explains_them() -> None:
         await drained(pilot)
         await pilot.press("l")
         await pilot.pause()
-        assert not app.query_one("#training").display or not shown(app.query_one(StepPanel))
+        assert not app.job.query_one("#training").display or not shown(app.job.query_one(StepPanel))
         await pilot.press("l")
         await pilot.pause()
-        assert shown(app.query_one(StepPanel))
+        assert shown(app.job.query_one(StepPanel))
         await pilot.press("question_mark")
         await pilot.pause()
         assert isinstance(app.screen, HelpScreen)

@@ -1,7 +1,7 @@
 """The viewer driven by Pilot at 80x24 with a scripted source.
 
-Each test drains the app's queue itself (``app.drain()``) instead of waiting for the frame timer,
-then asserts on what the widgets hold and on the state, never on timing.
+Each test drains the job screen's queue itself (``app.job.drain()``) instead of waiting for the
+frame timer, then asserts on what the widgets hold and on the state, never on timing.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from torchtop.protocol import (
     Sample,
 )
 from torchtop.streams.source import Sink, Source, SourceConnected, SourceDisconnected
-from torchtop.tui.app import HelpScreen, QuitScreen, TorchtopApp
+from torchtop.tui.app import TorchtopApp
+from torchtop.tui.screens.help import HelpScreen
+from torchtop.tui.screens.quit import QuitScreen
 from torchtop.tui.widgets.chart import TimeSeriesChart
 from torchtop.tui.widgets.device import DevicePanel
 from torchtop.tui.widgets.header import JobHeader
@@ -162,35 +164,35 @@ def static_text(widget: Static) -> str:
 
 
 def header_text(app: TorchtopApp) -> str:
-    return static_text(app.query_one(JobHeader))
+    return static_text(app.job.query_one(JobHeader))
 
 
 def memory_text(app: TorchtopApp) -> str:
-    panel = app.query_one(MemoryPanel)
+    panel = app.job.query_one(MemoryPanel)
     return static_text(panel.query_one("#memory-figures", Static))
 
 
 def chart_text(app: TorchtopApp) -> str:
-    return app.query_one(TimeSeriesChart).render_text().plain
+    return app.job.query_one(TimeSeriesChart).render_text().plain
 
 
 def device_text(app: TorchtopApp) -> str:
-    return static_text(app.query_one(DevicePanel))
+    return static_text(app.job.query_one(DevicePanel))
 
 
 def host_text(app: TorchtopApp) -> str:
-    return static_text(app.query_one(HostPanel))
+    return static_text(app.job.query_one(HostPanel))
 
 
 def log_text(app: TorchtopApp) -> list[str]:
-    return [strip.text.rstrip() for strip in app.query_one(LogPanel).lines]
+    return [strip.text.rstrip() for strip in app.job.query_one(LogPanel).lines]
 
 
 async def drained(pilot: Pilot[int]) -> None:
     """Apply everything the source delivered, and let the screen settle."""
     app = pilot.app
     assert isinstance(app, TorchtopApp)
-    app.drain()
+    app.job.drain()
     await pilot.pause()
 
 
@@ -249,12 +251,12 @@ async def test_cuda_memory_figures_and_chart() -> None:
         assert "retries 1" in figures
         assert "OOMs 0" in figures
         assert "device 61.0/141.0 GiB" in figures
-        assert app.query_one(MemoryPanel).border_title == " Memory · cuda:0 "
+        assert app.job.query_one(MemoryPanel).border_title == " Memory · cuda:0 "
         chart = chart_text(app)
         assert any(0x2800 < ord(c) < 0x2900 for c in chart), chart
         phase_row = chart.splitlines()[-1]
         assert "repeat" in phase_row and "broadcast" in phase_row and "◆" in phase_row
-        assert app.state.primary_device == "cuda:0"
+        assert app.job.state.primary_device == "cuda:0"
 
 
 @pilot_test
@@ -266,7 +268,7 @@ async def test_cpu_memory_is_labelled_heap_and_rss() -> None:
         assert "heap 382 MiB" in figures
         assert "RSS 858 MiB" in figures
         assert "allocated" not in figures and "retries" not in figures
-        assert app.query_one(MemoryPanel).border_title == " Memory · cpu "
+        assert app.job.query_one(MemoryPanel).border_title == " Memory · cpu "
 
 
 @pilot_test
@@ -286,7 +288,7 @@ async def test_device_panel_shows_a_line_per_gpu() -> None:
         text = device_text(app)
         assert "GPU0" in text and "97%" in text and "61.0/141.0 GiB" in text
         assert "66°C" in text and "412 W" in text and "1980 MHz" in text
-        app.sink(GpuSample(T0 + 40, [GpuStats(0, "NVIDIA H200", lost=True)]))
+        app.job.sink(GpuSample(T0 + 40, [GpuStats(0, "NVIDIA H200", lost=True)]))
         await drained(pilot)
         assert "lost" in device_text(app)
         # Matched to the job's CUDA devices: the job's first, saying which; the others marked.
@@ -294,7 +296,7 @@ async def test_device_panel_shows_a_line_per_gpu() -> None:
             GpuStats(3, "NVIDIA H200", 88.0, cuda_device="cuda:0", in_job=True),
             GpuStats(0, "NVIDIA H200", 12.0, in_job=False),
         ]
-        app.sink(GpuSample(T0 + 41, matched))
+        app.job.sink(GpuSample(T0 + 41, matched))
         await drained(pilot)
         first, second = [line for line in device_text(app).splitlines() if "GPU" in line][:2]
         assert first.split()[:3] == ["GPU3", "cuda:0", "88%"], first
@@ -327,7 +329,7 @@ async def test_log_lines_appear_once_each() -> None:
         await drained(pilot)  # a frame with nothing new writes nothing
         assert log_text(app)[-1] == "100%"
         assert len(log_text(app)) == 3
-        assert app.query_one(LogPanel).border_title == " Log · 3 lines "
+        assert app.job.query_one(LogPanel).border_title == " Log · 3 lines "
 
 
 @pilot_test
@@ -344,7 +346,7 @@ async def test_redraws_only_when_the_state_changed() -> None:
     app = TorchtopApp(source)
     async with app.run_test(size=SIZE) as pilot:
         shown: list[int] = []
-        panel = app.query_one(MemoryPanel)
+        panel = app.job.query_one(MemoryPanel)
         original = panel.show_state
 
         def counting_show_state(state: JobModel, **kwargs: bool) -> None:
@@ -352,13 +354,13 @@ async def test_redraws_only_when_the_state_changed() -> None:
             original(state, **kwargs)
 
         panel.show_state = counting_show_state  # type: ignore[method-assign]
-        app.drain()
-        app.drain()
+        app.job.drain()
+        app.job.drain()
         assert shown == []
         source.deliver()
-        app.drain()
-        app.drain()
-        assert shown == [app.state.version]
+        app.job.drain()
+        app.job.drain()
+        assert shown == [app.job.state.version]
         await pilot.pause()
 
 
@@ -375,7 +377,7 @@ async def test_job_exit_keeps_the_viewer_open_with_the_exit_code() -> None:
         await drained(pilot)
         await pilot.pause()
         assert app.is_running
-        assert app.state.job_ended and app.state.exit_code == 1
+        assert app.job.state.job_ended and app.job.state.exit_code == 1
         assert "ended · exit 1" in header_text(app)
         # The final figures stay on screen.
         assert "allocated 4.00 GiB" in memory_text(app)
@@ -393,7 +395,7 @@ async def test_disconnect_without_exit_shows_lost_and_keeps_the_data() -> None:
         assert "connection lost" in header
         assert "job killed?" in header
         assert "connection reset by peer" in header
-        assert app.state.lost
+        assert app.job.state.lost
         assert "allocated 4.00 GiB" in memory_text(app)
         assert len(log_text(app)) == 2
 
@@ -489,15 +491,15 @@ async def test_l_toggles_the_full_height_log() -> None:
     app = TorchtopApp(FakeSource(cuda_job()))
     async with app.run_test(size=SIZE) as pilot:
         await drained(pilot)
-        log = app.query_one(LogPanel)
+        log = app.job.query_one(LogPanel)
         normal_height = log.size.height
         await pilot.press("l")
         await pilot.pause()
-        assert not app.query_one(MemoryPanel).display
+        assert not app.job.query_one(MemoryPanel).display
         assert log.size.height > normal_height
         await pilot.press("l")
         await pilot.pause()
-        assert app.query_one(MemoryPanel).display
+        assert app.job.query_one(MemoryPanel).display
         assert log.size.height == normal_height
 
 

@@ -172,7 +172,7 @@ def test_viewer_shows_markup_and_escapes_as_text(keys: list[str]) -> None:
     async def scenario() -> str:
         app = TorchtopApp(FakeSource(messages, mode="replay"), title=_hostile("train.py"))
         async with app.run_test(size=(160, 50)) as pilot:
-            app.drain()
+            app.job.drain()
             await pilot.pause()
             for key in keys:
                 await pilot.press(key)
@@ -196,7 +196,7 @@ def test_a_snapshots_notification_quotes_its_path_as_text() -> None:
     async def scenario() -> list[str]:
         app = TorchtopApp(FakeSource(messages, mode="replay"))
         async with app.run_test(size=(160, 50), notifications=True) as pilot:
-            app.drain()
+            app.job.drain()
             await pilot.pause()
             return [str(n.message) for n in app._notifications]
 
@@ -209,7 +209,8 @@ def test_run_view_rows_show_markup_as_text() -> None:
     from textual.widgets import DataTable
 
     from tests.test_nodes_view import TwoNodes, hello
-    from torchtop.tui.run_view import RunView
+    from torchtop.streams.sources import attach_rank
+    from torchtop.tui.app import TorchtopApp
 
     run = TwoNodes()
     node = _hostile("b")
@@ -217,10 +218,10 @@ def test_run_view_rows_show_markup_as_text() -> None:
     run.feed("b/100", hello(1, 100, "b"), node=node)
 
     async def drive() -> list[list[str]]:
-        app = RunView(run, title=_hostile("run"))
+        app = TorchtopApp.for_run(run, _hostile("run"), open_rank=attach_rank)
         async with app.run_test(size=(300, 30)) as pilot:
             await pilot.pause(0.6)
-            table: DataTable[Any] = app.query_one("#ranks", DataTable)
+            table: DataTable[Any] = app.run_screen.query_one("#ranks", DataTable)
             return [list(map(str, table.get_row_at(i))) for i in range(table.row_count)]
 
     cells = [cell for row in asyncio.run(drive()) for cell in row]
@@ -231,15 +232,15 @@ def test_run_view_rows_show_markup_as_text() -> None:
 def test_the_picker_lists_another_jobs_command_as_text(runtime_dir: Path) -> None:
     from textual.widgets import OptionList
 
-    from torchtop.tui.picker import AgentPicker
+    from torchtop.tui.app import TorchtopApp
 
     argv = ["train.py", *MARKUP, TITLE]
 
     async def shown() -> str:
-        app = AgentPicker()
+        app = TorchtopApp.picker()
         async with app.run_test(size=(200, 10)) as pilot:
             await pilot.pause()
-            return str(app.query_one(OptionList).get_option_at_index(0).prompt)
+            return str(app.screen.query_one(OptionList).get_option_at_index(0).prompt)
 
     with _fake_agent(runtime_dir, argv, {}):
         prompt = asyncio.run(shown())

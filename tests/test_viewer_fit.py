@@ -50,7 +50,7 @@ async def _following_log() -> AsyncIterator[tuple[Pilot[int], FakeSource, LogPan
     """The viewer with 60 lines in its log, following its end."""
     source = FakeSource(cuda_job())
     async with running(source) as (app, pilot):
-        log = app.query_one(LogPanel)
+        log = app.job.query_one(LogPanel)
         source.deliver(_lines(0, 60))
         await drained(pilot)
         assert await _at_end(pilot, log)
@@ -104,7 +104,7 @@ async def test_the_step_time_chart_fits_seconds_long_steps_with_millisecond_wait
         total += 5
         frames.append(steps_frame(T0 + 5 * (k + 1), total, list(durations), wait=0.002))
     async with running([*cuda_job(), *frames], size=(120, 40)) as (app, _pilot):
-        chart = app.query_one(StepTimeChart)
+        chart = app.job.query_one(StepTimeChart)
         rows = chart.render_text().plain.splitlines()
         top = rows[0][: AXIS_WIDTH - 1].strip()
         assert top == "2s", rows[0]
@@ -154,7 +154,7 @@ async def _toasts_cover_no_data(pilot: Pilot[int]) -> list[Region]:
         toasts = [toast.region for toast in app.screen.query(Toast)]
         if toasts and all(_inside(toast, app.size) for toast in toasts):
             break
-    panels = [app.query_one(kind).region for kind in DATA_PANELS]
+    panels = [app.job.query_one(kind).region for kind in DATA_PANELS]
     assert all(region.area for region in panels)  # each panel is on screen
     for toast in toasts:
         assert _inside(toast, app.size) and toast.height == 1, toast
@@ -180,12 +180,12 @@ async def test_notifications_cover_no_panel_s_rows_at_80x24() -> None:
 
 
 def _figures(app: TorchtopApp) -> str:
-    return static_text(app.query_one(MemoryPanel).query_one("#memory-figures", Static))
+    return static_text(app.job.query_one(MemoryPanel).query_one("#memory-figures", Static))
 
 
 def _figure_lines(app: TorchtopApp) -> tuple[list[str], int]:
     """The memory figures' lines as written (before the panel cuts them), and its width."""
-    figures = app.query_one(MemoryPanel).query_one("#memory-figures", Static)
+    figures = app.job.query_one(MemoryPanel).query_one("#memory-figures", Static)
     content = figures.visual
     assert isinstance(content, Content | Text)
     return content.plain.splitlines(), figures.content_region.width

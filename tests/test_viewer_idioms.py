@@ -17,7 +17,8 @@ from textual.pilot import Pilot
 from textual.widgets import Input
 
 from torchtop.protocol import LogLine, Message
-from torchtop.tui.app import HIGH_CONTRAST, HelpScreen, TorchtopApp
+from torchtop.tui.app import HIGH_CONTRAST, TorchtopApp
+from torchtop.tui.screens.help import HelpScreen
 from torchtop.tui.settings import load_settings, settings_path
 from torchtop.tui.widgets.chart import AXIS_WIDTH, TimeSeriesChart
 from torchtop.tui.widgets.host import HostPanel
@@ -73,8 +74,8 @@ async def test_the_palette_offers_every_key_s_action_and_runs_one() -> None:
             assert action.title in titles
         assert {"Stop the job and quit", "Detach"}.isdisjoint(titles)  # not ours to stop
         await palette_choose(pilot, "by calls")
-        panel = app.query_one(OpsPanel)
-        assert "ops-only" in app.query_one("#body").classes  # shown for the order to be seen
+        panel = app.job.query_one(OpsPanel)
+        assert "ops-only" in app.job.query_one("#body").classes  # shown for the order to be seen
         assert panel.sort == "calls"
 
 
@@ -85,7 +86,7 @@ async def test_letters_typed_into_the_palette_are_not_keys() -> None:
         await pilot.press(*"quit l e")
         await pilot.pause()
         assert app.is_running and isinstance(app.screen, CommandPalette)
-        assert "log-only" not in app.query_one("#body").classes
+        assert "log-only" not in app.job.query_one("#body").classes
 
 
 # -- themes --------------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ async def test_a_click_on_an_ops_heading_sorts_by_it() -> None:
     async with running(ops_job(window())) as (app, pilot):
         await pilot.press("t")
         await pilot.pause()
-        panel = app.query_one(OpsPanel)
+        panel = app.job.query_one(OpsPanel)
         table = table_of(app)
         assert panel.sort == "self"
         for label, sort in (("calls", "calls"), ("avg", "avg"), ("self", "self")):
@@ -153,7 +154,7 @@ def log_lines(count: int) -> list[Message]:
 @pilot_test
 async def test_the_wheel_scrolls_the_log_back_and_it_stops_following() -> None:
     async with running([*cuda_job(), *log_lines(60)]) as (app, pilot):
-        log = app.query_one(LogPanel)
+        log = app.job.query_one(LogPanel)
         assert log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
         x, y = log.region.x + 2, log.region.y + 1
         for _ in range(3):
@@ -162,7 +163,7 @@ async def test_the_wheel_scrolls_the_log_back_and_it_stops_following() -> None:
         assert log.scroll_y < log.max_scroll_y
         assert not log.following
         top = log.scroll_y
-        app.source.deliver(log_lines(1))  # type: ignore[attr-defined]
+        app.job.source.deliver(log_lines(1))  # type: ignore[attr-defined]
         await drained(pilot)
         assert log.scroll_y == top  # the reader's place is kept
 
@@ -189,7 +190,7 @@ async def test_a_click_on_the_memory_chart_reads_the_values_at_that_time() -> No
         *(sample(T0 + i / 10, (1 if i < 150 else 3) * GiB) for i in range(300)),
     ]
     async with running(job) as (app, pilot):
-        chart = app.query_one(MemoryPanel).query_one(TimeSeriesChart)
+        chart = app.job.query_one(MemoryPanel).query_one(TimeSeriesChart)
         plot_width = chart.content_region.width - AXIS_WIDTH
         span = chart.t_end - chart.t_start
         assert "allocated" not in _top_line(chart)

@@ -33,7 +33,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Static
 
-import torchtop.tui.app as app_module
+import torchtop.tui.screens.job as app_module
 import torchtop.tui.widgets.memory as memory_module
 from torchtop.model.job import LogEntry
 from torchtop.protocol import LogLine, MemoryStats, Message, Sample
@@ -83,14 +83,14 @@ def sample(t: float, allocated: int) -> Sample:
 async def test_a_panel_whose_data_did_not_change_is_not_redrawn() -> None:
     source = FakeSource(cuda_job(), deliver_on_start=True)
     async with running(source) as (app, pilot):
-        host = app.query_one(HostPanel)
-        device = app.query_one(DevicePanel)
-        figures = app.query_one(MemoryPanel).query_one("#memory-figures")
+        host = app.job.query_one(HostPanel)
+        device = app.job.query_one(DevicePanel)
+        figures = app.job.query_one(MemoryPanel).query_one("#memory-figures")
         with counting_refreshes(host, device, figures) as counts:
             # New memory figures, the same host readings and no new GPU reading.
             end = T0 + 30
             for i in range(5):
-                app.sink(sample(end + i / 10, 9 * GiB + i))
+                app.job.sink(sample(end + i / 10, 9 * GiB + i))
             await drained(pilot)
         assert counts[figures] >= 1  # what changed is drawn
         assert counts[host] == 0
@@ -100,13 +100,13 @@ async def test_a_panel_whose_data_did_not_change_is_not_redrawn() -> None:
 @pilot_test
 async def test_a_flat_series_a_moment_later_does_not_redraw_the_chart() -> None:
     async with running(cuda_job()) as (app, pilot):
-        chart = app.query_one(MemoryPanel).query_one(TimeSeriesChart)
-        last = app.state.primary_memory
+        chart = app.job.query_one(MemoryPanel).query_one(TimeSeriesChart)
+        last = app.job.state.primary_memory
         assert last is not None
         allocated = last.latest.allocated_bytes
         with counting_refreshes(chart) as counts:
             # The same value 10 ms later: the chart looks the same.
-            app.sink(sample(T0 + 29.9 + 0.01, allocated))
+            app.job.sink(sample(T0 + 29.9 + 0.01, allocated))
             await drained(pilot)
         assert counts[chart] == 0
 
@@ -115,18 +115,18 @@ async def test_a_flat_series_a_moment_later_does_not_redraw_the_chart() -> None:
 async def test_data_from_the_source_thread_reaches_the_screen_without_a_tick() -> None:
     source = FakeSource(cuda_job(), deliver_on_start=True)
     async with running(source) as (app, pilot):
-        frames = getattr(app, "frames", 0)
+        frames = getattr(app.job, "frames", 0)
         line = LogLine(T0 + 31, "stdout", "new line from the job")
-        feeder = threading.Thread(target=app.sink, args=(line,))
+        feeder = threading.Thread(target=app.job.sink, args=(line,))
         feeder.start()
         feeder.join()
         # No drain from the test: the delivery itself asks for a frame.
         for _ in range(200):
             await pilot.pause()
-            if getattr(app, "frames", 0) > frames:
+            if getattr(app.job, "frames", 0) > frames:
                 break
         await pilot.pause()
-        assert getattr(app, "frames", 0) == frames + 1
+        assert getattr(app.job, "frames", 0) == frames + 1
         assert log_text(app)[-1].endswith("new line from the job")
 
 
@@ -136,7 +136,7 @@ async def fed_one_by_one(pilot: Pilot[int], messages: list[Message]) -> None:
     app = pilot.app
     assert isinstance(app, TorchtopApp)
     for message in messages:
-        app.sink(message)
+        app.job.sink(message)
         await pilot.pause()
 
 
@@ -150,17 +150,17 @@ async def test_an_idle_job_draws_a_frame_every_two_seconds() -> None:
     async with running(cuda_job()) as (app, pilot):
         start = T0 + 31
         await fed_one_by_one(pilot, [sample(start - 0.1, 9 * GiB)])
-        frames, applied = app.frames, app.state.samples
-        chart = app.query_one(MemoryPanel).query_one(TimeSeriesChart)
-        host = app.query_one(HostPanel)
-        with counting_refreshes(chart, host, app.query_one(JobHeader)) as counts:
+        frames, applied = app.job.frames, app.job.state.samples
+        chart = app.job.query_one(MemoryPanel).query_one(TimeSeriesChart)
+        host = app.job.query_one(HostPanel)
+        with counting_refreshes(chart, host, app.job.query_one(JobHeader)) as counts:
             await fed_one_by_one(pilot, idle_samples(start, 100))  # 10 s of the job's time
         # 100 samples, a frame for each two seconds of the job's time (the uptime moves, as
         # nvitop's does by default), and the chart and host figures redrawn at most as often.
-        assert 4 <= app.frames - frames <= 6
+        assert 4 <= app.job.frames - frames <= 6
         assert all(count <= 6 for count in counts.values()), counts
         await drained(pilot)
-        assert app.state.samples == applied + 100  # none lost: applied with the next frame
+        assert app.job.state.samples == applied + 100  # none lost: applied with the next frame
 
 
 @pilot_test
@@ -168,9 +168,9 @@ async def test_a_sample_that_changes_a_figure_is_drawn_at_once() -> None:
     async with running(cuda_job()) as (app, pilot):
         start = T0 + 31
         await fed_one_by_one(pilot, idle_samples(start, 3))
-        frames = app.frames
+        frames = app.job.frames
         await fed_one_by_one(pilot, [sample(start + 0.3, 11 * GiB)])
-        assert app.frames == frames + 1
+        assert app.job.frames == frames + 1
         assert "11.0 GiB" in memory_text(app)
 
 
@@ -192,7 +192,7 @@ async def test_new_figures_and_log_lines_do_not_lay_the_screen_out_again() -> No
 @pilot_test
 async def test_the_hidden_ops_panel_is_not_redrawn() -> None:
     async with running(cuda_job()) as (app, pilot):
-        panel = app.query_one(OpsPanel)
+        panel = app.job.query_one(OpsPanel)
         with counting_calls("show_state", panel) as shown:
             samples = [sample(T0 + 31 + i, 9 * GiB + i * GiB) for i in range(3)]
             await fed_one_by_one(pilot, samples)
@@ -225,7 +225,7 @@ async def test_step_bars_fill_their_width_once_the_row_appears() -> None:
     # a second of the job's time, but a new size draws them at once.
     async with running(training_job(wait=0.05)) as (app, pilot):
         await pilot.pause()
-        bars = app.query_one(StepBars)
+        bars = app.job.query_one(StepBars)
         assert bars.size.width > 1
         assert len(bars.points) == bars.size.width
 
@@ -238,7 +238,7 @@ def _cells(strip: Strip) -> list[tuple[str, Style]]:
 @pilot_test
 async def test_plain_log_lines_are_drawn_without_rich_and_look_the_same() -> None:
     async with running(cuda_job()) as (app, pilot):
-        log = app.query_one(LogPanel)
+        log = app.job.query_one(LogPanel)
         width = log.scrollable_content_region.width
         plain = [LogLine(T0 + 31, "stdout", f"step {i} loss 0.{i:04d}") for i in range(40)]
         plain.append(LogLine(T0 + 31, "stderr", "UserWarning: in yellow"))
@@ -268,14 +268,14 @@ async def test_the_steps_row_is_redrawn_once_a_second_of_the_job_s_time() -> Non
     # A fast job's counter and rates move at every step: drawn as often, they cost a chatty
     # job's viewer a frame's worth of drawing each time for a figure the eye cannot follow.
     async with running(training_job(wait=0.01)) as (app, pilot):
-        steps = app.query_one(StepPanel)
-        total = app.state.training.total
+        steps = app.job.query_one(StepPanel)
+        total = app.job.state.training.total
         frames = [
             steps_frame(T0 + 30 + (i + 1) / 20, total + 5 * (i + 1), [0.01] * 5) for i in range(40)
         ]
         with counting_calls("show_state", steps) as shown:
             await fed_one_by_one(pilot, frames)  # 2 s of the job's time, a frame each
-        assert app.frames >= 40
+        assert app.job.frames >= 40
         assert 1 <= shown[steps] <= 3
         await fed_one_by_one(pilot, [sample(T0 + 33, 9 * GiB)])  # a second later: drawn
         assert f"{total + 200:,}" in static_text(steps.query_one("#step-figures", Static))
@@ -290,9 +290,9 @@ def test_costly_frames_make_the_next_ones_wait_for_the_budget(
     app = TorchtopApp(FakeSource([]))
 
     def frame(spent: float) -> float:
-        app._last_frame_cpu = time.thread_time() - spent
-        app._pace()
-        return app.frame_gap_s
+        app.job._last_frame_cpu = time.thread_time() - spent
+        app.job._pace()
+        return app.job.frame_gap_s
 
     assert 0.125 <= frame(0.005) < 0.135  # a frame that cost 5 ms: the next waits 5 ms / 4%
     assert 0.1 <= min(frame(0.0) for _ in range(20)) < 0.11  # cheap frames: the shortest gap
@@ -323,18 +323,18 @@ async def test_frames_that_change_no_figure_do_not_build_the_memory_figures(
         built.clear()
         lines = [LogLine(T0 + 31 + i / 10, "stdout", f"line {i}") for i in range(10)]
         await fed_one_by_one(pilot, lines)
-        assert app.frames >= 10 and built == []
+        assert app.job.frames >= 10 and built == []
         await fed_one_by_one(pilot, [sample(T0 + 32, 11 * GiB)])
         assert len(built) == 1 and "11.0 GiB" in memory_text(app)
         # A chatty job's frames each bring a sample; those whose figures read the same as the
         # last build nothing.
-        frames = app.frames
+        frames = app.job.frames
         chatty: list[Message] = []
         for i in range(5):
             t = T0 + 32.1 + i / 10
             chatty += [sample(t, 11 * GiB + i), LogLine(t, "stdout", f"more {i}")]
         await fed_one_by_one(pilot, chatty)
-        assert app.frames >= frames + 5 and app.state.samples >= 6
+        assert app.job.frames >= frames + 5 and app.job.state.samples >= 6
         assert len(built) == 1
         await fed_one_by_one(pilot, [sample(T0 + 33, 11 * GiB + 200 * 2**20)])
         assert len(built) == 2 and "11.2 GiB" in memory_text(app)

@@ -18,9 +18,9 @@ from torchtop.commands.core import (
     print_exit_summary,
     require_terminal,
     run_app,
+    view_run,
 )
 from torchtop.commands.ps import by_run, launchers_of_runs
-from torchtop.commands.view import view_run
 from torchtop.text import printable
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     require_terminal(f"torchtop attach {args.pid or 'PID'} --headless --record FILE")
     info = _attach_target(args, ask=not args.yes)
     from torchtop.streams.recording import RecordingError, RecordingWriter
-    from torchtop.streams.sources import LiveSource, pick_agent_interactively
+    from torchtop.streams.sources import LiveSource
     from torchtop.tui.app import TorchtopApp
 
     if isinstance(info, _RunOfRanks):
@@ -177,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
             run.stop_job()  # detach: the job runs on
         return 0
     if info is None:
-        info = pick_agent_interactively()
+        picker = TorchtopApp.picker()  # the running agents offered; None if cancelled
+        picker.run()
+        info = picker.picked
         if info is None:
             return 0
     try:
@@ -193,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     source = LiveSource(info.address, writer=writer, lines=_left_running_lines(info.pid))
     app = TorchtopApp(source, title=info.command)
     code = run_app(app)
-    print_exit_summary(_attached_end(app.state, info.pid, args.record))
+    print_exit_summary(_attached_end(app.job.state, info.pid, args.record))
     return code
 
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from textual.app import App
 
     from torchtop.report.exit_summary import JobEnd
+    from torchtop.streams.runs import RunFold
 
 
 EXIT_USAGE = 2
@@ -288,3 +289,12 @@ def print_exit_summary(end: JobEnd) -> None:
 
     for line in exit_summary(end):
         print(line, file=sys.stderr)
+
+
+def view_run(run: RunFold, title: str) -> None:
+    """The view of a run's ranks until it quits; ``enter`` on a rank opens that rank's full
+    screens (a job screen on its agent), whose ``q`` comes back to the run."""
+    from torchtop.streams.sources import attach_rank
+    from torchtop.tui.app import TorchtopApp
+
+    run_app(TorchtopApp.for_run(run, title, open_rank=attach_rank))

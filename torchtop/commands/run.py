@@ -20,9 +20,9 @@ from torchtop.commands.core import (
     print_exit_summary,
     require_terminal,
     run_app,
+    view_run,
 )
 from torchtop.commands.export import start_exporter
-from torchtop.commands.view import view_run
 
 if TYPE_CHECKING:
     from torchtop.streams.runner import RunSpec

@@ -25,7 +25,7 @@ from torchtop.streams.source import (
     SourceSilent,
     SourceStatus,
 )
-from torchtop.transport import AgentInfo
+from torchtop.transport import find_agent
 
 
 class JobLines:
@@ -447,9 +447,12 @@ def _request(feed: AgentFeed | None, action: str) -> bool:
     return feed.send(Request(action=action, id=next(_request_ids)))
 
 
-def pick_agent_interactively() -> AgentInfo | None:
-    """Offer the running agents in a small picker; None if the user cancels."""
-    from torchtop.tui.picker import AgentPicker
-
-    result = AgentPicker().run()
-    return result if isinstance(result, AgentInfo) else None
+def attach_rank(run: RunFold, pid: int) -> tuple[Source, str] | None:
+    """A source on rank ``pid``'s agent and the title of its screen; None if its agent is
+    gone. A run torchtop launched has its ranks' output (their agents do not send it)."""
+    info = find_agent(pid)
+    if info is None:
+        return None
+    rank = info.identity.get("rank")
+    lines = RankLines(run, rank) if isinstance(rank, int) and not run.rank_lines else None
+    return LiveSource(info.address, lines=lines), f"rank {rank}: {info.command}"

@@ -15,10 +15,13 @@ import gc
 
 #: Allocations (less deallocations) between two collections of the youngest generation.
 YOUNG_THRESHOLD = 10_000
+#: The heap settled now, if any: a screen opened over another (a rank's over its run's) finds
+#: the heap settled already, and leaves it to the screen that settled it.
+_settled: SettledHeap | None = None
 
 
 class SettledHeap:
-    """From an app's mount (:meth:`settle`) to its end (:meth:`release`)."""
+    """From a screen's mount (:meth:`settle`) to its end (:meth:`release`); one at a time."""
 
     def __init__(self) -> None:
         self._threshold: tuple[int, int, int] | None = None
@@ -26,8 +29,10 @@ class SettledHeap:
     def settle(self) -> None:
         """Freeze what exists now (it lives as long as the app) and raise the youngest
         generation's threshold."""
-        if self._threshold is not None:
+        global _settled
+        if self._threshold is not None or _settled is not None:
             return
+        _settled = self
         self._threshold = gc.get_threshold()
         young, middle, old = self._threshold
         gc.freeze()
@@ -37,8 +42,10 @@ class SettledHeap:
         """The app has ended: its objects (and start-up's) are collected as usual again, so a
         process that runs another app after it (the run view, then a rank's screens; a test
         suite) keeps none of them."""
+        global _settled
         if self._threshold is None:
             return
         gc.unfreeze()
         gc.set_threshold(*self._threshold)
         self._threshold = None
+        _settled = None

@@ -1,12 +1,13 @@
-"""A small picker for ``torchtop attach`` when several agents are running."""
+"""The picker ``torchtop attach`` offers when several agents are running."""
 
 from __future__ import annotations
 
 import time
 
 from rich.text import Text
-from textual.app import App, ComposeResult
+from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.screen import Screen
 from textual.widgets import Footer, Header, OptionList
 from textual.widgets.option_list import Option
 
@@ -25,15 +26,22 @@ def describe(agent: AgentInfo) -> str:
     return printable(f"{agent.pid:>8}  {started}{rank}  {agent.command}", one_line=True)
 
 
-class AgentPicker(App[AgentInfo | None]):
-    """Lists the running agents; enter attaches to the highlighted one, q cancels."""
+class PickerScreen(Screen[None]):
+    """Lists the running agents; enter chooses the highlighted one (:attr:`chosen`) and quits,
+    q cancels."""
 
     TITLE = "torchtop: choose a job to attach to"
-    BINDINGS = [Binding("q,escape", "cancel", "cancel")]
+    BINDINGS = [
+        Binding("q,escape", "cancel", "cancel"),
+        # Textual's own: ctrl+c says how to quit (the job screen's ctrl+c is off here).
+        Binding("ctrl+c", "app.help_quit", show=False, system=True),
+    ]
 
     def __init__(self) -> None:
         super().__init__()
         self.agents = list_agents()
+        #: The agent chosen (``None``: none yet, or cancelled).
+        self.chosen: AgentInfo | None = None
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -44,7 +52,8 @@ class AgentPicker(App[AgentInfo | None]):
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         chosen = next(a for a in self.agents if str(a.pid) == event.option.id)
-        self.exit(chosen)
+        self.chosen = chosen
+        self.app.exit(0)
 
     def action_cancel(self) -> None:
-        self.exit(None)
+        self.app.exit(0)

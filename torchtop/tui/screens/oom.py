@@ -205,7 +205,7 @@ class OomScreen(Screen[None]):
     """One capture, explained. ``on_close(entry)`` runs when the user closes the screen (the app
     then resumes a job held at a failure); ``on_resume(held)`` on ``r``."""
 
-    CSS_PATH = "oom_screen.tcss"
+    CSS_PATH = "oom.tcss"
     BINDINGS = [
         Binding("escape", "close", "Close"),
         Binding("o", "close", "Close", show=False),

@@ -8,20 +8,23 @@ step time over the last minute (:class:`RankStepChart`) and the job's output, ea
 behind its rank's prefix (``[rank2]:``, as ``torchrun --tee`` shows them). It reads the
 :class:`~torchtop.model.run.RunModel` that :class:`~torchtop.streams.runs.RunFold` folds, four
 times a second, and redraws only when something arrived. ``enter`` on a rank's row opens that rank's
-full screens (the single-process viewer attached to its agent; its ``q`` comes back here; a
-rank of another node says where to open it); ``q`` stops the job (the launcher stops its
-ranks) and quits.
+full screens (a job screen attached to its agent, pushed over this one: its ``q`` comes back
+here, to the run as it was; a rank of another node says where to open it); ``q`` stops the job
+(the launcher stops its ranks) and quits.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 from rich.text import Text
-from textual.app import App, ComposeResult
+from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.coordinate import Coordinate
+from textual.screen import Screen
+from textual.timer import Timer
 from textual.widget import Widget
 from textual.widgets import DataTable, Footer, RichLog, Static
 
@@ -31,12 +34,17 @@ from torchtop.sizes import format_bytes
 from torchtop.text import printable
 from torchtop.tui.format import format_seconds_short, format_span
 from torchtop.tui.heap import SettledHeap
+from torchtop.tui.screens.job import JobScreen
 from torchtop.tui.widgets.chart import AXIS_WIDTH, ChartSeries, render_chart
 from torchtop.tui.widgets.steps import series_top
 
 if TYPE_CHECKING:
     from torchtop.model import JobModel
     from torchtop.streams.runs import RunFold
+    from torchtop.streams.source import Source
+
+#: Gives a rank's source and title, from its run and pid (None: the rank cannot be reached).
+RankOpener = Callable[["RunFold", int], "tuple[Source, str] | None"]
 
 #: Seconds between two looks at what arrived, and the least between two redraws of the table.
 REFRESH_S = 0.25
@@ -234,24 +242,29 @@ def rank_row(
     )
 
 
-class RunView(App[int]):
-    """Every rank of one run, side by side, while the job runs."""
+class RunScreen(Screen[None]):
+    """Every rank of one run, side by side, while the job runs. ``open_rank(run, pid)`` gives
+    the source of the rank ``enter`` opens, and its title (:func:`attach_rank`)."""
 
-    CSS_PATH = "run_view.tcss"
-    TITLE = "torchtop"
+    CSS_PATH = "run.tcss"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("q", "stop", "quit"),
         Binding("enter", "open_rank", "open the rank"),
+        # Textual's own: ctrl+c says how to quit (the job screen's ctrl+c is off here).
+        Binding("ctrl+c", "app.help_quit", show=False, system=True),
     ]
 
-    def __init__(self, run: RunFold, title: str) -> None:
+    def __init__(self, run: RunFold, title: str, *, open_rank: RankOpener) -> None:
         super().__init__()
         self.run_ = run
         self.sub_title = printable(title, one_line=True)  # a run's id: not ours
+        self._open_rank = open_rank
         self._logged = 0
         self._drawn = -1
-        #: The pid of the rank to open once this view has closed (``None``: quit).
+        #: The pid of the rank last opened (``None``: none yet).
         self.open_pid: int | None = None
+        #: Looks at what arrived; paused while a rank's screen is over this one.
+        self._refresh_timer: Timer | None = None
         #: Each rank's row as drawn, by stream; when the table was last drawn.
         self._rows: dict[str, tuple[str, ...]] = {}
         self._table_at = 0.0
@@ -277,11 +290,22 @@ class RunView(App[int]):
             table.add_column(column, key=column)
         if not self.run_.started:
             self.run_.start()
-        self.set_interval(REFRESH_S, self.refresh_run)
+        self._refresh_timer = self.set_interval(REFRESH_S, self.refresh_run)
         self._heap.settle()
 
     def on_unmount(self) -> None:
         self._heap.release()
+
+    def on_screen_suspend(self) -> None:
+        """A rank's screen is over this one: the run waits (its rank's lines still reach it)."""
+        if self._refresh_timer is not None:
+            self._refresh_timer.pause()
+
+    def on_screen_resume(self) -> None:
+        """Back from a rank's screen: what arrived meanwhile is drawn at once."""
+        if self._refresh_timer is not None:
+            self._refresh_timer.resume()
+            self.refresh_run()
 
     def refresh_run(self) -> None:
         run = self.run_
@@ -402,12 +426,16 @@ class RunView(App[int]):
         stream = table.coordinate_to_cell_key(Coordinate(table.cursor_row, 0)).row_key.value
         elsewhere = self.run_.opens_elsewhere(stream or "")
         if elsewhere is not None:
-            self.notify(elsewhere, timeout=8, markup=False)  # it names a node
+            self.app.notify(elsewhere, timeout=8, markup=False)  # it names a node
             return
         pid = str(table.get_row_at(table.cursor_row)[self._columns.index("pid")])
-        if pid.isdigit():
-            self.open_pid = int(pid)
-            self.exit(0)
+        if not pid.isdigit():
+            return
+        self.open_pid = int(pid)
+        opened = self._open_rank(self.run_, int(pid))
+        if opened is not None:
+            source, title = opened
+            self.app.push_screen(JobScreen(source, title=title, opened_over=True))
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         self.action_open_rank()
@@ -415,4 +443,4 @@ class RunView(App[int]):
     def action_stop(self) -> None:
         if self.run_.running():
             self.run_.stop_job()
-        self.exit(0)
+        self.app.exit(0)

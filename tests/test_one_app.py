@@ -1,0 +1,127 @@
+"""The viewer is one app: ``enter`` on a rank's row in the run's view opens that rank's job
+screen in the same app, and its ``q`` comes back to the run as it was (the same model, the same
+rows, the log not written again); ``q`` on the run's view quits."""
+
+from __future__ import annotations
+
+from fakes.source import FakeSource
+from test_nodes_view import TwoNodes, hello, rows
+from test_tui_app import cuda_job, pilot_test, static_text
+from textual.widgets import DataTable, RichLog
+
+from torchtop.protocol import LogLine
+from torchtop.streams.runs import RunFold
+from torchtop.streams.source import Source
+from torchtop.tui.app import TorchtopApp
+from torchtop.tui.screens.help import HelpScreen
+from torchtop.tui.screens.job import JobScreen
+from torchtop.tui.screens.run import RunScreen
+from torchtop.tui.widgets.header import JobHeader
+
+SIZE = (160, 40)
+
+
+class Ranks:
+    """Opens a rank as ``attach_rank`` would, on a fake source of a CUDA job; records each."""
+
+    def __init__(self) -> None:
+        self.opened: list[int] = []
+        self.sources: list[FakeSource] = []
+
+    def __call__(self, run: RunFold, pid: int) -> tuple[Source, str]:
+        self.opened.append(pid)
+        source = FakeSource(cuda_job())
+        self.sources.append(source)
+        return source, f"rank {pid - 100}: train.py"
+
+
+def two_ranks() -> TwoNodes:
+    run = TwoNodes()
+    run.feed("100", hello(0, 100, "a"))
+    run.feed("101", hello(1, 101, "a"))
+    run.queue(None, LogLine(t=1.0, stream="stdout", text="[rank1]:hello from rank 1"))
+    return run
+
+
+@pilot_test
+async def test_a_rank_opens_in_the_same_app_and_q_comes_back_to_the_run_as_it_was() -> None:
+    run = two_ranks()
+    ranks = Ranks()
+    app = TorchtopApp.for_run(run, "run", open_rank=ranks)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(0.6)
+        assert pilot.app is app
+        the_app = id(app)
+        run_screen = app.screen
+        assert isinstance(run_screen, RunScreen) and run_screen is app.run_screen
+        model = run.model
+        table: DataTable[str] = run_screen.query_one("#ranks", DataTable)
+        shown = rows(table)
+        assert [r[:2] for r in shown] == [["0", "100"], ["1", "101"]]
+        log = run_screen.query_one("#run-log", RichLog)
+        logged = len(log.lines)
+        assert logged == 1
+
+        table.move_cursor(row=1)
+        await pilot.press("enter")
+        await pilot.pause()
+        # Rank 1's job screen, pushed over the run's in the same app: the job's keys act on it.
+        assert ranks.opened == [101]
+        job = app.screen
+        assert isinstance(job, JobScreen) and job.source is ranks.sources[0]
+        assert app.shown_job is job and app.screen_stack[-2] is run_screen
+        assert id(app) == the_app and app.is_running
+        job.drain()
+        await pilot.pause()
+        assert "train.py" in static_text(job.query_one(JobHeader))
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        await pilot.pause()
+
+        # Meanwhile the run goes on: what arrives is shown once back.
+        run.queue(None, LogLine(t=2.0, stream="stdout", text="[rank0]:while away"))
+        await pilot.press("q")
+        await pilot.pause(0.4)
+        assert app.screen is run_screen and id(app) == the_app and app.is_running
+        assert ranks.sources[0].called("close") and not ranks.sources[0].called("stop_job")
+        assert run.going  # coming back from a rank leaves the run running
+        assert run.model is model
+        assert run_screen.query_one("#ranks", DataTable) is table
+        assert [r[:3] for r in rows(table)] == [r[:3] for r in shown]
+        assert len(log.lines) == logged + 1  # the new line only: the log is not written again
+        assert run_screen.query_one("#run-log", RichLog) is log
+
+        # A second rank opens in the same app too.
+        table.move_cursor(row=0)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert ranks.opened == [101, 100] and isinstance(app.screen, JobScreen)
+        await pilot.press("q")
+        await pilot.pause()
+        assert app.screen is run_screen
+
+        # q on the run's view stops the job (the launcher's ranks) and quits.
+        await pilot.press("q")
+        await pilot.pause()
+    assert not app.is_running and not run.going
+    assert id(app) == the_app
+
+
+@pilot_test
+async def test_the_run_view_offers_none_of_the_job_s_keys() -> None:
+    """The job screen's keys (the app's bindings) are off on the run's view: its footer shows
+    its own two, and ? opens no help there."""
+    app = TorchtopApp.for_run(two_ranks(), "run", open_rank=Ranks())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(0.6)
+        keys = {key for key, active in app.screen.active_bindings.items() if active.enabled}
+        assert {"q", "enter"} <= keys
+        assert not {"l", "question_mark", "a", "t", "o", "m", "p", "escape"} & keys
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, RunScreen)
+        await pilot.press("q")
+        await pilot.pause()
+    assert not app.is_running
