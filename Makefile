@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # machines carry; on a GPU machine use e.g. `make TORCH=torch demo` for the CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup system-deps sshd demo test lint docs check bench gpu-check clean
+.PHONY: setup system-deps sshd demo test test-fast lint docs check bench gpu-check clean
 
 # The demo's venv: torch (the CPU file on a CPU machine), numpy (torch's wheel leaves it out, and
 # every job would start with "Failed to initialize NumPy"), and torchtop with its own requirements.
@@ -61,13 +61,20 @@ demo: $(VENV)/.demo
 WORKERS ?= 2
 # A test that fails is run once more, alone: one that fails again fails the run; one that then
 # passes is flaky (it shows as FAILED above, with why), to be fixed, not hidden.
+# The tests come in four folders, by what they need (tests/README.md): unit (in-process, a minute),
+# gpu (recorded GPU data, a fake NVML), viewer (Pilot, snapshots, tmux), processes (real jobs,
+# launchers, servers). `make test TESTS=tests/viewer` runs one; `make test-fast`, the quick two.
+TESTS ?= tests
 test: setup $(if $(filter true 1,$(CI)),system-deps)
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=15 || { \
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=15 $(TESTS) || { \
 	  echo "make: the tests that failed run once more, one at a time: failing again fails the run"; \
-	  $(BIN)/python -m pytest -q -p no:xdist --last-failed --last-failed-no-failures none; }
+	  $(BIN)/python -m pytest -q -p no:xdist --last-failed --last-failed-no-failures none $(TESTS); }
+
+test-fast:
+	$(MAKE) test TESTS="tests/unit tests/gpu"
 
 # Style, types, and the import rules between torchtop's packages ([tool.importlinter] in
-# pyproject.toml; the boundaries an import really crosses at run time are tests/test_boundaries.py).
+# pyproject.toml; what an import really loads at run time: tests/processes/test_boundaries.py).
 lint: setup
 	$(BIN)/ruff check torchtop demos tests benchmarks tools setup.py
 	$(BIN)/ruff format --check torchtop demos tests benchmarks tools setup.py

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SNAPSHOTS = ROOT / "tests" / "__snapshots__" / "test_snapshots"
+SNAPSHOTS = ROOT / "tests" / "viewer" / "__snapshots__" / "test_snapshots"
 PACKAGE = ROOT / "torchtop"
 #: Modules at the package root that are not shared ground: the package itself (the job's API),
 #: ``python -m torchtop``, and the command line while its verbs move to torchtop.commands.

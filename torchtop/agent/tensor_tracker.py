@@ -28,7 +28,7 @@ What it counts and what it does not:
 
 Cost: every operator goes through Python. On a loop of tiny CPU ops (``a + b`` on 16 floats,
 2 CPU cores) it measured 15 to 30 times slower than without the tracker: about 1.3 us an op
-without, 20 to 35 us with (``tests/test_tensor_tracker.py::test_overhead_is_reported`` prints
+without, 20 to 35 us with (``tests/unit/test_tensor_tracker.py::test_overhead_is_reported`` prints
 the figure). A third to a half of that is the dispatch mode itself, before any counting. On large
 tensors the per-op cost is lost in the kernel time. That is why it is opt-in and never on in a
 user's job: the demos run their timing pass without it and a separate pass with it for memory.

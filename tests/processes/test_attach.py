@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tests.conftest import SCRIPTS, torchtop
-from tests.test_tui_tmux import Terminal, terminal  # noqa: F401 - the tmux fixture
+from tests.viewer.test_tui_tmux import Terminal, terminal  # noqa: F401 - the tmux fixture
 from torchtop.attach import inject
 from torchtop.protocol import OpsWindow, ProbeStatus, Sample, StepStats
 from torchtop.streams.recording import read_recording
@@ -225,7 +225,7 @@ def test_refused_for_another_users_job(tmp_path: Path) -> None:
             [*AS_NOBODY, *ATTACH, str(target.pid), *HEADLESS_1S, "--record", record],
             capture_output=True,
             text=True,
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=Path(__file__).resolve().parents[2],
             env={**os.environ, "TORCHTOP_RUNTIME_DIR": runtime, "HOME": "/tmp"},
             timeout=120,
         )

@@ -88,7 +88,7 @@ def test_help_does_not_import_torch() -> None:
     assert "torch" not in imported and "textual" not in imported
 
 
-MODEL = Path(__file__).resolve().parent.parent / "torchtop" / "model"
+MODEL = Path(__file__).resolve().parents[2] / "torchtop" / "model"
 #: Standard library modules that read or write the world (files, sockets, processes, clocks).
 IO_MODULES = {
     "asyncio",
@@ -189,7 +189,7 @@ def test_nothing_torchtop_reads_is_unpickled_or_evaluated() -> None:
     """No unpickling, ``eval`` or ``exec`` anywhere in the package or its demos (the attach
     payload is a string run in the job, written by torchtop; the job's own script runs through
     ``runpy``, as ``python`` would run it)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     files = sorted([*(root / "torchtop").rglob("*.py"), *(root / "demos").rglob("*.py")])
     assert len(files) > 50
     found = [f for p in files for f in _calls_that_load_code(p.read_text(), str(p))]
@@ -199,7 +199,7 @@ def test_nothing_torchtop_reads_is_unpickled_or_evaluated() -> None:
     assert _calls_that_load_code(sample, "x") == ["x:3 pickle.load()", "x:4 eval()", "x:5 loads()"]
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "torchtop"
 
 

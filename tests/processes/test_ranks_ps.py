@@ -51,7 +51,7 @@ def test_ps_and_the_picker_show_rank_world_size_and_run(tmp_path: Path) -> None:
         by_rank = sorted(agents, key=lambda a: a.identity["rank"])
         assert [line.split()[0] for line in table[2:4]] == [str(a.pid) for a in by_rank]
         # A headless recording with no PID: it says the run's ranks are there and how to
-        # record one of them (the viewer opens the whole run: tests/test_ranks_view.py).
+        # record one of them (the viewer opens the whole run: tests/viewer/test_ranks_view.py).
         out = torchtop("attach", "--headless", "--record", str(tmp_path / "r.ttr"))
         assert out.returncode == 1
         (line,) = out.stderr.splitlines()

@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from tests.conftest import SCRIPTS
-from tests.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
+from tests.viewer.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     ClientHello,

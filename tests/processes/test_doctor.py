@@ -85,7 +85,7 @@ def test_ptrace_switched_off_names_the_way_that_still_works(tmp_path: Path) -> N
 
 @pytest.mark.skipif(sys.version_info >= (3, 14), reason="3.14 attaches without gdb")
 def test_a_gdb_that_cannot_call_into_processes_is_named(tmp_path: Path) -> None:
-    from tests.test_attach import XSTATE_OUTPUT
+    from tests.processes.test_attach import XSTATE_OUTPUT
     from torchtop.attach.inject import gdb_call_problem
 
     machine = Machine(

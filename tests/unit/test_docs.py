@@ -25,7 +25,7 @@ def test_the_readme_is_short_and_shows_the_viewer() -> None:
     for image in images:
         path = REPO / unquote(image)
         assert path.is_file(), image
-        assert path.is_relative_to(REPO / "tests" / "__snapshots__"), image
+        assert path.is_relative_to(REPO / "tests" / "viewer" / "__snapshots__"), image
     for section in ("## Install", "## Quick start", "## Commands", "## Keys", "## Documentation"):
         assert section in readme
 
@@ -114,3 +114,16 @@ def test_the_layout_page_is_generated() -> None:
     assert "<!-- torchtop:layout -->" in page
     assert "## torchtop.streams" in layout() and "- `relay.py`: " in layout()
     assert "<!--" not in on_page_markdown("<!-- torchtop:layout -->")
+
+
+def test_every_test_file_is_in_a_group_folder() -> None:
+    """Tests live in unit/, gpu/, viewer/ or processes/ (tests/README.md), so `make test
+    TESTS=tests/unit` runs exactly one group and nothing is left out of every group."""
+    tests = REPO / "tests"
+    groups = {"unit", "gpu", "viewer", "processes"}
+    loose = sorted(p.name for p in tests.glob("test_*.py"))
+    assert not loose, f"test files outside a group folder: {loose}"
+    found = {p.parent.name for p in tests.rglob("test_*.py") if "__snapshots__" not in p.parts}
+    assert found == groups
+    readme = (tests / "README.md").read_text()
+    assert all(f"`{group}/`" in readme for group in groups)

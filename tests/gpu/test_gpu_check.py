@@ -31,7 +31,7 @@ from torchtop.agent.probes.cuda_memory import CudaMemoryProbe
 from torchtop.agent.probes.nvml import NvmlProbe
 from torchtop.protocol import GpuSample, Message, OutOfMemory, Sample, to_dict
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ROOT = FIXTURES.parent.parent
 GIB = 1 << 30
 

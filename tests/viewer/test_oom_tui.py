@@ -33,7 +33,7 @@ from torchtop.tui.screens.help import HelpScreen
 from torchtop.tui.screens.oom import OomScreen, banner_text, site_rows, stack_text
 from torchtop.tui.widgets.chart import TimeSeriesChart
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GiB = 1 << 30
 
 

@@ -1,9 +1,9 @@
 """The key screens as the user sees them, at 80x24 and 120x40, compared with SVG snapshots
-reviewed by eye (``tests/__snapshots__/test_snapshots/``). Deterministic: every time on screen
-comes from the messages (fixed ``T0``), nothing blinks, the theme is the default (the tests'
+reviewed by eye (``tests/viewer/__snapshots__/test_snapshots/``). Deterministic: every time on
+screen comes from the messages (fixed ``T0``), nothing blinks, the theme is the default (the tests'
 own config folder), and the OOM capture's files are named, not made.
 
-After a change that is meant to alter a screen: ``pytest tests/test_snapshots.py
+After a change that is meant to alter a screen: ``pytest tests/viewer/test_snapshots.py
 --snapshot-update``, then look at the new SVGs (``git diff``) before committing them."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """A multi-rank job's output and step times as the run's view shows them: each rank's lines
 behind its rank's prefix, from one source each, and a strip of step times per rank on one
-scale (the tmux tests in tests/test_ranks_view.py drive them in a terminal)."""
+scale (the tmux tests in tests/viewer/test_ranks_view.py drive them in a terminal)."""
 
 from __future__ import annotations
 
-from tests.test_ranks_model import T0, feed_run, hello
+from tests.unit.test_ranks_model import T0, feed_run, hello
 from torchtop.agent.rank_start import rank_environment
 from torchtop.job_output import RANK_PREFIX_TEMPLATE, split_rank
 from torchtop.protocol import LogLine

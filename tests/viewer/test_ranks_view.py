@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from tests.conftest import SCRIPTS
-from tests.test_ranks_output import _heights
-from tests.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
+from tests.processes.test_ranks_output import _heights
+from tests.viewer.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
 from torchtop.transport import list_agents
 from torchtop.tui.screens.run import BARS, trend
 

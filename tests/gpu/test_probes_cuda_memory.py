@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import cuda_available
 from torchtop.agent.probes.cuda_memory import SOURCE_CUDA, CudaMemoryProbe, gpu_uuid
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 GIB = 1 << 30
 H200_TOTAL = 150_754_820_096
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_readme_commands import readme_commands, run_commands
+from tests.processes.test_readme_commands import readme_commands, run_commands
 
 
 def docs_commands() -> list[str]:

@@ -31,7 +31,7 @@ from tests.fakes.untrusted import (
     with_text,
     write_recording,
 )
-from tests.test_tui_tmux import (
+from tests.viewer.test_tui_tmux import (
     Terminal,
     terminal,  # noqa: F401 (a fixture: tests name it)
 )
@@ -208,7 +208,7 @@ def test_run_view_rows_show_markup_as_text() -> None:
     """A rank's row names its node, as given on the command line or by its hello."""
     from textual.widgets import DataTable
 
-    from tests.test_nodes_view import TwoNodes, hello
+    from tests.viewer.test_nodes_view import TwoNodes, hello
     from torchtop.streams.sources import attach_rank
     from torchtop.tui.app import TorchtopApp
 
@@ -322,7 +322,7 @@ def test_replay_in_tmux_writes_none_of_the_recordings_escapes(
     """Every byte the viewer writes to its terminal is logged (``pipe-pane``): none of the
     recording's sequences; the pane's title is not the one the recording asks for; the
     screen shows the escapes as text and the markup as it is."""
-    from tests.test_untrusted_property import FORBIDDEN_IN_VIEWER
+    from tests.processes.test_untrusted_property import FORBIDDEN_IN_VIEWER
 
     log = tmp_path / "pane.log"
     subprocess.run(["tmux", "pipe-pane", "-o", "-t", terminal.session, f"cat >> {log}"], check=True)

@@ -265,7 +265,7 @@ def test_the_installed_viewer_in_a_real_terminal(installed: Installed) -> None:
 
 
 def test_the_otel_extra_installs_and_pushes(installed: Installed) -> None:
-    from tests.test_export_otlp import Receiver, points, serving
+    from tests.processes.test_export_otlp import Receiver, points, serving
 
     extra = installed.run(
         str(installed.venv / "bin" / "pip"), "install", "-q", f"{installed.wheel}[otel]",

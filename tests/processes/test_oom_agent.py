@@ -50,7 +50,7 @@ from torchtop.protocol import (
 )
 from torchtop.transport import AgentConnection, bind_server
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GiB = 1 << 30
 MiB = 1 << 20
 

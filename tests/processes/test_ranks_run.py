@@ -29,7 +29,7 @@ from torchtop.agent.rank_start import (
 from torchtop.protocol import Hello, LogLine
 from torchtop.streams.recording import read_recording
 
-#: What the run's rank rules can find (tests/test_ranks_model.py has each).
+#: What the run's rank rules can find (tests/unit/test_ranks_model.py has each).
 RANK_FINDINGS = ("straggler", "hang", "rank_died")
 RANK_ENV = {"RANK": "1", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "abc", RANK_OPTIONS_ENV: "{}"}
 

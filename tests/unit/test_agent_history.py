@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.test_ops_tui import window
-from tests.test_server import _connect, _fail_once, _read
+from tests.unit.test_server import _connect, _fail_once, _read
+from tests.viewer.test_ops_tui import window
 from torchtop.agent.core import (
     MAX_REQUESTED_SNAPSHOTS,
     SERVER_PROBE,

@@ -27,7 +27,7 @@ from torchtop.agent.memory_snapshot import (
 )
 from torchtop.protocol import MAX_SITES, MAX_STACK_FRAMES
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GiB = 1 << 30
 MiB = 1 << 20
 
