@@ -125,3 +125,27 @@ async def test_the_run_view_offers_none_of_the_job_s_keys() -> None:
         await pilot.press("q")
         await pilot.pause()
     assert not app.is_running
+
+
+@pilot_test
+async def test_a_job_whose_processes_become_ranks_goes_on_on_its_run_in_the_same_app() -> None:
+    """The job's screen gives way to its run's (``mp.spawn``'s ranks appeared): the same app,
+    with the help the job had open closed first; ``q`` on the run's view quits the app."""
+    app = TorchtopApp(FakeSource(cuda_job()), title="train.py")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(0.3)
+        job_screen = app.screen
+        assert isinstance(job_screen, JobScreen)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        run = two_ranks()
+        app.show_run(run, "run", open_rank=Ranks())
+        await pilot.pause(0.6)
+        assert pilot.app is app and isinstance(app.screen, RunScreen)
+        assert app.screen is app.run_screen and job_screen not in app.screen_stack
+        table: DataTable[str] = app.screen.query_one("#ranks", DataTable)
+        assert [r[:2] for r in rows(table)] == [["0", "100"], ["1", "101"]]
+        await pilot.press("q")
+        await pilot.pause()
+    assert not app.is_running and not run.going

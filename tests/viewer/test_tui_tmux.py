@@ -241,3 +241,25 @@ def test_a_replay_at_80_by_24_offers_the_keys_that_apply_and_no_gpu_takes_one_ro
         assert not rows[gpu + 2].split("│")[0].strip(), screen
     terminal.keys("q")
     terminal.wait_for(lambda s: "EXIT=0" in s, timeout=15)
+
+
+def test_a_script_whose_processes_become_ranks_goes_on_in_the_same_viewer_on_its_run(
+    terminal: Terminal,
+) -> None:
+    """``torchtop run`` of a script that starts its ranks with ``mp.spawn``: the job's screen
+    gives way to the run's screen in the same viewer (the process and its terminal stay the
+    same), which shows both ranks; ``q`` stops the job and exits with its code."""
+    script = SCRIPTS / "ddp.py"
+    command = (
+        f"{sys.executable} -m torchtop run {script} --spawn 2 --steps 100000 --sleep-ms 5; "
+        "echo EXIT=$?"
+    )
+    terminal.keys(command, "Enter")
+    run = terminal.wait_for(
+        lambda s: "rank" in s and "pid" in s and "trend" in s and s.count("running") >= 2,
+        timeout=120,
+    )
+    assert "launcher pid" in run and "q stops the" in run, run
+    terminal.keys("q")
+    done = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=60)
+    assert re.search(r"EXIT=(130|0)\n", done), done

@@ -26,7 +26,6 @@ from torchtop.commands.export import start_exporter
 
 if TYPE_CHECKING:
     from torchtop.streams.runner import RunSpec
-    from torchtop.streams.sources import RunSource
 
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
@@ -119,21 +118,26 @@ def run_spec(spec: RunSpec) -> int:
         require_terminal("torchtop run --headless")
         if spec.launcher:
             return _run_ranks_view(spec)
-        from torchtop.streams.sources import RunSource
+        from torchtop.streams.sources import RunSource, ScriptRun, attach_rank
         from torchtop.tui.app import TorchtopApp
 
         source = RunSource(spec)
         app = TorchtopApp(source, title=spec.description)
+        runs: list[ScriptRun] = []
+
+        def show_ranks() -> None:
+            runs.append(ScriptRun(source))
+            app.show_run(runs[0], spec.description, open_rank=attach_rank)
 
         def ranks_appeared() -> None:
-            # The job's processes became ranks (mp.spawn, Lightning): the run's view follows.
+            # The job's processes became ranks (mp.spawn, Lightning): the run's screen follows.
             with contextlib.suppress(Exception):
-                app.call_from_thread(app.exit, RANKS_APPEARED)
+                app.call_from_thread(show_ranks)
 
         source.on_ranks = ranks_appeared
         code = run_app(app)
-        if app.return_value == RANKS_APPEARED:
-            return _view_script_run(source, spec.description)
+        if runs and runs[0].running():
+            runs[0].stop_job()
         source.wait_after_viewer()
         print_exit_summary(source.job_end())
         # The job's own exit code, as headless gives it (a job stopped from the viewer: 130);
@@ -142,27 +146,6 @@ def run_spec(spec: RunSpec) -> int:
         return job_code if job_code is not None else code
     except (RunError, RecordingError) as exc:
         raise CliError(str(exc), code=1) from None
-
-
-#: What the single job's viewer returns when the job's processes have become ranks.
-RANKS_APPEARED = "ranks appeared"
-
-
-def _view_script_run(source: RunSource, title: str) -> int:
-    """The view of the ranks a script's processes became, until it quits; the job's exit
-    code."""
-    from torchtop.streams.sources import ScriptRun
-
-    run = ScriptRun(source)
-    try:
-        view_run(run, title)
-    finally:
-        if run.running():
-            run.stop_job()
-    source.wait_after_viewer()
-    print_exit_summary(source.job_end())
-    code = source.job.exit_code
-    return code if code is not None else 0
 
 
 def _run_ranks_view(spec: RunSpec) -> int:

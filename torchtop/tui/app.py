@@ -104,6 +104,16 @@ class TorchtopApp(App[int]):
         self.watch(self, "theme", self._theme_changed, init=False)
         await self.push_screen(self._first)
 
+    def show_run(self, run: RunFold, title: str, *, open_rank: RankOpener) -> None:
+        """The run's screen in place of the job's, in this app: the job's processes have become
+        the ranks of a run (``torch.multiprocessing.spawn``, Lightning's launcher). Screens the
+        job had open over it (help, OOM) close first."""
+        screen = RunScreen(run, title, open_rank=open_rank)
+        while self.screen is not self._first and len(self.screen_stack) > 2:
+            self.pop_screen()
+        self._first = screen
+        self.switch_screen(screen)
+
     @property
     def picked(self) -> AgentInfo | None:
         """The agent chosen in the picker (``None``: none, or cancelled)."""
