@@ -4,6 +4,11 @@ rows, the log not written again); ``q`` on the run's view quits."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from fakes.source import FakeSource
 from test_nodes_view import TwoNodes, hello, rows
 from test_tui_app import cuda_job, pilot_test, static_text
@@ -12,9 +17,11 @@ from textual.widgets import DataTable, RichLog
 from torchtop.protocol import LogLine
 from torchtop.streams.runs import RunFold
 from torchtop.streams.source import Source
+from torchtop.transport import AgentInfo, bind_server
 from torchtop.tui.app import TorchtopApp
 from torchtop.tui.screens.help import HelpScreen
 from torchtop.tui.screens.job import JobScreen
+from torchtop.tui.screens.picker import PickerScreen
 from torchtop.tui.screens.run import RunScreen
 from torchtop.tui.widgets.header import JobHeader
 
@@ -149,3 +156,44 @@ async def test_a_job_whose_processes_become_ranks_goes_on_on_its_run_in_the_same
         await pilot.press("q")
         await pilot.pause()
     assert not app.is_running and not run.going
+
+
+@pilot_test
+async def test_the_agent_chosen_in_the_picker_opens_in_the_same_app(runtime_dir: Path) -> None:
+    """``torchtop attach`` with several agents: the one chosen opens on its job screen in the
+    picker's place, in the same app; an agent that cannot be opened is said in one line and
+    the picker stays."""
+    servers = [bind_server(os.getpid(), ["train.py", "--lr", "3e-4"], 0.0)[0]]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    servers.append(bind_server(child.pid, ["eval.py"], 1.0)[0])
+    opened: list[int] = []
+    refuse = [True]
+
+    def open_agent(agent: AgentInfo) -> tuple[Source, str]:
+        if refuse[0]:
+            refuse[0] = False
+            raise RuntimeError("cannot record to /nowhere/r.ttr: no such folder")
+        opened.append(agent.pid)
+        return FakeSource(cuda_job()), agent.command
+
+    try:
+        app = TorchtopApp.picker(open_agent)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.3)
+            picker = app.screen
+            assert isinstance(picker, PickerScreen) and len(picker.agents) == 2
+            await pilot.press("enter")
+            await pilot.pause(0.3)
+            assert app.screen is picker and opened == []  # said, and still offered
+            assert any("no such folder" in str(n.message) for n in app._notifications)
+            await pilot.press("enter")
+            await pilot.pause(0.5)
+            assert pilot.app is app and isinstance(app.screen, JobScreen)
+            assert app.screen is app.job and picker not in app.screen_stack
+            assert app.picked is not None and opened == [app.picked.pid]
+            app.exit(0)
+    finally:
+        child.kill()
+        child.wait()
+        for server in servers:
+            server.close()

@@ -177,11 +177,22 @@ def run(args: argparse.Namespace) -> int:
             run.stop_job()  # detach: the job runs on
         return 0
     if info is None:
-        picker = TorchtopApp.picker()  # the running agents offered; None if cancelled
-        picker.run()
-        info = picker.picked
-        if info is None:
+        # The running agents offered; the chosen one's job screen opens in the same viewer.
+        def open_agent(agent: AgentInfo) -> tuple[LiveSource, str]:
+            try:
+                writer = RecordingWriter(args.record) if args.record else None
+            except RecordingError as exc:
+                raise CliError(str(exc), code=1) from None
+            lines = _left_running_lines(agent.pid)
+            return LiveSource(agent.address, writer=writer, lines=lines), agent.command
+
+        picker = TorchtopApp.picker(open_agent)
+        code = run_app(picker)
+        chosen = picker.picked
+        if chosen is None:
             return 0
+        print_exit_summary(_attached_end(picker.job.state, chosen.pid, args.record))
+        return code
     try:
         writer = RecordingWriter(args.record) if args.record else None
     except RecordingError as exc:

@@ -22,7 +22,7 @@ from torchtop.streams.source import Source
 from torchtop.text import printable
 from torchtop.tui.palette import Action, ViewerCommands, actions
 from torchtop.tui.screens.job import JOB_ACTIONS, JOB_BINDINGS, JobScreen
-from torchtop.tui.screens.picker import PickerScreen
+from torchtop.tui.screens.picker import AgentOpener, PickerScreen
 from torchtop.tui.screens.run import RankOpener, RunScreen
 from torchtop.tui.settings import load_settings, save_setting
 from torchtop.tui.widgets.ops import OpsPanel
@@ -68,16 +68,18 @@ class TorchtopApp(App[int]):
         run: RunFold | None = None,
         open_rank: RankOpener | None = None,
         pick: bool = False,
+        open_agent: AgentOpener | None = None,
     ) -> None:
         super().__init__()
         #: The screen the app starts on: a job's, a run's or the picker.
         self._first: JobScreen | RunScreen | PickerScreen
+        self._picker: PickerScreen | None = None
         if run is not None:
             if open_rank is None:
                 raise TypeError("a run's screen needs open_rank, to open a rank's screen")
             self._first = RunScreen(run, title or "", open_rank=open_rank)
         elif pick:
-            self._first = PickerScreen()
+            self._first = self._picker = PickerScreen(open_agent)
             self.title = PickerScreen.TITLE
         elif source is not None:
             self._first = self.JOB_SCREEN(source, title=title)
@@ -95,9 +97,10 @@ class TorchtopApp(App[int]):
         return cls(run=run, title=title, open_rank=open_rank)
 
     @classmethod
-    def picker(cls) -> TorchtopApp:
-        """The app on the picker of running agents; the one chosen is :attr:`picked`."""
-        return cls(pick=True)
+    def picker(cls, open_agent: AgentOpener | None = None) -> TorchtopApp:
+        """The app on the picker of running agents; the one chosen is :attr:`picked`. With
+        ``open_agent``, the chosen agent's job screen takes the picker's place in this app."""
+        return cls(pick=True, open_agent=open_agent)
 
     async def on_mount(self) -> None:
         # Watched from here, not in __init__: restoring the saved theme does not write it back.
@@ -114,10 +117,17 @@ class TorchtopApp(App[int]):
         self._first = screen
         self.switch_screen(screen)
 
+    def on_picker_screen_opened(self, event: PickerScreen.Opened) -> None:
+        """The agent chosen in the picker: its job screen in the picker's place."""
+        screen = self.JOB_SCREEN(event.source, title=event.title)
+        self.title = printable(event.title, one_line=True)
+        self._first = screen
+        self.switch_screen(screen)
+
     @property
     def picked(self) -> AgentInfo | None:
         """The agent chosen in the picker (``None``: none, or cancelled)."""
-        return self._first.chosen if isinstance(self._first, PickerScreen) else None
+        return self._picker.chosen if self._picker is not None else None
 
     @property
     def job(self) -> JobScreen:
