@@ -258,7 +258,7 @@ def nvml_gpu_matched_by_uuid(
     device: str = "cuda:0",
     job: str = "",
 ) -> Check:
-    """Issue 19, point 9: the NVML GPU the job runs on is found by its UUID (torch's
+    """The NVML GPU the job runs on is found by its UUID (torch's
     ``get_device_properties(i).uuid`` = NVML's), listed first, and marked as the job's: its
     ``cuda_device`` is the job's device and ``in_job`` is true; no other GPU claims that
     device."""
@@ -320,7 +320,7 @@ def hello_uuid(
 
 
 def shown_devices_match(shown: Sequence[str] | None, expected: Sequence[str], job: str) -> Check:
-    """Issue 19, point 1: the memory view shows the devices the job uses (allocated or reserved
+    """The memory view shows the devices the job uses (allocated or reserved
     > 0, or its current device), not the first device the hello lists. For a CUDA job
     (``expected`` names CUDA devices) the CUDA devices shown are those; the host's memory may
     be shown beside them."""
@@ -343,7 +343,7 @@ def _stat(stats: Mapping[str, Any], key: str) -> int | None:
 
 
 def expected_free(observer: Mapping[str, Any]) -> int:
-    """What free means under ``set_per_process_memory_fraction`` (issue 19, point 2): the
+    """What free means under ``set_per_process_memory_fraction``: the
     device's free memory, but no more than the cap (the observer's total) less reserved."""
     reserved = _stat(observer["memory_stats"], "reserved_bytes.all.current") or 0
     return min(int(observer["device_free"]), int(observer["device_total"]) - reserved)
@@ -532,7 +532,7 @@ def pause_timed_out(frames: Sequence[Frame], timeout_s: float) -> Check:
 def handled_ooms_not_published(
     frames: Sequence[Frame], trials: Sequence[Mapping[str, Any]]
 ) -> Check:
-    """Issue 19, point 3: an OOM torch catches itself (the allocator counted it, no error reached
+    """An OOM torch catches itself (the allocator counted it, no error reached
     the job) publishes no ``oom`` event; one that reached the job does."""
     name = "oom: handled inside torch not published"
     expected = "handled OOMs counted apart, not published; one event per OOM the job saw"

@@ -201,7 +201,7 @@ def test_the_jobs_gpu_is_found_by_uuid_first_and_marked() -> None:
     # The agent not (yet) told the job's CUDA UUIDs: NVML's order, nothing marked.
     row = cmp.nvml_gpu_matched_by_uuid(frames, job_uuid, rows)
     assert row.status == cmp.FAIL and "position 1" in row.measured
-    # The agent matching them (issue 19, point 9): the job's GPU first and marked.
+    # The agent matching them: the job's GPU first and marked.
     probe = NvmlProbe(backend, job_uuids=lambda: [job_uuid])
     agent = [to_dict(GpuSample(t=1.0, gpus=probe.read()))]
     assert cmp.nvml_gpu_matched_by_uuid(agent, job_uuid, rows).status == cmp.PASS
@@ -291,7 +291,7 @@ def test_oom_event_against_the_allocators_numbers(
     # Each figure, when the agent's differs, fails its row.
     wrong = {**event, "reserved_bytes": event["reserved_bytes"] + MIB}
     assert cmp.oom_event_checks(name, [wrong], truth, fragmented=fragmented, top_site=top)[0].failed
-    # The segment size in place of the request (issue 19, point 8).
+    # The segment size in place of the request.
     segment = {**event, "requested_bytes": event["requested_bytes"] + 2 * MIB}
     rows = cmp.oom_event_checks(name, [segment], truth, fragmented=fragmented, top_site=top)
     assert statuses(rows)[:2] == [cmp.FAIL, cmp.FAIL]
@@ -304,7 +304,7 @@ def test_oom_event_against_the_allocators_numbers(
 
 
 def test_free_under_a_memory_fraction_is_the_cap_less_reserved() -> None:
-    """Issue 19, point 2: a 4 GiB cap on a 141 GiB card, with 135 GiB free on the device."""
+    """A 4 GiB cap on a 141 GiB card, with 135 GiB free on the device."""
     stats = {
         "reserved_bytes.all.current": 3 * GIB + 512 * MIB,
         "allocated_bytes.all.current": 3 * GIB,

@@ -117,7 +117,7 @@ def test_the_demos_are_listed_with_short_descriptions() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     listed = {demo["name"]: demo["description"] for demo in json.loads(proc.stdout)}
-    # The twelve topics of issue 6, each with a one-line description.
+    # The twelve topics, each with a one-line description.
     assert sorted(listed) == sorted(ALL_TOPICS), listed
     for name in DEMOS:
         assert name in listed, listed

@@ -497,7 +497,7 @@ def test_the_limit_is_off_in_forked_children() -> None:
     assert out.stdout.split("\n")[:2] == ["child 0", "parent oom"], out.stderr
 
 
-# -- the figures at the failure (issue 19: 2, 8) -----------------------------------------------
+# -- the figures at the failure -----------------------------------------------
 
 
 def test_free_memory_under_a_per_process_cap_is_what_the_cap_leaves(tmp_path: Path) -> None:
@@ -528,7 +528,7 @@ def test_the_request_is_the_traces_and_free_blocks_count_on_its_stream(tmp_path:
     assert event.fragmented is False  # 3.5 MiB free on the stream and 2 MiB on the device
 
 
-# -- failures torch handles itself (issue 19: 3) ----------------------------------------------
+# -- failures torch handles itself ----------------------------------------------
 
 
 def retrying(
@@ -581,7 +581,7 @@ def test_the_last_failure_of_a_burst_reaches_the_job_and_pauses_there(tmp_path: 
     assert controller.handled == {"cuda:0": 3} and event.snapshot_path
 
 
-# -- failures in backward (issue 19: 7) --------------------------------------------------------
+# -- failures in backward --------------------------------------------------------
 
 #: autograd's ``_engine_run_backward`` as the training thread runs it: it waits while an engine
 #: thread, with no Python frames, does the work and fails; then it raises or returns.

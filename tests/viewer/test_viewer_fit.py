@@ -1,5 +1,5 @@
 """Viewer faults found on real jobs: the log keeps following after it changes height, the step
-time chart scales each series to fit, and every screen fits 80x24 (issue 11: 2, 3, 12)."""
+time chart scales each series to fit, and every screen fits 80x24."""
 
 from __future__ import annotations
 
