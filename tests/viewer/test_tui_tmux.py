@@ -113,6 +113,10 @@ def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Term
         (agent,) = list_agents()  # the job runs on
         terminal.keys("clear", "Enter")
         terminal.keys(f"{sys.executable} -m torchtop attach {agent.pid}", "Enter")
+        terminal.wait_for(lambda s: "Log · " in s and "loss" in s)
+        # The log alone, full height: at 80x24 the log panel's few rows scroll the line that
+        # says where the output goes out of sight within a second or two.
+        terminal.keys("l")
         screen = terminal.wait_for(
             lambda s: "output goes to " in s and f"{agent.pid}-job.log" in s and "loss" in s
         )
