@@ -256,9 +256,9 @@ def _median(values: Sequence[float]) -> float:
 
 
 def detect_warmup(samples: Sequence[StepSample]) -> int:
-    """The step at which the step time has settled: the first whose next
-    :data:`WARMUP_WINDOW` steps have a median near the steady one (that of the run's second
-    half). At most half the run; 0 for a run too short to tell."""
+    """The step at which the step time has settled: the first near the steady step time (the
+    median of the run's second half) whose next :data:`WARMUP_WINDOW` steps have a median near
+    it too. At most half the run; 0 for a run too short to tell."""
     n = len(samples)
     if n < 4 * WARMUP_WINDOW:
         return samples[0].index if samples else 0
@@ -268,6 +268,8 @@ def detect_warmup(samples: Sequence[StepSample]) -> int:
     mad = _median([abs(d - steady) for d in tail]) * 1.4826
     tolerance = max(WARMUP_TOLERANCE * steady, 3 * mad)
     for i in range(n // 2):
+        if abs(durations[i] - steady) > tolerance:
+            continue
         if abs(_median(durations[i : i + WARMUP_WINDOW]) - steady) <= tolerance:
             return samples[i].index
     return samples[n // 2].index
