@@ -115,7 +115,8 @@ def test_the_warm_up_is_detected_and_left_out_of_both_runs() -> None:
     assert not figure(result.steps, "steps_per_s").changed
     # Left in, the slow first steps weigh on the mean: throughput looks lower than it is.
     given = compare_jobs(job(warm), job(noisy(212, 0.05, 4)), skip=0)
-    assert given.alignment.given and figure(given.steps, "steps_per_s").verdict == "higher"
+    throughput = figure(given.steps, "steps_per_s")
+    assert given.alignment.given and throughput.relative > 0.3
 
 
 def test_runs_are_aligned_on_the_steps_both_took() -> None:

@@ -8,11 +8,12 @@ settles (:func:`detect_warmup`), the longer of the two runs', unless given.
 
 Step figures (median, p90, throughput, data-wait share, compute and backward per step) come
 with a 95% interval for the difference B - A, from a percentile bootstrap with a fixed seed: each
-run's steps are resampled (:data:`BOOTSTRAP_RESAMPLES` times) and the figure computed on each
-resample. A change is said to be one only when its interval excludes 0 *and* it is at least
-:data:`MIN_RELATIVE_CHANGE` of A's figure (or :data:`MIN_SHARE_CHANGE` for a share): two runs
-of the same job on the same machine differ by a few percent that the steps of one run do not
-show. Anything else is "no difference beyond noise".
+run's steps are resampled (:data:`BOOTSTRAP_RESAMPLES` times) in blocks of neighbouring steps
+(:data:`BLOCK_STEPS`: a burst of load slows several in a row, so steps are not independent)
+and the figure computed on each resample. A change is said to be one only when its interval
+excludes 0 *and* it is at least :data:`MIN_RELATIVE_CHANGE` of A's figure (or
+:data:`MIN_SHARE_CHANGE` for a share): two runs of the same job on the same machine differ by a
+few percent that the steps of one run do not show. Anything else is "no difference beyond noise".
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from torchtop.model.training import StepPoint, TrainingState
 #: Resamples of each run's steps for the intervals, and the seed (the same runs, the same answer).
 BOOTSTRAP_RESAMPLES = 500
 BOOTSTRAP_SEED = 20240601
+#: Neighbouring steps resampled together (at most a quarter of the run).
+BLOCK_STEPS = 10
 #: Steps a run's bootstrap resamples at most (an even sample of the compared steps beyond).
 MAX_BOOTSTRAP_STEPS = 1500
 #: The interval's coverage.
@@ -387,17 +390,28 @@ def _even(steps: Sequence[StepSample], most: int) -> list[StepSample]:
     return [steps[i * len(steps) // most] for i in range(most)]
 
 
+def _block_length(n: int) -> int:
+    """Steps per block of the bootstrap: neighbouring steps are alike (a burst of load slows
+    several), so they are resampled together."""
+    return max(1, min(BLOCK_STEPS, n // 4))
+
+
 def _resamples(steps: Sequence[StepSample], rng: random.Random) -> list[_Figures]:
+    """A moving-block bootstrap: blocks of neighbouring steps drawn at random until as many
+    steps as the run's, each resample's figures weighed by the steps' weights."""
     pool = _even(steps, MAX_BOOTSTRAP_STEPS)
-    cum: list[int] = []
-    total = 0
-    for s in pool:
-        total += s.weight
-        cum.append(total)
-    return [
-        _figures(rng.choices(pool, cum_weights=cum, k=len(pool)), weighted=False)
-        for _ in range(BOOTSTRAP_RESAMPLES)
-    ]
+    n = len(pool)
+    length = _block_length(n)
+    starts = n - length + 1
+    blocks = -(-n // length)
+    resamples = []
+    for _ in range(BOOTSTRAP_RESAMPLES):
+        drawn: list[StepSample] = []
+        for _ in range(blocks):
+            start = rng.randrange(starts)
+            drawn.extend(pool[start : start + length])
+        resamples.append(_figures(drawn[:n], weighted=True))
+    return resamples
 
 
 def _interval(diffs: list[float]) -> tuple[float, float] | None:

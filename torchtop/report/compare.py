@@ -14,6 +14,7 @@ from typing import Any
 
 from torchtop.model import JobModel
 from torchtop.model.compare import (
+    BLOCK_STEPS,
     BOOTSTRAP_RESAMPLES,
     CONFIDENCE,
     Change,
@@ -28,8 +29,8 @@ from torchtop.report.run import is_multi_rank, rank_models
 from torchtop.sizes import format_bytes
 
 METHOD = (
-    f"{CONFIDENCE:.0%} interval of B - A from a percentile bootstrap of each run's steps "
-    f"({BOOTSTRAP_RESAMPLES} resamples, fixed seed)"
+    f"{CONFIDENCE:.0%} interval of B - A from a block bootstrap of each run's steps "
+    f"({BOOTSTRAP_RESAMPLES} resamples of blocks of {BLOCK_STEPS} steps, fixed seed)"
 )
 
 
