@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 
-from torchtop.commands import attach, demo, doctor, export, ps, relay, replay, report, run
+from torchtop.commands import attach, compare, demo, doctor, export, ps, relay, replay, report, run
 from torchtop.commands.core import EXIT_INTERRUPTED, EXIT_USAGE, CliError, Parser, version_line
 from torchtop.text import printable
 
@@ -35,6 +35,7 @@ examples:
   torchtop attach PID                    watch a job started without torchtop
   torchtop attach --node node2           the ranks of this node and of node2 (over ssh)
   torchtop report r.ttr --json           summarize a recording
+  torchtop compare before.ttr after.ttr  what changed between two recordings
   torchtop run --metrics 9481 train.py   serve Prometheus metrics while it runs
   torchtop export                        serve every running job's metrics on 127.0.0.1:9481
   torchtop demo broadcasting             learn a practice, measured live
@@ -72,6 +73,7 @@ VERBS = {
     "replay": replay,
     "doctor": doctor,
     "report": report,
+    "compare": compare,
     "demo": demo,
 }
 
