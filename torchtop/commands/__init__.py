@@ -4,9 +4,11 @@
 and ``run(args) -> int``: it parses, calls into the layers above (:mod:`torchtop.streams`,
 :mod:`torchtop.report`, :mod:`torchtop.export`, :mod:`torchtop.attach`, :mod:`torchtop.tui`)
 and maps their expected errors to :class:`~torchtop.commands.core.CliError`, printed as one line
-with an exit code. A verb's module imports only the standard library and the shared ground at
-its top, so ``torchtop --help`` starts in a blink; the layers a verb drives (Textual, psutil,
-the exporters) are imported when that verb runs.
+with an exit code. Only the verb that runs is imported (``torchtop --help`` lists the verbs from
+:data:`~torchtop.commands.core.VERB_HELP` and imports none), so a verb's module imports the
+layers it drives at its top; Textual, psutil and the exporters' libraries, which cost a
+fraction of a second, are imported where a verb's path needs them (the viewer, not
+``--headless``).
 
 May import: every other package of torchtop. Nothing imports this one but ``__main__``; the
 viewer (:mod:`torchtop.tui`) is started from here, never the other way round.
@@ -16,12 +18,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import signal
 import sys
+from types import ModuleType
 
-from torchtop.commands import attach, compare, demo, doctor, export, ps, relay, replay, report, run
-from torchtop.commands.core import EXIT_INTERRUPTED, EXIT_USAGE, CliError, Parser, version_line
+from torchtop.commands.core import (
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    VERB_HELP,
+    CliError,
+    Parser,
+    version_line,
+)
 from torchtop.text import printable
 
 DESCRIPTION = """\
@@ -42,7 +52,14 @@ examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def verb(name: str) -> ModuleType:
+    """The module of the verb ``name``: ``add_parser(subparsers)`` and ``run(args) -> int``."""
+    return importlib.import_module(f"torchtop.commands.{name}")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. Every verb is listed; only ``only`` (the verb that runs)
+    gets its options, so no other verb's module is imported."""
     parser = Parser(
         prog="torchtop",
         description=DESCRIPTION,
@@ -50,8 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for verb in VERBS.values():
-        verb.add_parser(sub)
+    for name, line in VERB_HELP.items():
+        if name == only:
+            verb(name).add_parser(sub)
+        else:
+            sub.add_parser(name, help=line, add_help=False)
     return parser
 
 
@@ -63,27 +83,13 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     raise KeyError(name)
 
 
-#: Each verb's module: ``add_parser(subparsers)`` and ``run(args) -> int``, in ``--help``'s order.
-VERBS = {
-    "run": run,
-    "ps": ps,
-    "attach": attach,
-    "relay": relay,
-    "export": export,
-    "replay": replay,
-    "doctor": doctor,
-    "report": report,
-    "compare": compare,
-    "demo": demo,
-}
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The parsed command line; :class:`CliError` for one it does not accept."""
-    parser = build_parser()
-    if argv[:1] == ["run"]:
+    name = argv[0] if argv and argv[0] in VERB_HELP else None
+    parser = build_parser(name)
+    if name == "run":
         # argparse would take the job's own options for ours: split the job off first.
-        options, target = run.split_run_argv(_subparser(parser, "run"), argv[1:])
+        options, target = verb("run").split_run_argv(_subparser(parser, "run"), argv[1:])
         args = parser.parse_args(["run", *options])
         args.target = target
         return args
@@ -105,7 +111,7 @@ def run_command(argv: list[str] | None = None) -> int:
         if args.command is None:
             build_parser().print_help()
             return EXIT_USAGE
-        return VERBS[args.command].run(args)
+        return int(verb(args.command).run(args))
     except CliError as exc:
         # The line may quote a job, a file or a peer: its escapes are shown, never obeyed.
         print(f"torchtop: {printable(str(exc))}", file=sys.stderr)

@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torchtop.attach.inject import AttachRefused, check_ptrace, read_target, start_agent
 from torchtop.commands.core import (
+    VERB_HELP,
     CliError,
     Subparsers,
     check_runtime_dir,
@@ -21,20 +23,33 @@ from torchtop.commands.core import (
     view_run,
 )
 from torchtop.commands.ps import by_run, launchers_of_runs
+from torchtop.report.exit_summary import JobEnd
+from torchtop.streams.discovery import Agents
+from torchtop.streams.headless import (
+    AgentRecording,
+    OutsideRecording,
+    Recorded,
+    RunRecording,
+    record,
+)
+from torchtop.streams.nodes import NodeError, NodeFeed, NodeSpec, read_node_token, ssh_command
+from torchtop.streams.outside import outside_source
+from torchtop.streams.recording import RecordingError, RecordingWriter
+from torchtop.streams.runs import AttachedRun
+from torchtop.streams.sources import LiveSource, LogFileLines
 from torchtop.text import printable
+from torchtop.transport import find_agent, job_log_path, list_agents, pid_alive
 
 if TYPE_CHECKING:
     from torchtop.attach.inject import Target
     from torchtop.model import JobModel
-    from torchtop.report.exit_summary import JobEnd
-    from torchtop.streams.sources import LogFileLines
     from torchtop.transport import AgentInfo
 
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     attach = sub.add_parser(
         "attach",
-        help="watch a running job (its agent, or one started in it now)",
+        help=VERB_HELP["attach"],
         description="Attach the viewer (or a headless recorder) to a running job. A Python job "
         "started without torchtop gets an agent started in it (gdb on Python 3.10-3.13, "
         "sys.remote_exec on 3.14+); the viewer asks first.",
@@ -107,7 +122,6 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def _pick_agent(pid: int | None, interactive: bool) -> AgentInfo | _RunOfRanks | None:
-    from torchtop.transport import find_agent, list_agents
 
     if pid is not None:
         info = find_agent(pid)
@@ -161,14 +175,11 @@ def run(args: argparse.Namespace) -> int:
         return _attach_nodes(args)
     require_terminal(f"torchtop attach {args.pid or 'PID'} --headless --record FILE")
     info = _attach_target(args, ask=not args.yes)
-    from torchtop.streams.recording import RecordingError, RecordingWriter
-    from torchtop.streams.sources import LiveSource
     from torchtop.tui.app import TorchtopApp
 
     if isinstance(info, _RunOfRanks):
         if args.record:
             raise CliError("--record follows one rank: give its PID (see `torchtop ps`)")
-        from torchtop.streams.runs import AttachedRun
 
         run = AttachedRun(info.agents)
         try:
@@ -198,8 +209,6 @@ def run(args: argparse.Namespace) -> int:
     except RecordingError as exc:
         raise CliError(str(exc), code=1) from None
     if isinstance(info, _Outside):
-        from torchtop.streams.outside import outside_source
-
         source = outside_source(info.pid, info.reason, writer)
         run_app(TorchtopApp(source, title=f"pid {info.pid} (from outside)"))
         return 1
@@ -212,8 +221,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _attached_end(state: JobModel, pid: int, record: Path | None) -> JobEnd:
     """How a job ``torchtop attach`` watched stands once its viewer has closed."""
-    from torchtop.report.exit_summary import JobEnd
-    from torchtop.transport import job_log_path, pid_alive
 
     log = job_log_path(pid)
     return JobEnd(
@@ -229,8 +236,6 @@ def _attached_end(state: JobModel, pid: int, record: Path | None) -> JobEnd:
 
 def _left_running_lines(pid: int) -> LogFileLines | None:
     """The log file of a job ``torchtop run`` started and left running, if it is one."""
-    from torchtop.streams.sources import LogFileLines
-    from torchtop.transport import job_log_path
 
     path = job_log_path(pid)
     return LogFileLines(path) if path.is_file() else None
@@ -245,11 +250,6 @@ def _attach_nodes(args: argparse.Namespace) -> int:
         if args.record is not None:
             raise CliError("--node records with --headless (`--headless --record FILE`)")
         require_terminal("torchtop attach --node ... --headless --record FILE")
-    from torchtop.streams.discovery import Agents
-    from torchtop.streams.nodes import NodeError, NodeFeed, NodeSpec, read_node_token, ssh_command
-    from torchtop.streams.recording import RecordingError, RecordingWriter
-    from torchtop.streams.runs import AttachedRun
-    from torchtop.transport import list_agents
 
     local = list(filter(Agents(ranks_only=True, run=args.run), list_agents()))
     feeds: list[NodeFeed] = []
@@ -278,8 +278,6 @@ def _attach_nodes(args: argparse.Namespace) -> int:
         raise CliError(str(exc), code=1) from None
     run = AttachedRun(local, feeds, writer)
     if writer is not None:
-        from torchtop.streams.headless import RunRecording, record
-
         return record(RunRecording(run, writer), writer, args.duration)
     title = f"run {args.run}" if args.run else f"{len(feeds) + bool(local)} nodes"
     try:
@@ -293,11 +291,9 @@ def _attach_target(
     args: argparse.Namespace, ask: bool
 ) -> AgentInfo | _RunOfRanks | _Outside | None:
     """The agent to attach to: a running one, or one started now in a job without one."""
-    from torchtop.transport import find_agent
 
     if args.pid is None or find_agent(args.pid) is not None:
         return _pick_agent(args.pid, interactive=not args.headless)
-    from torchtop.attach.inject import AttachRefused, check_ptrace, read_target, start_agent
 
     try:
         target = read_target(args.pid)
@@ -333,8 +329,6 @@ def _require_python(target: Target) -> None:
         return  # Python, or another user's process: the attach itself says why not
     import psutil
 
-    from torchtop.attach.inject import AttachRefused, read_target
-
     pythons: list[int] = []
     with contextlib.suppress(psutil.Error):
         for child in psutil.Process(target.pid).children(recursive=True):
@@ -369,8 +363,6 @@ class _Outside:
 
 def _record_headless(target: AgentInfo | _Outside, path: Path, duration: float | None) -> int:
     """One agent's stream, or a job's figures read from outside, recorded without a viewer."""
-    from torchtop.streams.headless import AgentRecording, OutsideRecording, Recorded, record
-    from torchtop.streams.recording import RecordingError, RecordingWriter
 
     try:
         writer = RecordingWriter(path)

@@ -6,7 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from torchtop.commands.core import CliError, Subparsers
+from torchtop.commands.core import VERB_HELP, CliError, Subparsers
+from torchtop.report.compare import CompareError, compare, fold_recording, render_text
+from torchtop.streams.recording import RecordingError, read_recording
 
 
 def _steps(text: str) -> int:
@@ -22,7 +24,7 @@ def _steps(text: str) -> int:
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     compare = sub.add_parser(
         "compare",
-        help="compare two recordings: what changed, beyond noise",
+        help=VERB_HELP["compare"],
         description=(
             "Compare two recordings of a job, A (before) and B (after): step time with an "
             "interval for the difference, throughput, data wait, memory, top ops and "
@@ -43,8 +45,6 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchtop.report.compare import CompareError, compare, fold_recording, render_text
-    from torchtop.streams.recording import RecordingError, read_recording
 
     sides = []
     for path in (args.a, args.b):

@@ -85,6 +85,20 @@ def add_agent_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+#: Each verb, in ``torchtop --help``'s order, with its line there (its module in this package).
+VERB_HELP = {
+    "run": "run a script with the agent inside and watch it",
+    "ps": "list running agents",
+    "attach": "watch a running job (its agent, or one started in it now)",
+    "relay": "serve this node's agents to a viewer on another machine",
+    "export": "serve running jobs' metrics to Prometheus or OpenTelemetry",
+    "replay": "view a recording",
+    "doctor": "what torchtop can and cannot see on this machine",
+    "report": "summarize a recording",
+    "compare": "compare two recordings: what changed, beyond noise",
+    "demo": "run a bundled demo of a PyTorch practice",
+}
+
 #: What ``add_subparsers`` returns: each verb adds its parser to it.
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 from torchtop.commands.core import (
+    VERB_HELP,
     CliError,
     Subparsers,
     add_oom_options,
@@ -15,13 +17,16 @@ from torchtop.commands.core import (
     oom_agent_options,
     ops_agent_options,
 )
+from torchtop.commands.demo_catalog import DemoNotFound, find_demo, list_demos
 from torchtop.commands.run import run_spec
+from torchtop.sizes import parse_size
+from torchtop.streams.runner import RunSpec
 
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
-        help="run a bundled demo of a PyTorch practice",
+        help=VERB_HELP["demo"],
         description="Run a demo: the same job done the slow way and the fast way, measured.",
     )
     demo.add_argument("name", nargs="?", help="the demo to run (see --list)")
@@ -42,7 +47,6 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchtop.commands.demo_catalog import DemoNotFound, find_demo, list_demos
 
     if args.list or not args.name:
         demos = list_demos()
@@ -65,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
     if args.source:
         print(demo.path.read_text(), end="")
         return 0
-    from torchtop.streams.runner import RunSpec
 
     demo_args = []
     if args.quick:
@@ -77,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
     if demo.cpu_memory_limit is not None and args.memory_limit is None:
         # A demo that runs out of memory on purpose (oom) gets an emulated device on the CPU,
         # never the machine's RAM; on CUDA it meets the GPU's real limit.
-        from torchtop.sizes import parse_size
 
         device = device or _default_device()
         if device == "cpu":
@@ -104,7 +106,6 @@ def _default_device() -> str | None:
     """The demos' default device as the job's Python sees it: "cuda" when torch finds a GPU,
     else "cpu" (``None`` if it cannot tell). Asked in a child process: the CLI never imports
     torch."""
-    import subprocess
 
     probe = "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')"
     try:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchtop import __version__
-from torchtop.commands.core import Subparsers, positive_float
+from torchtop.commands.core import VERB_HELP, Subparsers, positive_float
 from torchtop.text import printable
 
 Status = Literal["ok", "info", "warn", "missing"]
@@ -588,7 +588,7 @@ def _dist(name: str) -> str:
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     doctor = sub.add_parser(
         "doctor",
-        help="what torchtop can and cannot see on this machine",
+        help=VERB_HELP["doctor"],
         description="Check this machine for torchtop: Python, torch and its CUDA devices, NVML, "
         "the runtime directory, attach (gdb, ptrace), the exporters, the terminal and "
         "torch.distributed. One line each, with the fix for what is missing.",

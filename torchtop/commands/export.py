@@ -6,25 +6,31 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from typing import TYPE_CHECKING
 
+from torchtop.attach.inject import CHECK_PID
 from torchtop.commands.core import (
+    VERB_HELP,
     CliError,
     Subparsers,
     add_export_options,
     check_runtime_dir,
     positive_float,
 )
+from torchtop.export.service import Exporter
+from torchtop.streams.discovery import Agents
 from torchtop.text import printable
+from torchtop.transport import find_agent, list_agents
 
 if TYPE_CHECKING:
-    from torchtop.export.service import AgentFilter, Exporter
+    from torchtop.export.service import AgentFilter
 
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export",
-        help="serve running jobs' metrics to Prometheus or OpenTelemetry",
+        help=VERB_HELP["export"],
         description="Follow the running agents of this user on this node (every one, one PID, "
         "or the ranks of one RUN) and serve their figures for Prometheus (default "
         "127.0.0.1:9481) and/or push them over OTLP. Jobs that start later are picked up. "
@@ -44,11 +50,8 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    import threading
 
     from torchtop.export.prometheus import DEFAULT_HOST, DEFAULT_PORT
-    from torchtop.streams.discovery import Agents
-    from torchtop.transport import find_agent
 
     check_runtime_dir()
     if args.metrics is None and args.otlp is None:
@@ -77,8 +80,6 @@ def _export_target(target: str | None) -> tuple[int | None, str | None]:
     """The PID or the run id ``torchtop export TARGET`` follows, checked before serving: a PID
     no running agent answers to is one line, not a server that waits forever; a run that has
     no job yet is said, then waited for."""
-    from torchtop.streams.discovery import Agents
-    from torchtop.transport import find_agent, list_agents
 
     if target is None:
         return None, None
@@ -89,8 +90,6 @@ def _export_target(target: str | None) -> tuple[int | None, str | None]:
     if target.isdigit():
         pid = int(target)
         if not os.path.exists(f"/proc/{pid}"):
-            from torchtop.attach.inject import CHECK_PID
-
             raise CliError(f"no process {pid} is running: {CHECK_PID}", code=1)
         raise CliError(
             f"pid {pid} runs without torchtop's agent, so there is nothing to export: start one "
@@ -114,7 +113,6 @@ def start_exporter(
 ) -> Exporter:
     from torchtop.export.otlp import OtlpUnavailable
     from torchtop.export.prometheus import MetricsError
-    from torchtop.export.service import Exporter
 
     try:
         exporter = Exporter(

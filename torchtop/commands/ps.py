@@ -8,10 +8,13 @@ import time
 from typing import TYPE_CHECKING
 
 from torchtop.commands.core import (
+    VERB_HELP,
     Subparsers,
     check_runtime_dir,
 )
+from torchtop.streams.discovery import launcher_of
 from torchtop.text import printable
+from torchtop.transport import list_agents
 
 if TYPE_CHECKING:
     from torchtop.transport import AgentInfo
@@ -19,14 +22,13 @@ if TYPE_CHECKING:
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     ps = sub.add_parser(
-        "ps", help="list running agents", description="List the running agents of this user."
+        "ps", help=VERB_HELP["ps"], description="List the running agents of this user."
     )
     ps.add_argument("--json", action="store_true", help="print a JSON list")
     return ps
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchtop.transport import list_agents
 
     check_runtime_dir()
     agents = list_agents()
@@ -87,7 +89,6 @@ def launchers_of_runs(agents: list[AgentInfo]) -> dict[int, str]:
     """The agents of single processes that started the ranks of a run (the parent of
     ``torch.multiprocessing.spawn``, a job whose subprocesses are a scheduler's tasks), by pid,
     with the run's label."""
-    from torchtop.streams.discovery import launcher_of
 
     singles = {a.pid for a in agents if not a.rank_label}
     found: dict[int, str] = {}

@@ -7,15 +7,18 @@ import sys
 from pathlib import Path
 
 from torchtop.commands.core import (
+    VERB_HELP,
     CliError,
     Subparsers,
 )
+from torchtop.streams.relay import serve_stdio, serve_tcp
+from torchtop.streams.token import RelayError
 
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     relay = sub.add_parser(
         "relay",
-        help="serve this node's agents to a viewer on another machine",
+        help=VERB_HELP["relay"],
         description="Serve this node's agents to a viewer elsewhere (`torchtop attach --node`): "
         "their frames, each tagged with its agent, new agents as they start. Without --listen "
         "it speaks on stdin/stdout, as `ssh HOST torchtop relay` runs it, and ends when they "
@@ -43,8 +46,6 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchtop.streams.relay import serve_stdio, serve_tcp
-    from torchtop.streams.token import RelayError
 
     try:
         if args.listen is not None:

@@ -6,18 +6,21 @@ import argparse
 from pathlib import Path
 
 from torchtop.commands.core import (
+    VERB_HELP,
     CliError,
     Subparsers,
     positive_float,
     require_terminal,
     run_app,
 )
+from torchtop.streams.recording import RecordingError, read_recording
+from torchtop.streams.sources import RecordingSource
 
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     replay = sub.add_parser(
         "replay",
-        help="view a recording",
+        help=VERB_HELP["replay"],
         description="The viewer over a recording: space plays or pauses, e jumps to the end.",
     )
     replay.add_argument("file", type=Path)
@@ -28,14 +31,12 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchtop.streams.recording import RecordingError, read_recording
 
     try:
         contents = read_recording(args.file)
     except RecordingError as exc:
         raise CliError(str(exc), code=1) from None
     require_terminal(f"torchtop report {args.file}")
-    from torchtop.streams.sources import RecordingSource
     from torchtop.tui.app import TorchtopApp
 
     source = RecordingSource(contents.messages, speed=args.speed)

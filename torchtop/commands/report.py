@@ -7,15 +7,19 @@ import json
 from pathlib import Path
 
 from torchtop.commands.core import (
+    VERB_HELP,
     CliError,
     Subparsers,
 )
+from torchtop.report.job import render_text, summarize
+from torchtop.report.run import is_multi_rank, ranks_parts, summarize_ranks
+from torchtop.streams.recording import RecordingError, read_recording
 
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     report = sub.add_parser(
         "report",
-        help="summarize a recording",
+        help=VERB_HELP["report"],
         description="Summarize a recording: duration, samples, peaks, phases, exit.",
     )
     report.add_argument("file", type=Path)
@@ -24,9 +28,6 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchtop.report.job import render_text, summarize
-    from torchtop.report.run import is_multi_rank, ranks_parts, summarize_ranks
-    from torchtop.streams.recording import RecordingError, read_recording
 
     try:
         contents = read_recording(args.file)

@@ -6,9 +6,9 @@ import argparse
 import contextlib
 import os
 import sys
-from typing import TYPE_CHECKING
 
 from torchtop.commands.core import (
+    VERB_HELP,
     CliError,
     Subparsers,
     add_agent_options,
@@ -23,15 +23,17 @@ from torchtop.commands.core import (
     view_run,
 )
 from torchtop.commands.export import start_exporter
-
-if TYPE_CHECKING:
-    from torchtop.streams.runner import RunSpec
+from torchtop.streams.discovery import Agents
+from torchtop.streams.recording import RecordingError
+from torchtop.streams.runner import RankRun, RunError, RunSpec, run_headless
+from torchtop.streams.sources import RunSource, ScriptRun, attach_rank
+from torchtop.transport import TransportError, ensure_runtime_dir
 
 
 def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
-        help="run a script with the agent inside and watch it",
+        help=VERB_HELP["run"],
         description="Run an unchanged training script (or -m MODULE) with the agent inside.",
         usage=(
             "torchtop run [options] SCRIPT [ARGS...]\n"
@@ -69,7 +71,6 @@ def split_run_argv(run: argparse.ArgumentParser, argv: list[str]) -> tuple[list[
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchtop.streams.runner import RunError, RunSpec
 
     target = list(args.target)
     if not target:
@@ -93,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if args.metrics is None and args.otlp is None:
         return run_spec(spec)
-    from torchtop.streams.discovery import Agents
 
     # The exporter follows the agents below this process: the job, or each rank of torchrun.
     exporter = start_exporter(args, Agents(below=os.getpid()))
@@ -104,9 +104,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_spec(spec: RunSpec) -> int:
-    from torchtop.streams.recording import RecordingError
-    from torchtop.streams.runner import RunError, run_headless
-    from torchtop.transport import TransportError, ensure_runtime_dir
 
     try:
         ensure_runtime_dir()  # before anything starts: a folder that is not private is refused
@@ -118,7 +115,6 @@ def run_spec(spec: RunSpec) -> int:
         require_terminal("torchtop run --headless")
         if spec.launcher:
             return _run_ranks_view(spec)
-        from torchtop.streams.sources import RunSource, ScriptRun, attach_rank
         from torchtop.tui.app import TorchtopApp
 
         source = RunSource(spec)
@@ -150,7 +146,6 @@ def run_spec(spec: RunSpec) -> int:
 
 def _run_ranks_view(spec: RunSpec) -> int:
     """A multi-rank job under the live view of its ranks; the job's exit code."""
-    from torchtop.streams.runner import RankRun
 
     run = RankRun(spec)
     try:
