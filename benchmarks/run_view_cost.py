@@ -10,14 +10,22 @@ core (psutil).
 
     python -m benchmarks.run_view_cost                 # 8 ranks, about a minute
     python -m benchmarks.run_view_cost --ranks 4 --seconds 10
+    python -m benchmarks.run_view_cost --ranks 64 --simulated r.ttr   # the fleet simulator
+
+``--simulated RECORDING``: the ranks are simulated (:mod:`benchmarks.fleet`: the agent's own
+server replaying a real recording per rank, in a process of its own), and the view follows them
+as ``torchtop attach`` does (:class:`~torchtop.streams.runs.AttachedRun`), so scales this
+machine cannot train at can be measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,19 +35,25 @@ REPO = Path(__file__).resolve().parent.parent
 DDP = REPO / "tests" / "scripts" / "ddp.py"
 
 
-def viewer(ranks: int, seconds: float, sleep_ms: float, out: Path) -> None:
-    """Run the view over a real job of ``ranks`` ranks; write what it cost to ``out``."""
+def viewer(ranks: int, seconds: float, sleep_ms: float, out: Path, simulated: bool) -> None:
+    """Run the view over a job of ``ranks`` ranks (real, or the fleet's in this process's
+    runtime directory); write what it cost to ``out``."""
     from torchtop.streams.runner import RankRun, RunSpec
+    from torchtop.streams.runs import AttachedRun, RunFold
     from torchtop.streams.sources import attach_rank
+    from torchtop.transport import list_agents
     from torchtop.tui.app import TorchtopApp
 
-    spec = RunSpec(
+    run: RunFold
+    if simulated:
+        run = AttachedRun(list_agents())
+    else:
+        run = RankRun(RunSpec(
         target=[sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={ranks}", str(DDP), "--steps", "1000000",
                 "--sleep-ms", str(sleep_ms)],
         headless=False,
-    )  # fmt: skip
-    run = RankRun(spec)
+    ))  # fmt: skip
     app = TorchtopApp.for_run(run, "run_view_cost", open_rank=attach_rank)
     me = psutil.Process()
     result: dict[str, float] = {}
@@ -88,7 +102,8 @@ def viewer(ranks: int, seconds: float, sleep_ms: float, out: Path) -> None:
     app.call_later(lambda: app.set_timer(1.0, measure))
     app.run(headless=True, size=(80, 24))
     run.stop_job()
-    run.finish()
+    if isinstance(run, RankRun):
+        run.finish()
     out.write_text(json.dumps(result))
 
 
@@ -100,17 +115,40 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--sleep-ms", type=float, default=50.0)
     parser.add_argument("--threads", action="store_true", help="CPU seconds by thread name")
+    parser.add_argument(
+        "--simulated", metavar="RECORDING", type=Path, help="simulated ranks replaying it"
+    )
     parser.add_argument("--viewer", metavar="OUT", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.viewer is not None:
-        viewer(args.ranks, args.seconds, args.sleep_ms, args.viewer)
+        viewer(args.ranks, args.seconds, args.sleep_ms, args.viewer, args.simulated is not None)
         return
     out = Path(f"/tmp/run_view_cost-{time.time_ns()}.json")
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.run_view_cost", "--ranks", str(args.ranks),
-         "--seconds", str(args.seconds), "--sleep-ms", str(args.sleep_ms), "--viewer", str(out)],
-        cwd=REPO, check=True, timeout=args.seconds + 600,
-    )  # fmt: skip
+    command = [sys.executable, "-m", "benchmarks.run_view_cost", "--ranks", str(args.ranks),
+               "--seconds", str(args.seconds), "--sleep-ms", str(args.sleep_ms),
+               "--viewer", str(out)]  # fmt: skip
+    if args.simulated is None:
+        subprocess.run(command, cwd=REPO, check=True, timeout=args.seconds + 600)
+    else:
+        with tempfile.TemporaryDirectory(prefix="fleet-", dir="/tmp") as root:
+            node = Path(root) / "node0"
+            fleet = subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.fleet", "--from", str(args.simulated),
+                 "--ranks", str(args.ranks), "--nodes", "1", "--root", root,
+                 "--seconds", str(args.seconds + 600)],
+                cwd=REPO,
+            )  # fmt: skip
+            try:
+                while len(list(node.glob("*.sock"))) < args.ranks:
+                    if fleet.poll() is not None:
+                        raise SystemExit("the fleet simulator ended before its ranks were up")
+                    time.sleep(0.2)
+                env = {**os.environ, "TORCHTOP_RUNTIME_DIR": str(node)}
+                command += ["--simulated", str(args.simulated)]
+                subprocess.run(command, cwd=REPO, check=True, timeout=args.seconds + 600, env=env)
+            finally:
+                fleet.terminate()
+                fleet.wait()
     result = json.loads(out.read_text())
     out.unlink()
     if args.threads:
