@@ -1,0 +1,111 @@
+"""What ``torchtop export`` costs at scale: one exporter serving N simulated ranks of a run.
+
+The ranks are the fleet simulator's (:mod:`benchmarks.fleet`, in a process of its own, on one
+node), replaying a real recording; ``torchtop export --run sim`` follows them all, as a node's
+exporter would. Measured once every rank is exported: the time of a scrape of ``/metrics``
+(median and slowest of ``--scrapes``), the response's size and number of series, and the
+exporter's memory (RSS) and CPU over the measured span, as a share of one core.
+
+    python -m benchmarks.export_scale --from r.ttr --ranks 256
+    python -m benchmarks.export_scale --from r.ttr --ranks 1024 --scrapes 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def scrape(url: str) -> tuple[float, bytes]:
+    began = time.perf_counter()
+    with urllib.request.urlopen(url, timeout=60) as response:
+        body: bytes = response.read()
+    return time.perf_counter() - began, body
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--from", dest="source", type=Path, required=True)
+    parser.add_argument("--ranks", type=int, default=256)
+    parser.add_argument("--scrapes", type=int, default=10)
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between scrapes")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="fleet-", dir="/tmp") as root:
+        node = Path(root) / "node0"
+        fleet = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.fleet", "--from", str(args.source),
+             "--ranks", str(args.ranks), "--nodes", "1", "--root", root, "--seconds", "3600"],
+            cwd=REPO,
+        )  # fmt: skip
+        exporter = None
+        try:
+            began = time.monotonic()
+            while len(list(node.glob("*.sock"))) < args.ranks:
+                if fleet.poll() is not None:
+                    raise SystemExit("the fleet simulator ended before its ranks were up")
+                time.sleep(0.2)
+            print(f"{args.ranks} ranks up in {time.monotonic() - began:.1f} s", file=sys.stderr)
+            env = {**os.environ, "TORCHTOP_RUNTIME_DIR": str(node)}
+            exporter = subprocess.Popen(
+                [sys.executable, "-m", "torchtop", "export", "sim", "--metrics", "127.0.0.1:0"],
+                env=env, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            assert exporter.stderr is not None
+            url = ""
+            while not url:
+                line = exporter.stderr.readline()
+                if not line:
+                    raise SystemExit("the exporter ended before it served")
+                found = re.search(r"serving metrics on (\S+)", line)
+                url = found[1] if found else ""
+            began = time.monotonic()
+            while True:
+                _s, body = scrape(url)
+                exported = len(set(re.findall(rb'[{,]rank="(\d+)"', body)))
+                if exported >= args.ranks:
+                    break
+                if time.monotonic() - began > 600:
+                    raise SystemExit(f"only {exported} of {args.ranks} ranks exported")
+                time.sleep(1.0)
+            print(f"all exported after {time.monotonic() - began:.1f} s", file=sys.stderr)
+            me = psutil.Process(exporter.pid)
+            cpu0, wall0 = sum(me.cpu_times()[:2]), time.monotonic()
+            times: list[float] = []
+            for _ in range(args.scrapes):
+                took, body = scrape(url)
+                times.append(took)
+                time.sleep(args.interval)
+            cpu = sum(me.cpu_times()[:2]) - cpu0
+            wall = time.monotonic() - wall0
+            series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+            print(
+                f"export of {args.ranks} ranks: scrape median {1000 * statistics.median(times):.0f}"
+                f" ms, slowest {1000 * max(times):.0f} ms; {len(body) / 1e6:.2f} MB, {series} "
+                f"series; exporter RSS {me.memory_info().rss / 2**20:.0f} MiB, CPU "
+                f"{100 * cpu / wall:.1f}% of a core ({args.scrapes} scrapes, {args.interval} s "
+                "apart)"
+            )
+        finally:
+            if exporter is not None:
+                exporter.terminate()
+                exporter.wait()
+            fleet.terminate()
+            fleet.wait()
+
+
+if __name__ == "__main__":
+    main()
