@@ -19,6 +19,7 @@ and the whole (those, the profiled steps' slowdown, and reading the window).
     python -m benchmarks.agent_overhead --quick    # a smoke run
     python -m benchmarks.agent_overhead --hooks-only  # the sampler on in both arms: the
                                                      # step and DataLoader hooks' share alone
+    python -m benchmarks.agent_overhead --threads default  # torch's own thread count
 """
 
 from __future__ import annotations
@@ -228,10 +229,16 @@ def main() -> None:
     parser.add_argument("--no-ops", action="store_true", help="no op-timing windows in the on arm")
     parser.add_argument("--model", choices=("mlp", "tiny-ops"), help="measure this model only")
     parser.add_argument("--rounds", type=int, help="paired blocks per model (default 40)")
+    parser.add_argument(
+        "--threads",
+        default="1",
+        help="torch's intra-op threads: a number, or 'default' (one per core, as a user's CPU "
+        "job has); 1 leaves the agent a core of its own",
+    )
     args = parser.parse_args()
-    torch.set_num_threads(
-        1
-    )  # the sampler thread gets the other core, as on a busy machine it won't
+    if args.threads != "default":
+        torch.set_num_threads(int(args.threads))
+    print(f"torch threads: {torch.get_num_threads()} ({args.threads})", flush=True)
     rounds, seconds = (3, 0.5) if args.quick else (40, 1.0)
     if args.rounds:
         rounds = args.rounds
