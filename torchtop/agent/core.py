@@ -229,9 +229,12 @@ class Agent:
             on_give_up=self._server_gave_up,
         )
         self.server.on_request = self._on_request
+        # psutil once a second (the process table walk for children every 5 s); the RSS alone
+        # from /proc on the ticks between.
+        self._host = HostProbe(children_every=5, full_every=max(1, round(1.0 / config.interval_s)))
         self.sampler = Sampler(
             self.publish,
-            host=HostProbe(),
+            host=self._host,
             cpu_memory=self.oom.cpu_probe(CpuMemoryProbe()),
             cuda_memory=self._cuda,
             nvml=nvml,
@@ -416,6 +419,7 @@ class Agent:
             self.server.wait_for_clients_drained(min(self.config.linger_s, linger_s))
         self.server.stop(drain_s=drain_s)
         remove_server_files(self.pid)
+        self._host.close()
         if self._nvml is not None:
             with contextlib.suppress(Exception):
                 self._nvml.close()
