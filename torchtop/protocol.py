@@ -267,6 +267,17 @@ class AgentStats(Message):
     late_ticks: int
     mean_tick_s: float
     max_tick_s: float
+    #: CPU seconds the agent's threads have used so far, and over the last second their share
+    #: of one core and of the job's training time (``None`` while the job takes no step; on a
+    #: job whose step holds the GIL, the time the agent takes from it). ``None`` from an agent
+    #: that does not measure them.
+    cpu_s: float | None = None
+    cpu_share: float | None = None
+    step_share: float | None = None
+    #: The agent's budget (a share of step time) and the sampling interval it keeps to now:
+    #: above the budget it samples less often than its configured interval.
+    cost_budget: float | None = None
+    interval_s: float | None = None
 
 
 @dataclass(frozen=True)
