@@ -324,7 +324,7 @@ def agent_cost_line(cost: dict[str, Any]) -> str:
     parts = []
     if cost.get("mean_step_share") is not None:
         parts.append(f"{cost['mean_step_share']:.1%} of step time (mean)")
-    cpu = f"{cost['cpu_s']:.1f} s of CPU"
+    cpu = f"{cost['cpu_s']:.2f} s of CPU"
     if cost.get("core_share") is not None:
         cpu += f" ({cost['core_share']:.1%} of a core)"
     parts.append(cpu)
