@@ -19,6 +19,7 @@ and the whole (those, the profiled steps' slowdown, and reading the window).
     python -m benchmarks.agent_overhead --quick    # a smoke run
     python -m benchmarks.agent_overhead --hooks-only  # the sampler on in both arms: the
                                                      # step and DataLoader hooks' share alone
+    python -m benchmarks.agent_overhead --threads default  # torch's own thread count
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSample
 
 import torchtop
 from torchtop.agent import core
+from torchtop.agent.threads import agent_cpu_s
 
 
 def mlp() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -125,6 +127,7 @@ def alternating(
     off: list[float] = []
     on: list[float] = []
     pair_ratios: list[float] = []
+    agent.self_measured = []  # type: ignore[attr-defined]
     for _ in range(rounds):
         if not hooks_only:
             agent.sampler.pause()
@@ -135,7 +138,12 @@ def alternating(
         agent.sampler.resume()
         if not hooks_only and agent.ops is not None:
             agent.ops.resumed_after(time.monotonic() - paused)
+        cpu_before, began = agent_cpu_s(), time.perf_counter()
         on_block = run_block()
+        cpu_after, ended = agent_cpu_s(), time.perf_counter()
+        if cpu_before is not None and cpu_after is not None:
+            # What the agent's threads used in the "on" block, as it measures itself.
+            agent.self_measured.append((cpu_after - cpu_before) / (ended - began))  # type: ignore[attr-defined]
         off += off_block
         on += on_block
         pair_ratios.append(statistics.median(on_block) / statistics.median(off_block))
@@ -171,6 +179,11 @@ def summarize(
         # (the "on" blocks; paused time does not count toward the spacing): the budget (2%)
         # holds when this does.
         "windows_share": sum(c[2] for c in costs) / on_seconds,
+        # The agent's threads' CPU in the "on" blocks, as the agent measures its own cost
+        # (its threads' CPU clocks), and its sampling interval at the end (its budget may
+        # have slowed it).
+        "self_measured_share": statistics.median(getattr(agent, "self_measured", []) or [0.0]),
+        "interval_s": agent.sampler.interval_s,
     }
     print(
         f"{name:10s} off {result['median_step_off_ms']:8.3f} ms"
@@ -180,7 +193,9 @@ def summarize(
         f"{'':10s} mean ratio {result['mean_ratio']:.4f}; {len(costs)} op windows, one costs"
         f" {result['window_cost_ms']:.2f} ms (profiler start {result['window_start_ms']:.2f} ms,"
         f" stop {result['window_stop_ms']:.2f} ms); the windows cost"
-        f" {result['windows_share']:.2%} of the run",
+        f" {result['windows_share']:.2%} of the run\n"
+        f"{'':10s} the agent's threads measured {result['self_measured_share']:.2%} of a core in"
+        f" the on blocks; it samples every {result['interval_s']:g} s",
         flush=True,
     )
     return result
@@ -228,10 +243,16 @@ def main() -> None:
     parser.add_argument("--no-ops", action="store_true", help="no op-timing windows in the on arm")
     parser.add_argument("--model", choices=("mlp", "tiny-ops"), help="measure this model only")
     parser.add_argument("--rounds", type=int, help="paired blocks per model (default 40)")
+    parser.add_argument(
+        "--threads",
+        default="1",
+        help="torch's intra-op threads: a number, or 'default' (one per core, as a user's CPU "
+        "job has); 1 leaves the agent a core of its own",
+    )
     args = parser.parse_args()
-    torch.set_num_threads(
-        1
-    )  # the sampler thread gets the other core, as on a busy machine it won't
+    if args.threads != "default":
+        torch.set_num_threads(int(args.threads))
+    print(f"torch threads: {torch.get_num_threads()} ({args.threads})", flush=True)
     rounds, seconds = (3, 0.5) if args.quick else (40, 1.0)
     if args.rounds:
         rounds = args.rounds

@@ -267,6 +267,17 @@ class AgentStats(Message):
     late_ticks: int
     mean_tick_s: float
     max_tick_s: float
+    #: CPU seconds the agent's threads have used so far, and over the last second their share
+    #: of one core and of the job's training time (``None`` while the job takes no step; on a
+    #: job whose step holds the GIL, the time the agent takes from it). ``None`` from an agent
+    #: that does not measure them.
+    cpu_s: float | None = None
+    cpu_share: float | None = None
+    step_share: float | None = None
+    #: The agent's budget (a share of step time) and the sampling interval it keeps to now:
+    #: above the budget it samples less often than its configured interval.
+    cost_budget: float | None = None
+    interval_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -708,17 +719,35 @@ def to_dict(message: Message) -> dict[str, Any]:
 
 
 _SCALARS = (int, float, str, bool, type(None))
+#: Each dataclass's field names, looked up once: ``dataclasses.fields`` costs more than the
+#: copy itself, and the sampler encodes a few frames every tick.
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        _FIELD_NAMES[cls] = names
+    return names
 
 
 def _plain(value: Any) -> Any:
     """``dataclasses.asdict`` for message fields, several times faster on lists of numbers
     (a ``steps`` frame carries a few hundred): those are copied whole, not item by item."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is list:
+        if all(type(v) in _SCALARS for v in value):
+            return list(value)
+        return [_plain(v) for v in value]
+    if kind in _FIELD_NAMES or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        return {name: _plain(getattr(value, name)) for name in _field_names(kind)}
     if isinstance(value, list):
         if all(type(v) in _SCALARS for v in value):
             return list(value)
         return [_plain(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     if isinstance(value, dict):

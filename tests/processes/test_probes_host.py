@@ -158,3 +158,33 @@ def test_the_cpus_it_may_use_and_the_jobs_processes_on_the_node(
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert pinned.stdout.strip() == "1"
+
+
+def test_full_every_reads_psutil_once_in_n_and_the_rss_alone_between() -> None:
+    # A FakeProcess's pid does not exist here: /proc/4242/statm cannot be opened, so every read
+    # is a full one, as on a platform without /proc.
+    fake = FakeProcess()
+    probe = HostProbe(fake, full_every=5)
+    for _ in range(5):
+        probe.read()
+    assert fake.cpu_calls == 5
+
+    # The real process: psutil on reads 1, 4, 7; the RSS from /proc/self/statm in between.
+    probe = HostProbe(full_every=3)
+    first = probe.read()
+    calls = []
+    original = probe._read_full
+
+    def counted() -> object:
+        calls.append(1)
+        return original()
+
+    probe._read_full = counted  # type: ignore[method-assign]
+    between = [probe.read() for _ in range(6)]
+    probe.close()
+    assert len(calls) == 2
+    assert all(stats.rss_bytes is not None and stats.rss_bytes > 0 for stats in between)
+    assert between[0].threads == first.threads
+    assert between[0].system_total_bytes == first.system_total_bytes
+    with pytest.raises(ValueError):
+        HostProbe(full_every=0)

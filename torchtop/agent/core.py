@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
+from torchtop.agent.cost import MAX_INTERVAL_S, CostMeter
 from torchtop.agent.identity import rank_identity
 from torchtop.agent.oom import OomController
 from torchtop.agent.ops import PROBE as OPS_PROBE
@@ -71,6 +72,9 @@ SIGTERM_WAIT_S = 3.0
 #: ``probe_status`` names for the agent's own parts.
 SERVER_PROBE = "server"
 SNAPSHOTS_PROBE = "snapshots"
+COST_PROBE = "cost"
+#: The longest the cost budget spaces op windows apart.
+MAX_OPS_SPACING_S = 300.0
 
 
 def _say(message: str) -> None:
@@ -98,6 +102,9 @@ class AgentConfig:
     capture_output: bool = False
     #: At exit, wait up to this long for a viewer that is expected to attach to get everything.
     linger_s: float = 0.0
+    #: The share of the job's step time the agent's threads may use (``--cost-budget``); above
+    #: it the sampler samples less often. 0: no budget.
+    cost_budget: float = 0.01
 
     # -- out of memory (torchtop.agent.oom) --------------------------------------------------
     #: Record CUDA allocator history and capture out-of-memory failures (``--no-oom-capture``).
@@ -156,6 +163,8 @@ class AgentConfig:
             raise ValueError("the op-sampling budget must be above 0 and at most 0.5 (50%)")
         if config.hang_after_s <= 0:
             raise ValueError("--hang-after must be positive")
+        if not 0 <= config.cost_budget <= 0.5:
+            raise ValueError("the cost budget must be between 0 and 0.5 (50%)")
         if config.ops_min_spacing_s < 0:
             raise ValueError("the spacing between op windows cannot be negative")
         return config
@@ -229,9 +238,12 @@ class Agent:
             on_give_up=self._server_gave_up,
         )
         self.server.on_request = self._on_request
+        # psutil once a second (the process table walk for children every 5 s); the RSS alone
+        # from /proc on the ticks between.
+        self._host = HostProbe(children_every=5, full_every=max(1, round(1.0 / config.interval_s)))
         self.sampler = Sampler(
             self.publish,
-            host=HostProbe(),
+            host=self._host,
             cpu_memory=self.oom.cpu_probe(CpuMemoryProbe()),
             cuda_memory=self._cuda,
             nvml=nvml,
@@ -243,6 +255,7 @@ class Agent:
             agent_stats=self._agent_stats,
             training=self.training,
         )
+        self.cost = CostMeter(config.cost_budget, lambda: self.training.steps.total)
 
     def _on_request(self, request: Request) -> None:
         """A viewer's request, in the server's I/O thread: hand it over and return.
@@ -338,6 +351,29 @@ class Agent:
 
     def _agent_stats(self, stats: SamplerStats) -> AgentStats:
         self.server.check()  # about once a second: restart the I/O thread if it died
+        cost = self.cost.read()
+        if self.cost.over_budget(cost) and cost.step_share is not None:
+            # As many times less often as the cost is over the budget (twice at least).
+            factor = max(2.0, cost.step_share / self.cost.budget)
+            before = self.sampler.interval_s
+            after = self.sampler.slow_down(
+                factor, max(MAX_INTERVAL_S, self.sampler.base_interval_s)
+            )
+            if self.ops is not None:  # the op windows, read in the sampler, space out too
+                self.ops.min_spacing_s = min(
+                    max(self.ops.min_spacing_s, 1.0) * factor, MAX_OPS_SPACING_S
+                )
+            if after != before and self.cost.slowdowns == 1:
+                detail = (
+                    f"the agent used {cost.step_share:.1%} of the step time, over its budget of "
+                    f"{self.cost.budget:.1%}: it samples every {after:.3g} s instead of "
+                    f"{self.sampler.base_interval_s:g} s, and spaces its op windows out "
+                    "(--cost-budget)"
+                )
+                _say(detail)
+                self.publish(
+                    ProbeStatus(t=time.time(), probe=COST_PROBE, available=True, detail=detail)
+                )
         return AgentStats(
             t=time.time(),
             clients=self.server.client_count,
@@ -347,6 +383,11 @@ class Agent:
             late_ticks=stats.late_ticks,
             mean_tick_s=stats.total_tick_s / stats.ticks if stats.ticks else 0.0,
             max_tick_s=stats.max_tick_s,
+            cpu_s=cost.cpu_s,
+            cpu_share=cost.cpu_share,
+            step_share=cost.step_share,
+            cost_budget=self.cost.budget,
+            interval_s=self.sampler.interval_s,
         )
 
     def publish(self, message: Message) -> None:
@@ -416,6 +457,7 @@ class Agent:
             self.server.wait_for_clients_drained(min(self.config.linger_s, linger_s))
         self.server.stop(drain_s=drain_s)
         remove_server_files(self.pid)
+        self._host.close()
         if self._nvml is not None:
             with contextlib.suppress(Exception):
                 self._nvml.close()

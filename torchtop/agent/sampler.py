@@ -123,6 +123,23 @@ class Sampler:
         self._thread = agent_thread(self._run, "torchtop-sampler")
         self._next_nvml = 0.0
         self.stats = SamplerStats()
+        #: The configured interval; :meth:`slow_down` lengthens ``interval_s`` from it.
+        self.base_interval_s = interval_s
+        #: The agent's stats go out every ``stats_every`` configured intervals, in time (a
+        #: slowed sampler still reports about once a second).
+        self._stats_period_s = stats_every * interval_s
+        self._next_stats = 0.0
+        self._rescheduled = False
+
+    def slow_down(self, factor: float, most_s: float) -> float:
+        """Sample ``factor`` times less often, ``most_s`` seconds apart at most (never faster
+        than configured); the new interval."""
+        interval = min(max(self.interval_s * factor, self.base_interval_s), most_s)
+        interval = max(interval, self.base_interval_s)
+        if interval != self.interval_s:
+            self.interval_s = interval
+            self._rescheduled = True
+        return self.interval_s
 
     def start(self) -> None:
         self._thread.start()
@@ -145,6 +162,7 @@ class Sampler:
         # the schedule, and ticks missed entirely are skipped, not bunched.
         start = time.monotonic()
         k = 0
+        self._next_stats = start + self._stats_period_s
         while not self._stop.is_set():
             if not self._resumed.is_set():
                 while not self._resumed.wait(0.2):
@@ -160,10 +178,14 @@ class Sampler:
             self.stats.ticks += 1
             self.stats.total_tick_s += elapsed
             self.stats.max_tick_s = max(self.stats.max_tick_s, elapsed)
-            if self._agent_stats is not None and self.stats.ticks % self._stats_every == 0:
+            if self._agent_stats is not None and time.monotonic() >= self._next_stats:
+                self._next_stats = time.monotonic() + self._stats_period_s
                 message = self._agent_stats(self.stats)
                 if message is not None:
                     self._publish(message)
+            if self._rescheduled:  # a new interval: the schedule starts again from here
+                self._rescheduled = False
+                start, k = time.monotonic(), 0
             k += 1
             due = start + k * self.interval_s
             now = time.monotonic()

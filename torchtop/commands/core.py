@@ -83,6 +83,14 @@ def add_agent_options(p: argparse.ArgumentParser) -> None:
         help="a job with no step for S seconds (or 10 median steps, if longer) is stuck: its "
         "training thread's stack is sent (default 30, or $TORCHTOP_HANG_AFTER)",
     )
+    p.add_argument(
+        "--cost-budget",
+        metavar="PCT",
+        type=budget_type,
+        default=1.0,
+        help="share of the job's step time torchtop's agent may use, in percent (default 1; "
+        "0: no budget); above it the agent samples less often and says so",
+    )
 
 
 #: Each verb, in ``torchtop --help``'s order, with its line there (its module in this package).
@@ -224,6 +232,13 @@ def percent_type(text: str) -> float:
     if not 0 < value <= 50:
         raise argparse.ArgumentTypeError(f"must be above 0 and at most 50, got {text}")
     return value
+
+
+def budget_type(text: str) -> float:
+    """A percentage from 0 (no budget) to 50."""
+    if text.rstrip("%").strip() in ("0", "0.0"):
+        return 0.0
+    return percent_type(text)
 
 
 def positive_count(text: str) -> int:

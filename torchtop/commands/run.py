@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             "nvml_interval_s": args.nvml_interval,
             "nvml": not args.no_nvml,
             "hang_after_s": args.hang_after,
+            "cost_budget": args.cost_budget / 100.0,
             **oom_agent_options(args),
             **ops_agent_options(args),
         },

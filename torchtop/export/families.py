@@ -156,8 +156,27 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         FINDING_LABELS,
         "{finding}",
     )
+    agent_cpu = Family(
+        "torchtop_agent_cpu_seconds",
+        "counter",
+        "CPU time torchtop's agent threads used inside the job.",
+        JOB_LABELS,
+        "s",
+    )
+    agent_share = Family(
+        "torchtop_agent_step_time_ratio",
+        "gauge",
+        "Share of the job's step time torchtop's agent used over the last second (its threads' "
+        "CPU time against the training time; 0.01 is 1%).",
+        JOB_LABELS,
+        "1",
+    )
     for snap in figures:
         labels = job_labels(snap)
+        if snap.agent_cpu_s is not None:
+            agent_cpu.points.append(Point(labels, snap.agent_cpu_s))
+        if snap.agent_step_share is not None:
+            agent_share.points.append(Point(labels, snap.agent_step_share))
         for name, severity in snap.findings:
             findings.points.append(Point((*labels, name, severity), 1))
         steps.points.append(Point(labels, snap.steps_total))
@@ -190,6 +209,8 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         rss,
         sample_t,
         findings,
+        agent_cpu,
+        agent_share,
     ]
 
 

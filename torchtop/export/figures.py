@@ -73,6 +73,10 @@ class JobFigures:
     exited: bool = False
     #: The advisor's findings that hold now: (rule name, severity), worst first.
     findings: tuple[tuple[str, str], ...] = ()
+    #: The agent's own cost: its threads' CPU seconds so far, and its latest share of the
+    #: job's step time (``None`` while the job takes no step, or from an older agent).
+    agent_cpu_s: float | None = None
+    agent_step_share: float | None = None
 
 
 def figures_of(model: JobModel, run_findings: Sequence[Finding] = ()) -> JobFigures | None:
@@ -120,6 +124,8 @@ def figures_of(model: JobModel, run_findings: Sequence[Finding] = ()) -> JobFigu
         host_rss_bytes=model.host.rss_bytes if model.host is not None else None,
         devices=tuple(devices),
         exited=model.job_ended,
+        agent_cpu_s=model.agent_stats.cpu_s if model.agent_stats is not None else None,
+        agent_step_share=model.agent_stats.step_share if model.agent_stats is not None else None,
         findings=tuple(
             (f.name, f.severity)
             for f in [

@@ -28,6 +28,7 @@ from torchtop.model.oom_advice import Evidence, phase_at, step_floors
 from torchtop.model.ops import OpTimings
 from torchtop.model.training import TrainingState
 from torchtop.protocol import (
+    AgentStats,
     DeviceInfo,
     Dropped,
     GpuSample,
@@ -226,6 +227,12 @@ class JobModel:
     advice: Advisor = field(default_factory=Advisor)
     #: The training thread's stack, as the agent last sent it because the steps had stopped.
     stack: StackSampled | None = None
+    #: The agent's latest account of itself: its own cost, its budget, its clients.
+    agent_stats: AgentStats | None = None
+    #: The sum and count of the agent's step-time shares (one a second while the job steps),
+    #: for its mean over the job.
+    agent_step_share_sum: float = 0.0
+    agent_step_share_count: int = 0
 
     _open_phases: dict[int, Phase] = field(default_factory=dict, init=False, repr=False)
 
@@ -326,6 +333,13 @@ class JobModel:
         if isinstance(message, StackSampled):
             self.stack = message
             return True
+        if isinstance(message, AgentStats):
+            previous, self.agent_stats = self.agent_stats, message
+            if message.step_share is not None:
+                self.agent_step_share_sum += message.step_share
+                self.agent_step_share_count += 1
+            # Shown to a tenth of a percent: a change below that redraws nothing.
+            return changed or previous is None or _cost_key(previous) != _cost_key(message)
         if isinstance(message, SourceConnected):
             before = (self.connection, self.address)
             if not self.job_ended:
@@ -597,3 +611,29 @@ def capture_evidence(model: JobModel, capture: MemoryCapture) -> Evidence:
         if entry.capture == capture:
             return entry.evidence
     return model.evidence_for(capture)
+
+
+def agent_cost_summary(model: JobModel) -> dict[str, float | None] | None:
+    """The agent's cost over the job: its threads' CPU seconds, their share of one core over
+    the job's time, the mean of its step-time shares, and its budget; ``None`` from an agent
+    that did not measure itself."""
+    stats = model.agent_stats
+    if stats is None or stats.cpu_s is None:
+        return None
+    started = model.hello.started_at if model.hello is not None else None
+    span = stats.t - started if started is not None else None
+    count = model.agent_step_share_count
+    return {
+        "cpu_s": round(stats.cpu_s, 3),
+        "core_share": round(stats.cpu_s / span, 5) if span else None,
+        "mean_step_share": round(model.agent_step_share_sum / count, 5) if count else None,
+        "budget": stats.cost_budget,
+        "interval_s": stats.interval_s,
+    }
+
+
+def _cost_key(stats: AgentStats) -> tuple[object, ...]:
+    def tenth(share: float | None) -> int | None:
+        return None if share is None else round(share * 1000)
+
+    return (tenth(stats.step_share), tenth(stats.cpu_share), stats.interval_s)

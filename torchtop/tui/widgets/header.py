@@ -79,6 +79,19 @@ def devices_summary(state: JobModel) -> str:
     return ", ".join(f"{d.id} {d.name}" for d in devices)
 
 
+def agent_cost(state: JobModel) -> str:
+    """``torchtop 0.4% of step``, or ``torchtop 0.2% of a core`` while the job takes no step;
+    empty before the agent has measured itself."""
+    stats = state.agent_stats
+    if stats is None or state.job_ended:
+        return ""
+    if stats.step_share is not None:
+        return f"torchtop {stats.step_share:.1%} of step"
+    if stats.cpu_share is not None:
+        return f"torchtop {stats.cpu_share:.1%} of a core"
+    return ""
+
+
 def header_rows(state: JobModel, playback: Playback | None = None) -> list[tuple[Text, Text]]:
     """The header's two rows, each a left part (may be cut) and a right part (kept whole)."""
     hello = state.hello
@@ -120,9 +133,14 @@ def header_rows(state: JobModel, playback: Playback | None = None) -> list[tuple
     elif hello is None and state.connection == "connecting":
         about.append("waiting for the agent…", "dim italic")
     drops = Text()
+    cost = agent_cost(state)
+    if cost:
+        drops.append(cost, "dim")
     advice = state.advice.summary()
     if advice:
         worst = state.advice.findings[0].severity
+        if drops:
+            drops.append("  ")
         drops.append(f"⚑ {advice} (a)", "bold red" if worst == "critical" else "bold yellow")
     if state.dropped > 0:
         if drops:

@@ -1,0 +1,132 @@
+"""The agent's own cost: measured per second, folded, shown, exported, and kept to a budget."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.fakes.cost import agent_stats
+from torchtop.agent.cost import OVER_BUDGET_S, Cost, CostMeter
+from torchtop.agent.threads import agent_cpu_s, agent_thread
+from torchtop.export.families import families
+from torchtop.export.figures import figures_of
+from torchtop.model.job import JobModel, agent_cost_summary
+from torchtop.protocol import AgentStats, Hello, decode, encode
+from torchtop.report.job import agent_cost_line, report_json
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.cpu = 1.0
+        self.steps = 0
+
+    def tick(self, wall: float, cpu: float, steps: int) -> None:
+        self.now += wall
+        self.cpu += cpu
+        self.steps += steps
+
+
+def meter(budget: float = 0.01) -> tuple[CostMeter, Clock]:
+    clock = Clock()
+    return CostMeter(budget, lambda: clock.steps, lambda: clock.cpu, lambda: clock.now), clock
+
+
+def test_the_meter_gives_shares_of_a_core_and_of_the_steps() -> None:
+    cost, clock = meter()
+    assert cost.read() == Cost(1.0, None, None)  # the first reading only starts
+    clock.tick(1.0, 0.004, 50)
+    reading = cost.read()
+    assert reading.cpu_s == pytest.approx(1.004)
+    assert reading.cpu_share == pytest.approx(0.004)
+    assert reading.step_share == pytest.approx(0.004)
+    clock.tick(2.0, 0.002, 0)  # no step: no share of step time
+    reading = cost.read()
+    assert reading.cpu_share == pytest.approx(0.001)
+    assert reading.step_share is None
+
+
+def test_the_meter_says_to_slow_down_after_seconds_over_budget() -> None:
+    cost, clock = meter(budget=0.01)
+    cost.read()
+    verdicts = []
+    for _ in range(OVER_BUDGET_S * 2):
+        clock.tick(1.0, 0.05, 10)
+        verdicts.append(cost.over_budget(cost.read()))
+    assert verdicts == ([False] * (OVER_BUDGET_S - 1) + [True]) * 2
+    assert cost.slowdowns == 2
+    clock.tick(1.0, 0.001, 10)
+    assert not cost.over_budget(cost.read())
+    assert not CostMeter(0.0, lambda: 0).over_budget(Cost(1.0, 0.5, 0.5))  # no budget
+
+
+def test_agent_threads_cpu_is_measured() -> None:
+    done = []
+
+    def spin() -> None:
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+        time.sleep(0.3)
+        done.append(True)
+
+    thread = agent_thread(spin, "torchtop-test")
+    before = agent_cpu_s() or 0.0
+    thread.start()
+    time.sleep(0.2)
+    after = agent_cpu_s()
+    thread.join()
+    assert after is not None and after - before >= 0.04
+
+
+def stats(t: float, cpu_s: float, step_share: float | None) -> AgentStats:
+    return agent_stats(t, cpu_s, step_share or 0.002, step_share)
+
+
+def hello() -> Hello:
+    return Hello(
+        protocol=1,
+        pid=42,
+        argv=["train.py"],
+        cwd="/",
+        started_at=1000.0,
+        python="3.12",
+        torch="2.5",
+        devices=[],
+        interval_s=0.1,
+        hostname="node",
+    )
+
+
+def test_the_model_report_and_exporter_carry_the_cost() -> None:
+    model = JobModel()
+    model.apply(hello())
+    model.apply(stats(1001.0, 0.004, 0.004))
+    model.apply(stats(1002.0, 0.010, 0.006))
+    model.apply(stats(1004.0, 0.012, None))
+    summary = agent_cost_summary(model)
+    assert summary is not None
+    assert summary["cpu_s"] == pytest.approx(0.012)
+    assert summary["core_share"] == pytest.approx(0.003)
+    assert summary["mean_step_share"] == pytest.approx(0.005)
+    assert report_json(model)["agent_cost"] == summary
+    assert agent_cost_line(summary).startswith("torchtop's agent: 0.5% of step time (mean)")
+    figures = figures_of(model)
+    assert figures is not None
+    exported = {f.name: f.points for f in families([figures])}
+    assert exported["torchtop_agent_cpu_seconds"][0].value == pytest.approx(0.012)
+    assert exported["torchtop_agent_step_time_ratio"] == []  # no step in the last second
+
+
+def test_older_agents_stats_still_decode_and_fold() -> None:
+    frame = encode(stats(1.0, 0.1, 0.01)).decode()
+    for field in ("cpu_s", "cpu_share", "step_share", "cost_budget", "interval_s"):
+        frame = frame.replace(f',"{field}":', ',"x_' + field + '":')
+    old = decode(frame)
+    assert isinstance(old, AgentStats) and old.cpu_s is None
+    model = JobModel()
+    model.apply(hello())
+    model.apply(old)
+    assert agent_cost_summary(model) is None
+    assert report_json(model)["agent_cost"] is None
