@@ -61,6 +61,27 @@ def test_the_meter_says_to_slow_down_after_seconds_over_budget() -> None:
     assert not CostMeter(0.0, lambda: 0).over_budget(Cost(1.0, 0.5, 0.5))  # no budget
 
 
+def test_the_op_windows_reading_is_shown_but_left_to_its_own_budget() -> None:
+    """Reading op windows (paced by ``--ops-budget``) counts in the share shown, not in the one
+    this budget weighs: a job at its defaults, whose windows' reading takes a second's few
+    tens of milliseconds now and then, is not slowed down for it."""
+    clock = Clock()
+    read = [0.0]
+    cost = CostMeter(
+        0.01, lambda: clock.steps, lambda: clock.cpu, lambda: clock.now, lambda: read[0]
+    )
+    cost.read()
+    verdicts = []
+    for _ in range(OVER_BUDGET_S * 2):
+        clock.tick(1.0, 0.045, 10)  # 4.5% of the second: 4% of it reading a window
+        read[0] += 0.04
+        reading = cost.read()
+        verdicts.append(cost.over_budget(reading))
+    assert reading.step_share == pytest.approx(0.045)
+    assert reading.budgeted_share == pytest.approx(0.005)
+    assert verdicts == [False] * (OVER_BUDGET_S * 2) and cost.slowdowns == 0
+
+
 def test_agent_threads_cpu_is_measured() -> None:
     done = []
 

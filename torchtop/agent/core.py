@@ -255,7 +255,12 @@ class Agent:
             agent_stats=self._agent_stats,
             training=self.training,
         )
-        self.cost = CostMeter(config.cost_budget, lambda: self.training.steps.total)
+        ops = self.ops
+        self.cost = CostMeter(
+            config.cost_budget,
+            lambda: self.training.steps.total,
+            exempt_s=(lambda: ops.read_s) if ops is not None else (lambda: 0.0),
+        )
 
     def _on_request(self, request: Request) -> None:
         """A viewer's request, in the server's I/O thread: hand it over and return.
@@ -352,9 +357,9 @@ class Agent:
     def _agent_stats(self, stats: SamplerStats) -> AgentStats:
         self.server.check()  # about once a second: restart the I/O thread if it died
         cost = self.cost.read()
-        if self.cost.over_budget(cost) and cost.step_share is not None:
+        if self.cost.over_budget(cost) and cost.budgeted_share is not None:
             # As many times less often as the cost is over the budget (twice at least).
-            factor = max(2.0, cost.step_share / self.cost.budget)
+            factor = max(2.0, cost.budgeted_share / self.cost.budget)
             before = self.sampler.interval_s
             after = self.sampler.slow_down(
                 factor, max(MAX_INTERVAL_S, self.sampler.base_interval_s)
@@ -365,8 +370,8 @@ class Agent:
                 )
             if after != before and self.cost.slowdowns == 1:
                 detail = (
-                    f"the agent used {cost.step_share:.1%} of the step time, over its budget of "
-                    f"{self.cost.budget:.1%}: it samples every {after:.3g} s instead of "
+                    f"the agent used {cost.budgeted_share:.1%} of the step time, over its budget "
+                    f"of {self.cost.budget:.1%}: it samples every {after:.3g} s instead of "
                     f"{self.sampler.base_interval_s:g} s, and spaces its op windows out "
                     "(--cost-budget)"
                 )

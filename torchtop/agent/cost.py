@@ -28,6 +28,9 @@ class Cost:
     cpu_s: float | None
     cpu_share: float | None
     step_share: float | None
+    #: The step share the budget weighs: without the op windows' reading, which their own
+    #: budget (``--ops-budget``) already paces. ``None`` while the job takes no steps.
+    budgeted_share: float | None = None
 
 
 class CostMeter:
@@ -39,12 +42,16 @@ class CostMeter:
         steps_total: Callable[[], int],
         cpu_s: Callable[[], float | None] = agent_cpu_s,
         clock: Callable[[], float] = time.monotonic,
+        exempt_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
+        """``exempt_s``: seconds so far of the agent's work another budget pays for (the op
+        windows' reading); counted in the shares shown, not in the one this budget weighs."""
         self.budget = budget
         self._steps_total = steps_total
         self._cpu_s = cpu_s
         self._clock = clock
-        self._last: tuple[float, float, int] | None = None
+        self._exempt_s = exempt_s
+        self._last: tuple[float, float, int, float] | None = None
         self._over = 0
         self.slowdowns = 0
 
@@ -58,19 +65,23 @@ class CostMeter:
             steps = 0
         if cpu is None:
             return Cost(None, None, None)
-        last, self._last = self._last, (now, cpu, steps)
+        exempt = self._exempt_s()
+        last, self._last = self._last, (now, cpu, steps, exempt)
         if last is None or now <= last[0]:
             return Cost(cpu, None, None)
         wall = now - last[0]
         share = max(0.0, cpu - last[1]) / wall
+        if steps <= last[2]:
+            return Cost(cpu, share, None)
         # While the job steps, the agent's CPU time comes out of its training time.
-        step_share = share if steps > last[2] else None
-        return Cost(cpu, share, step_share)
+        budgeted = max(0.0, cpu - last[1] - (exempt - last[3])) / wall
+        return Cost(cpu, share, share, budgeted)
 
     def over_budget(self, cost: Cost) -> bool:
         """True when the sampler should slow down now: ``cost`` is the latest reading, above
         the budget for :data:`OVER_BUDGET_S` readings in a row."""
-        if self.budget <= 0 or cost.step_share is None or cost.step_share <= self.budget:
+        share = cost.budgeted_share
+        if self.budget <= 0 or share is None or share <= self.budget:
             self._over = 0
             return False
         self._over += 1

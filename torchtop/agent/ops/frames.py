@@ -103,6 +103,9 @@ class FrameMaker:
         self.record_shapes = record_shapes
         self.with_stack = with_stack
         self.windows = 0
+        #: Seconds spent reading closed windows so far, in the sampler thread (what the op
+        #: windows' own budget, ``--ops-budget``, pays for; the agent's budget leaves it out).
+        self.read_s = 0.0
         #: What one profiled event costs the job in seconds: learned from windows over steps
         #: (their slowdown per event), to price time-based windows, whose slowdown is unseen.
         self.event_costs: deque[float] = deque([EVENT_COST_S], maxlen=16)
@@ -162,7 +165,9 @@ class FrameMaker:
                 self.event_costs.append(slowdown / len(events))
         else:
             slowdown = len(events) * statistics.median(self.event_costs)
-        cost = closed.start_cost_s + closed.stop_cost_s + slowdown + (time.perf_counter() - t0)
+        read = time.perf_counter() - t0
+        self.read_s += read
+        cost = closed.start_cost_s + closed.stop_cost_s + slowdown + read
         frame = OpsWindow(
             t=time.time(),
             window=self.windows,

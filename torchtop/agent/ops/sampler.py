@@ -163,6 +163,12 @@ class OpsSampler:
         _active[0] = self
 
     @property
+    def read_s(self) -> float:
+        """Seconds this sampler's thread spent reading windows so far (see
+        :attr:`FrameMaker.read_s`)."""
+        return self._frames.read_s
+
+    @property
     def windows(self) -> int:
         """Windows turned into frames so far (benchmarks read it)."""
         return self._frames.windows
