@@ -510,11 +510,13 @@ def terminal_run(kind: str, size: tuple[int, int], seconds: float) -> dict[str, 
     return result
 
 
-def terminal_cost(seconds: float, runs: int, sizes: list[tuple[int, int]]) -> dict[str, Any]:
+def terminal_cost(
+    seconds: float, runs: int, sizes: list[tuple[int, int]], jobs: list[str]
+) -> dict[str, Any]:
     """:func:`terminal_run` ``runs`` times for each job and size, with the load average."""
     rows: dict[str, Any] = {}
     for width, height in sizes:
-        for kind in TERMINAL_JOBS:
+        for kind in jobs:
             name = f"{kind} {width}x{height}"
             rows[name] = [
                 {**terminal_run(kind, (width, height), seconds), "load": os.getloadavg()[0]}
@@ -644,6 +646,9 @@ def main() -> None:
     )
     parser.add_argument("--runs", type=int, default=3, help="runs per row in the terminal")
     parser.add_argument("--sizes", default="120x40,80x24", help="terminal sizes, e.g. 120x40,80x24")
+    parser.add_argument(
+        "--terminal-jobs", default="idle,20", help="the terminal's jobs: idle, 20 (lines/s)"
+    )
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--viewer", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -668,7 +673,8 @@ def main() -> None:
     real: dict[str, Any] | None = None
     if args.terminal:
         sizes = [tuple(int(n) for n in size.split("x")) for size in args.sizes.split(",")]
-        real = terminal_cost(args.seconds, args.runs, sizes)  # type: ignore[arg-type]
+        jobs = [kind for kind in TERMINAL_JOBS if kind.split()[0] in args.terminal_jobs]
+        real = terminal_cost(args.seconds, args.runs, sizes, jobs)  # type: ignore[arg-type]
     if args.json:
         report = {"load": load, "cores": os.cpu_count(), "rows": rows, "end_to_end": terminal}
         report["terminal"] = real
