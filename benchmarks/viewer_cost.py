@@ -10,6 +10,15 @@ process with the agent), headless at 80x24, in its own process. Measured inside 
 - CPU: the viewer process's own CPU time (all its threads, not the job's) over ``--seconds``,
   as a share of one core (psutil).
 
+``--terminal tmux``: the cost users pay, the bytes written to the terminal included: ``torchtop
+run`` in a detached tmux session (its own server) at 120x40 and 80x24, for a job that sleeps and
+one that prints 20 timestamped lines a second, ``--runs`` runs each; the ``torchtop run``
+process's own CPU (``/proc/PID/stat``, not its job's) over ``--seconds`` after the warm-up, and
+for the printing job the time from each line's timestamp to the first read of the screen
+(``tmux capture-pane`` every 20 ms) that shows it. ``--jobs ''`` leaves the headless rows out:
+
+    python -m benchmarks.viewer_cost --jobs '' --no-end-to-end --terminal tmux
+
 Jobs: ``idle`` sleeps; ``normal`` steps every 50 ms and prints a line a second; ``chatty`` prints
 a line every 10 ms and steps every 5 ms with op windows on. The baseline, measured in the same
 run on the same (possibly loaded) machine: a bare Textual app with one static widget, and with
@@ -366,9 +375,171 @@ def end_to_end(seconds: float) -> dict[str, Any]:
             subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
     result: dict[str, Any] = {"log_n": len(latencies)}
     for q, key in ((0.5, "p50"), (0.95, "p95"), (1.0, "max")):
-        value = percentile(latencies, q)
-        result[f"log_{key}_ms"] = None if value is None else value * 1e3
+        latency = percentile(latencies, q)
+        result[f"log_{key}_ms"] = None if latency is None else latency * 1e3
     return result
+
+
+# -- the viewer's own CPU, in a real terminal -----------------------------------------------------
+
+#: The terminal sizes of ``--terminal tmux``: the common default and the smallest supported.
+TERMINAL_SIZES = ((120, 40), (80, 24))
+#: The jobs of ``--terminal tmux``: one that sleeps and one that prints 20 timestamped lines a
+#: second (each script ends with the viewer that started it, or after ten minutes).
+TERMINAL_JOBS = {
+    "idle": (
+        "import os, time\n"
+        "parent, end = os.getppid(), time.monotonic() + 600\n"
+        "while os.getppid() == parent and time.monotonic() < end:\n"
+        "    time.sleep(0.5)\n"
+    ),
+    "20 lines/s": TICKER,
+}
+#: How often the screen is read for the latency of the printing job.
+TERMINAL_POLL_S = 0.02
+
+
+def _clock_ticks() -> int:
+    return int(os.sysconf("SC_CLK_TCK"))
+
+
+def process_cpu_s(pid: int) -> float:
+    """The process's own CPU time (user + system, all its threads, not its children's)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat.rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / _clock_ticks()
+
+
+def _viewer_pid(tmux: list[str], session: str) -> int | None:
+    """The ``torchtop run`` process in the session's pane (the pane's shell may exec it, or
+    start it as its child)."""
+    pane = subprocess.run(
+        [*tmux, "display-message", "-p", "-t", session, "#{pane_pid}"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not pane.isdigit():
+        return None
+    try:
+        process = psutil.Process(int(pane))
+        for candidate in (process, *process.children(recursive=True)):
+            line = candidate.cmdline()
+            if "torchtop" in line and "run" in line:
+                return candidate.pid
+    except psutil.Error:
+        return None
+    return None
+
+
+def terminal_run(kind: str, size: tuple[int, int], seconds: float) -> dict[str, Any]:
+    """``torchtop run`` of a ``kind`` job in a detached tmux session of ``size`` (its own tmux
+    server): the ``torchtop run`` process's CPU over ``seconds`` after :data:`WARMUP_S`, as a
+    share of one core (``/proc/PID/stat``); for the printing job also the time from each line's
+    timestamp to the first read of the screen that shows it (every :data:`TERMINAL_POLL_S`)."""
+    width, height = size
+    result: dict[str, Any] = {}
+    latencies: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="tt-cost-", dir="/tmp") as folder:
+        env = {**os.environ, "TMUX_TMPDIR": folder, "TORCHTOP_RUNTIME_DIR": f"{folder}/run"}
+        env["XDG_CONFIG_HOME"] = f"{folder}/config"  # default settings, never the user's
+        tmux = ["tmux", "-S", f"{folder}/tmux"]  # its own server
+        script = Path(folder) / "job.py"
+        script.write_text(TERMINAL_JOBS[kind])
+        command = f"{sys.executable} -m torchtop run --no-ops {script}"
+        session = "cost"
+        subprocess.run(
+            [
+                *tmux,
+                "new-session",
+                "-d",
+                "-s",
+                session,
+                "-x",
+                str(width),
+                "-y",
+                str(height),
+                "-c",
+                str(REPO),
+                command,
+            ],
+            check=True,
+            env=env,
+        )
+        try:
+            pid = None
+            start = time.monotonic()
+            while pid is None and time.monotonic() - start < 10:
+                pid = _viewer_pid(tmux, session)
+                time.sleep(0.1)
+            if pid is None:
+                raise SystemExit("viewer_cost: no torchtop run process in the tmux session")
+            time.sleep(max(0.0, WARMUP_S + 1.0 - (time.monotonic() - start)))
+            cpu0, wall0 = process_cpu_s(pid), time.monotonic()
+            seen: set[str] = set()
+            stamped = "lines" in kind
+            while time.monotonic() - wall0 < seconds:
+                if not stamped:
+                    time.sleep(min(0.5, seconds - (time.monotonic() - wall0)))
+                    continue
+                screen = subprocess.run(
+                    [*tmux, "capture-pane", "-p", "-t", session],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                ).stdout
+                now = time.time()
+                for stamp in screen.split(STAMP)[1:]:
+                    value = stamp.split(maxsplit=1)[0] if stamp.strip() else ""
+                    if value in seen or not value.replace(".", "").isdigit():
+                        continue
+                    seen.add(value)
+                    if now - float(value) < 5:  # not the lines already there at the start
+                        latencies.append(now - float(value))
+                time.sleep(TERMINAL_POLL_S)
+            result["cpu_share"] = (process_cpu_s(pid) - cpu0) / (time.monotonic() - wall0)
+        finally:
+            for keys in ("q", "s"):
+                subprocess.run([*tmux, "send-keys", "-t", session, keys], capture_output=True)
+                time.sleep(0.5)
+            time.sleep(0.5)
+            subprocess.run([*tmux, "kill-server"], capture_output=True, env=env)
+    if latencies:
+        result["log_n"] = len(latencies)
+        for q, key in ((0.5, "p50"), (0.95, "p95"), (1.0, "max")):
+            result[f"log_{key}_ms"] = percentile(latencies, q) * 1e3  # type: ignore[operator]
+    return result
+
+
+def terminal_cost(
+    seconds: float, runs: int, sizes: list[tuple[int, int]], jobs: list[str]
+) -> dict[str, Any]:
+    """:func:`terminal_run` ``runs`` times for each job and size, with the load average."""
+    rows: dict[str, Any] = {}
+    for width, height in sizes:
+        for kind in jobs:
+            name = f"{kind} {width}x{height}"
+            rows[name] = [
+                {**terminal_run(kind, (width, height), seconds), "load": os.getloadavg()[0]}
+                for _ in range(runs)
+            ]
+    return rows
+
+
+def print_terminal(rows: dict[str, Any], seconds: float) -> None:
+    print(
+        f"\nreal terminal (tmux): the torchtop run process's CPU, {seconds:.0f} s per run after "
+        f"{WARMUP_S:.0f} s; log latency read every {TERMINAL_POLL_S * 1e3:.0f} ms"
+    )
+    print(f"{'':<22}{'CPU %core per run':>24}{'log p50/p95 ms per run':>32}{'load':>16}")
+    for name, runs in rows.items():
+        cpu = " ".join(f"{run['cpu_share'] * 100:.2f}" for run in runs)
+        logs = " ".join(
+            f"{fmt(run.get('log_p50_ms'), 0)}/{fmt(run.get('log_p95_ms'), 0)}"
+            for run in runs
+            if "log_n" in run
+        )
+        load = " ".join(f"{run['load']:.1f}" for run in runs)
+        print(f"{name:<22}{cpu:>24}{logs:>32}{load:>16}")
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -468,6 +639,16 @@ def main() -> None:
         action="store_false",
         help="leave out the measurement in a real terminal (tmux)",
     )
+    parser.add_argument(
+        "--terminal",
+        choices=("tmux",),
+        help="also measure the torchtop run process in a real terminal (idle, 20 lines/s)",
+    )
+    parser.add_argument("--runs", type=int, default=3, help="runs per row in the terminal")
+    parser.add_argument("--sizes", default="120x40,80x24", help="terminal sizes, e.g. 120x40,80x24")
+    parser.add_argument(
+        "--terminal-jobs", default="idle,20", help="the terminal's jobs: idle, 20 (lines/s)"
+    )
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--viewer", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -482,17 +663,25 @@ def main() -> None:
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as folder:
         old = old_tree(args.baseline, Path(folder)) if args.baseline else None
-        rows["bare textual app"] = measure("bare", args.seconds, REPO, False)
-        for kind in args.jobs.split(","):
+        if args.jobs:
+            rows["bare textual app"] = measure("bare", args.seconds, REPO, False)
+        for kind in filter(None, args.jobs.split(",")):
             rows[kind] = measure(kind, args.seconds, REPO, args.profile)
             if old is not None:
                 rows[f"{kind} ({args.baseline})"] = measure(kind, args.seconds, old, False)
     terminal = end_to_end(args.seconds) if args.end_to_end else None
+    real: dict[str, Any] | None = None
+    if args.terminal:
+        sizes = [tuple(int(n) for n in size.split("x")) for size in args.sizes.split(",")]
+        jobs = [kind for kind in TERMINAL_JOBS if kind.split()[0] in args.terminal_jobs]
+        real = terminal_cost(args.seconds, args.runs, sizes, jobs)  # type: ignore[arg-type]
     if args.json:
         report = {"load": load, "cores": os.cpu_count(), "rows": rows, "end_to_end": terminal}
+        report["terminal"] = real
         print(json.dumps(report, indent=2))
         return
-    print_table(rows, args.seconds, load, args.baseline)
+    if rows:
+        print_table(rows, args.seconds, load, args.baseline)
     if terminal is not None:
         if "skipped" in terminal:
             print(f"end to end: skipped ({terminal['skipped']})")
@@ -503,6 +692,8 @@ def main() -> None:
                 f"screen read every {TMUX_POLL_S * 1e3:.0f} ms: log p50/p95/max {figures} ms "
                 f"({terminal['log_n']} lines)"
             )
+    if real is not None:
+        print_terminal(real, args.seconds)
     if args.profile:
         for name, row in rows.items():
             if "profile" in row:

@@ -9,11 +9,23 @@ that launched them. Standard library and psutil only (psutil when a process's an
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from torchtop.transport import AgentInfo, list_agents
+from torchtop.transport import AgentInfo, list_agents, runtime_dir
+
+#: Seconds between two full reads of the runtime directory while its entries do not change (an
+#: agent that starts or rewrites its description replaces a file there, which changes them at
+#: once): what may change meanwhile is a refusal that does not depend on the files, such as a
+#: process's ancestry psutil could not read. Reading every description costs a scan a few
+#: hundred microseconds, a quarter of a viewer's CPU on a quiet job at five scans a second.
+FULL_SCAN_S = 2.0
+#: A directory changed this recently may change again within its timestamp's granularity,
+#: unseen: it is read in full at the next scan as well.
+SETTLED_S = 0.1
 
 
 def _ancestors(pid: int) -> list[int] | None:
@@ -101,6 +113,10 @@ class AgentScan:
         self._interval_s = interval_s
         self._remember_refused = remember_refused
         self._seen: set[str] = set()
+        #: The runtime directory's entries as of the last full read (``None``: read next
+        #: time), and when that read was (``time.monotonic()``).
+        self._entries: tuple[int, int, int] | None = None
+        self._read_at = 0.0
         self.closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -119,10 +135,28 @@ class AgentScan:
     def _loop(self) -> None:
         while not self.closed.is_set():
             try:
-                self.scan_once()
+                if self._may_have_news():
+                    self.scan_once()
             except Exception:  # a bad description file must not stop the scan; try again
                 pass
             self.closed.wait(self._interval_s)
+
+    def _may_have_news(self) -> bool:
+        """Whether the next scan may find something the last did not: the directory's entries
+        changed, or the last full read is :data:`FULL_SCAN_S` old. The directory is looked at
+        before it is read, so a change while it is read shows at the next look."""
+        now = time.monotonic()
+        try:
+            info = os.stat(runtime_dir())
+            entries: tuple[int, int, int] | None = (info.st_ino, info.st_mtime_ns, info.st_size)
+            if time.time_ns() - info.st_mtime_ns < SETTLED_S * 1e9:
+                entries = None  # a change within the same tick of its clock would be unseen
+        except OSError:
+            entries = None
+        if entries is not None and entries == self._entries and now - self._read_at < FULL_SCAN_S:
+            return False
+        self._entries, self._read_at = entries, now
+        return True
 
     def scan_once(self) -> None:
         for info in list_agents(clean_stale=False):

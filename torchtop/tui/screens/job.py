@@ -37,6 +37,7 @@ from torchtop.protocol import (
 )
 from torchtop.streams.source import Source, SourceDisconnected
 from torchtop.text import printable
+from torchtop.tui.compositor import RowsCompositor
 from torchtop.tui.heap import SettledHeap
 from torchtop.tui.palette import Action
 from torchtop.tui.screens.advice import AdviceScreen
@@ -186,6 +187,8 @@ class JobScreen(Screen[None]):
         self, source: Source, *, title: str | None = None, opened_over: bool = False
     ) -> None:
         super().__init__()
+        # A frame of new log lines draws the log's rows, not every panel's (:mod:`.compositor`).
+        self._compositor = RowsCompositor()
         self.source = source
         self.opened_over = opened_over
         self.state = JobModel(mode=source.mode)

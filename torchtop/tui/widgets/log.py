@@ -188,6 +188,38 @@ class LogPanel(RichLog):
         self._widest_line_width = max(self._widest_line_width, widest)
         self.virtual_size = Size(self._widest_line_width, len(lines))
 
+    #: The panel's style while its lines are drawn (:meth:`render_lines`), else ``None``.
+    _drawing_style: Style | None = None
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        """The lines in ``crop``, the panel's style worked out once for all of them: Textual
+        works it out for each line (walking the panel's ancestors), a tenth of what a frame of
+        a chatty job costs. It cannot change while the lines are drawn."""
+        self._drawing_style = self.rich_style
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._drawing_style = None
+
+    def render_line(self, y: int) -> Strip:
+        """Line ``y`` of the view, as :meth:`RichLog.render_line` draws it."""
+        style = self._drawing_style or self.rich_style
+        scroll_x, scroll_y = self.scroll_offset
+        width = self.scrollable_content_region.width
+        return self._line_at(scroll_y + y, scroll_x, width, style).apply_style(style)
+
+    def _line_at(self, y: int, scroll_x: int, width: int, style: Style) -> Strip:
+        """:meth:`RichLog._render_line` with the panel's ``style`` given."""
+        lines = self.lines
+        if y >= len(lines):
+            return Strip.blank(width, style)
+        key = (y + self._start_line, scroll_x, width, self._widest_line_width)
+        cache = self._line_cache
+        line = cache.get(key)
+        if line is None:
+            line = cache[key] = lines[y].crop_extend(scroll_x, scroll_x + width, style)
+        return line
+
     def _rendered(self, line: Text, width: int) -> list[Strip]:
         """``line`` wrapped at ``width`` by Rich, as :meth:`RichLog.write` does it."""
         console = self.app.console
