@@ -738,16 +738,12 @@ def _plain(value: Any) -> Any:
     kind = type(value)
     if kind in _SCALARS:
         return value
-    if kind is list:
+    if isinstance(value, list):
         if all(type(v) in _SCALARS for v in value):
             return list(value)
         return [_plain(v) for v in value]
     if kind in _FIELD_NAMES or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
         return {name: _plain(getattr(value, name)) for name in _field_names(kind)}
-    if isinstance(value, list):
-        if all(type(v) in _SCALARS for v in value):
-            return list(value)
-        return [_plain(v) for v in value]
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     if isinstance(value, dict):

@@ -98,7 +98,6 @@ class Sampler:
         agent_stats: Callable[[SamplerStats], Message | None] | None = None,
         training: Any | None = None,
     ) -> None:
-        self._stats_every = stats_every
         self._agent_stats = agent_stats
         #: Steps and DataLoaders (:class:`torchtop.agent.training.TrainingMonitor`): its
         #: ``tick(now)`` drains the training thread's hooks and returns frames to publish.
@@ -134,8 +133,7 @@ class Sampler:
     def slow_down(self, factor: float, most_s: float) -> float:
         """Sample ``factor`` times less often, ``most_s`` seconds apart at most (never faster
         than configured); the new interval."""
-        interval = min(max(self.interval_s * factor, self.base_interval_s), most_s)
-        interval = max(interval, self.base_interval_s)
+        interval = max(self.base_interval_s, min(self.interval_s * factor, most_s))
         if interval != self.interval_s:
             self.interval_s = interval
             self._rescheduled = True

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from torchtop.model.job import JobModel
 from torchtop.model.ops import OpTimings
-from torchtop.model.training import StepPoint, TrainingState
+from torchtop.model.training import StepPoint, TrainingState, weighted_quantile
 
 #: Resamples of each run's steps for the intervals, and the seed (the same runs, the same answer).
 BOOTSTRAP_RESAMPLES = 500
@@ -251,13 +252,6 @@ def step_samples(training: TrainingState) -> list[StepSample]:
     return samples
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    mid = n // 2
-    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def detect_warmup(samples: Sequence[StepSample]) -> int:
     """The step at which the step time has settled: the first near the steady step time (the
     median of the run's second half) whose next :data:`WARMUP_WINDOW` steps have a median near
@@ -267,13 +261,13 @@ def detect_warmup(samples: Sequence[StepSample]) -> int:
         return samples[0].index if samples else 0
     durations = [s.duration for s in samples]
     tail = durations[n // 2 :]
-    steady = _median(tail)
-    mad = _median([abs(d - steady) for d in tail]) * 1.4826
+    steady = statistics.median(tail)
+    mad = statistics.median([abs(d - steady) for d in tail]) * 1.4826
     tolerance = max(WARMUP_TOLERANCE * steady, 3 * mad)
     for i in range(n // 2):
         if abs(durations[i] - steady) > tolerance:
             continue
-        if abs(_median(durations[i : i + WARMUP_WINDOW]) - steady) <= tolerance:
+        if abs(statistics.median(durations[i : i + WARMUP_WINDOW]) - steady) <= tolerance:
             return samples[i].index
     return samples[n // 2].index
 
@@ -325,34 +319,13 @@ class _Figures:
     backward_share: float | None
 
 
-def _quantile(ordered: Sequence[float], q: float) -> float:
-    """Nearest rank, as :func:`torchtop.model.weighted_quantile`."""
-    rank = max(1, math.ceil(q * len(ordered) - 1e-9))
-    return ordered[rank - 1]
-
-
 def _figures(steps: Sequence[StepSample], weighted: bool) -> _Figures:
     """The step figures of ``steps``, each counted ``weight`` times when ``weighted`` (the run
     itself; a resample already drew them in proportion to their weight)."""
-    if weighted and any(s.weight != 1 for s in steps):
-        ordered_pairs = sorted((s.duration, s.weight) for s in steps)
-        total_w = sum(w for _, w in ordered_pairs)
-
-        def wq(q: float) -> float:
-            rank = max(1, math.ceil(q * total_w - 1e-9))
-            seen = 0
-            for value, w in ordered_pairs:
-                seen += w
-                if seen >= rank:
-                    return value
-            return ordered_pairs[-1][0]
-
-        median, p90 = wq(0.5), wq(0.9)
-        weights = [s.weight for s in steps]
-    else:
-        ordered = sorted(s.duration for s in steps)
-        median, p90 = _quantile(ordered, 0.5), _quantile(ordered, 0.9)
-        weights = [1] * len(steps)
+    weights = [s.weight if weighted else 1 for s in steps]
+    pairs = [(s.duration, w) for s, w in zip(steps, weights, strict=True)]
+    median = weighted_quantile(pairs, 0.5) or 0.0
+    p90 = weighted_quantile(pairs, 0.9) or 0.0
     n = sum(weights)
     time = sum(s.duration * w for s, w in zip(steps, weights, strict=True))
     wait = sum(s.wait * w for s, w in zip(steps, weights, strict=True))
@@ -482,7 +455,7 @@ def _steady_allocated(job: JobModel, device: str, since: float | None) -> float 
         for p in memory.series
         if p.allocated is not None and (since is None or p.t >= since)
     ]
-    return float(_median(values)) if values else None
+    return float(statistics.median(values)) if values else None
 
 
 def compare_memory(

@@ -124,10 +124,6 @@ class AgentScan:
         self._thread.start()
         return self
 
-    def forget(self, address: str) -> None:
-        """Let the next scan find ``address`` again."""
-        self._seen.discard(address)
-
     def refuse(self, address: str) -> None:
         """Never hand ``address`` on (again)."""
         self._seen.add(address)
@@ -171,13 +167,9 @@ class AgentScan:
             self._seen.add(info.address)
             self._found(info)
 
-    def close(self, wait_s: float = 5.0) -> None:
-        """Stop scanning; once this returns (from another thread), nothing more is found."""
+    def close(self, wait_s: float | None = 5.0) -> None:
+        """Stop scanning; once this returns (from another thread, within ``wait_s``; ``None``:
+        however long it takes), nothing more is found."""
         self.closed.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=wait_s)
-
-    def join(self, timeout: float | None = None) -> None:
-        self.closed.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)

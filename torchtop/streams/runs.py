@@ -110,7 +110,7 @@ class RankFeeds:
 
     def join(self, timeout: float | None = None) -> bool:
         """Stop looking for new ranks; wait until every followed rank's stream has ended."""
-        self._scan.join(timeout)
+        self._scan.close(wait_s=timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         done = True
         for feed in list(self.feeds.values()):
