@@ -1,0 +1,139 @@
+"""The live split of parameters, gradients and optimizer state equals the model's arithmetic."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from torchtop.agent import holders
+from torchtop.agent.holders import HolderReader, read_holders
+
+F32 = 4
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        out = model(x)
+        (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
+        optimizer.step()
+
+
+def test_mlp_with_adam_to_the_byte() -> None:
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    optimizer = torch.optim.Adam(model.parameters())
+    _train(model, optimizer, torch.randn(8, 64))
+    params = list(model.parameters())
+    got = read_holders([optimizer]).devices["cpu"]
+    assert got.parameters == _bytes(params) == (64 * 256 + 256 + 256 * 10 + 10) * F32
+    assert got.gradients == _bytes(params)
+    # exp_avg and exp_avg_sq like each parameter, and one float32 scalar ``step`` per parameter.
+    assert got.optimizer_state == 2 * _bytes(params) + len(params) * F32
+
+
+def test_cnn_with_sgd_momentum_to_the_byte() -> None:
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    _train(model, optimizer, torch.randn(2, 3, 8, 8))
+    params = list(model.parameters())
+    got = read_holders([optimizer]).devices["cpu"]
+    assert got.parameters == _bytes(params)
+    assert got.gradients == _bytes(params)
+    assert got.optimizer_state == _bytes(params)  # one momentum buffer per parameter
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 50, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.block = nn.TransformerEncoderLayer(dim, 4, 64, batch_first=True)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(tokens)))
+
+
+def test_transformer_with_adamw_and_tied_embeddings_counts_the_tied_weight_once() -> None:
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters())
+    _train(model, optimizer, torch.randint(0, 50, (2, 5)))
+    params = list(model.parameters())  # nn.Module yields the tied weight once
+    assert model.head.weight is model.embed.weight
+    got = read_holders([optimizer]).devices["cpu"]
+    assert got.parameters == _bytes(params)
+    assert got.gradients == _bytes(params)
+    assert got.optimizer_state == 2 * _bytes(params) + len(params) * F32
+
+
+def test_views_of_one_storage_and_two_optimizers_over_one_model_count_once() -> None:
+    flat = torch.zeros(100)
+    a, b = nn.Parameter(flat[:40].view(4, 10)), nn.Parameter(flat[40:])
+    # Parameters built from views share ``flat``'s storage.
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    first, second = torch.optim.SGD([a, b], lr=0.1), torch.optim.SGD([a], lr=0.1)
+    got = read_holders([first, second]).devices["cpu"]
+    assert got.parameters == 100 * F32
+    assert got.gradients == 0 and got.optimizer_state == 0
+
+
+def test_pointers_name_each_storage_by_category() -> None:
+    layer = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    _train(layer, optimizer, torch.randn(2, 4))
+    got = read_holders([optimizer])
+    weight = ("cpu", layer.weight.untyped_storage().data_ptr())
+    grad = ("cpu", layer.weight.grad.untyped_storage().data_ptr())  # type: ignore[union-attr]
+    assert got.pointers[weight] == ("parameters", 64)
+    assert got.pointers[grad] == ("gradients", 64)
+    assert sorted(c for c, _ in got.pointers.values()).count("optimizer_state") == 2
+
+
+def test_reader_sees_only_optimizers_whose_step_ran_and_reads_at_most_once_an_interval() -> None:
+    holders.forget_all()
+    reader = HolderReader(interval_s=1.0)
+    assert reader.read(now=100.0) is None  # no optimizer stepped yet
+    layer = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    holders.note_optimizer(optimizer)
+    assert reader.read(now=100.5) is None  # within the interval
+    first = reader.read(now=101.0)
+    assert first is not None and first.devices["cpu"].parameters == (16 + 4) * F32
+    assert reader.read(now=101.5) is None
+    del optimizer
+    import gc
+
+    gc.collect()
+    assert reader.read(now=102.0) is None  # the dropped optimizer is forgotten
+    holders.forget_all()
+
+
+def test_ten_thousand_parameter_tensors_are_read_off_the_training_thread() -> None:
+    """Not timed: the read happens in the thread that calls it, never the one that steps."""
+    holders.forget_all()
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(10_000)]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    holders.note_optimizer(optimizer)
+    reader = HolderReader()
+    seen: dict[str, object] = {}
+
+    def sampler() -> None:
+        seen["thread"] = threading.current_thread()
+        seen["read"] = reader.read(now=0.0)
+
+    thread = threading.Thread(target=sampler)
+    thread.start()
+    thread.join()
+    read = seen["read"]
+    assert isinstance(read, holders.Holders)
+    assert read.devices["cpu"].parameters == 10_000 * 2 * F32
+    assert seen["thread"] is not threading.main_thread()
+    holders.forget_all()
