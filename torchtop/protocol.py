@@ -698,6 +698,32 @@ class OpsWindow(Message):
 MESSAGE_TYPES.update({OpsWindow.KIND: OpsWindow, StackSampled.KIND: StackSampled})
 
 
+@dataclass(frozen=True)
+class DeviceHolding:
+    """Bytes on one device held by the optimizers' parameters, their gradients and the
+    optimizers' state, each storage counted once (tied and shared weights once)."""
+
+    device: str
+    parameters: int
+    gradients: int
+    optimizer_state: int
+
+
+@dataclass(frozen=True)
+class MemoryHolders(Message):
+    """What holds the memory, read at most once a second from the optimizers whose ``step``
+    ran (``optimizers`` of them). Parameters under no optimizer are not in it. A reader that
+    does not know this kind skips it."""
+
+    KIND: ClassVar[str] = "holders"
+    t: float
+    optimizers: int
+    devices: list[DeviceHolding]
+
+
+MESSAGE_TYPES[MemoryHolders.KIND] = MemoryHolders
+
+
 def step_detail_weights(count: int, listed: int) -> list[int]:
     """How many steps each of the ``listed`` entries of a ``steps`` frame stands for."""
     if listed <= 0:

@@ -137,3 +137,51 @@ def test_ten_thousand_parameter_tensors_are_read_off_the_training_thread() -> No
     assert read.devices["cpu"].parameters == 10_000 * 2 * F32
     assert seen["thread"] is not threading.main_thread()
     holders.forget_all()
+
+
+def test_the_monitor_sends_a_holders_frame_after_a_real_step_and_the_model_folds_it() -> None:
+    """The agent's own optimizer hook notes the optimizer; its sampler tick sends the frame,
+    which survives the wire; the model splits allocated and reserved with it."""
+    from collections import deque
+
+    from torchtop.agent.training import TrainingMonitor
+    from torchtop.model.job import JobModel
+    from torchtop.model.memory import DeviceMemory
+    from torchtop.protocol import MemoryHolders, MemoryStats, Sample, decode, encode
+
+    monitor = TrainingMonitor()
+    monitor.start()
+    try:
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+        optimizer = torch.optim.Adam(model.parameters())
+        _train(model, optimizer, torch.randn(4, 32))
+        frames = [m for m in monitor.tick(5.0) if isinstance(m, MemoryHolders)]
+    finally:
+        monitor.stop(6.0)
+    assert len(frames) == 1
+    frame = decode(encode(frames[0])[:-1])
+    assert frame == frames[0] and isinstance(frame, MemoryHolders)
+    params = _bytes(list(model.parameters()))
+    (cpu,) = frame.devices
+    assert (cpu.device, cpu.parameters, cpu.gradients) == ("cpu", params, params)
+    assert cpu.optimizer_state == 2 * params + 4 * F32
+
+    job = JobModel()
+    job.apply(frame)
+    allocated, reserved = 10 * params, 12 * params
+    stats = MemoryStats(
+        device="cpu", source="cpu-heap", allocated_bytes=allocated, reserved_bytes=reserved
+    )
+    job.apply(Sample(t=5.5, host=None, memory=[stats]))
+    split = job.memory["cpu"].by_category
+    assert split == {
+        "parameters": params,
+        "gradients": params,
+        "optimizer_state": 2 * params + 16,
+        "other_allocated": allocated - 4 * params - 16,
+        "cache": reserved - allocated,
+        "fragmentation": 0,
+    }
+    assert sum(split.values()) == reserved
+    # Unknown until the holders are read.
+    assert DeviceMemory("cpu", stats, deque()).by_category is None

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtop.protocol import DeviceHolding, MemoryHolders
+
 #: Seconds between two reads at most: the walk is cheap but proportional to the tensors.
 READ_INTERVAL_S = 1.0
 
@@ -40,6 +42,11 @@ def note_optimizer(optimizer: Any) -> None:
         _OPTIMIZERS.add(optimizer)
     except TypeError:  # an optimizer that cannot be weakly referenced: not counted
         pass
+
+
+def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The global step pre-hook: note the optimizer, change nothing."""
+    note_optimizer(optimizer)
 
 
 def forget_all() -> None:
@@ -147,8 +154,27 @@ class HolderReader:
             return None
         try:
             holders = read_holders(optimizers)
-        except RuntimeError:  # "dictionary changed size during iteration": next time
-            self.retries += 1
+        except Exception:  # "dictionary changed size during iteration", an odd optimizer:
+            self.retries += 1  # next time, and never the job's or the sampler's failure
             return None
         self.last = holders
         return holders
+
+    def frame(self, t: float, now: float | None = None) -> MemoryHolders | None:
+        """A ``holders`` frame when a fresh read was made (see :meth:`read`)."""
+        holders = self.read(now)
+        if holders is None:
+            return None
+        return MemoryHolders(
+            t=t,
+            optimizers=holders.optimizers,
+            devices=[
+                DeviceHolding(
+                    device=device,
+                    parameters=held.parameters,
+                    gradients=held.gradients,
+                    optimizer_state=held.optimizer_state,
+                )
+                for device, held in sorted(holders.devices.items())
+            ],
+        )

@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from torchtop.agent import holders as holder_hooks
 from torchtop.agent import loaders as loader_hooks
 from torchtop.agent import steps as step_hooks
 from torchtop.agent.loaders import LoaderTracker, read_safely
@@ -138,6 +139,8 @@ class TrainingMonitor:
         #: Op-timing windows (``None`` with ``--no-ops``), scheduled from :meth:`tick`.
         self.ops = ops
         self.loaders = LoaderTracker()
+        #: What holds the memory, read from the hooked optimizers at most once a second.
+        self.holders = holder_hooks.HolderReader()
         self.workers_interval_s = workers_interval_s
         #: Why a part could not be installed, for a ``probe_status`` message; ``None`` if fine.
         self.error: str | None = None
@@ -207,7 +210,8 @@ class TrainingMonitor:
         optimizer = loaded(OPTIMIZER_MODULE)
         pre = optimizer.register_optimizer_step_pre_hook(step_hooks.optimizer_pre_hook)
         post = optimizer.register_optimizer_step_post_hook(step_hooks.optimizer_post_hook)
-        return [pre.remove, post.remove]
+        note = optimizer.register_optimizer_step_pre_hook(holder_hooks.optimizer_pre_hook)
+        return [pre.remove, post.remove, note.remove, holder_hooks.forget_all]
 
     @staticmethod
     def _install_dataloader() -> list[Callable[[], None]]:
@@ -341,6 +345,9 @@ class TrainingMonitor:
             info = self.loaders.frame(now)
             if info is not None:
                 messages.append(info)
+        held = self.holders.frame(now)
+        if held is not None:
+            messages.append(held)
         if self.ops is not None and "profiler" in self._undo:
             messages.extend(self._ops_call(self.ops.tick, now, self.steps))
         if self.stall is not None:

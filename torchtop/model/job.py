@@ -29,6 +29,7 @@ from torchtop.model.ops import OpTimings
 from torchtop.model.training import TrainingState
 from torchtop.protocol import (
     AgentStats,
+    DeviceHolding,
     DeviceInfo,
     Dropped,
     GpuSample,
@@ -40,6 +41,7 @@ from torchtop.protocol import (
     LogLine,
     Marked,
     MemoryCapture,
+    MemoryHolders,
     MemoryStats,
     Message,
     OomResumed,
@@ -188,6 +190,8 @@ class JobModel:
     samples: int = 0
     gpu_samples: int = 0
     memory: dict[str, DeviceMemory] = field(default_factory=dict)
+    #: The latest read of what holds each device's memory (``holders`` frames), by device.
+    holders: dict[str, DeviceHolding] = field(default_factory=dict)
     host: HostStats | None = None
     peak_rss: int | None = None
     rss_series: deque[tuple[float, int | None]] = field(init=False)
@@ -328,6 +332,11 @@ class JobModel:
             return self.captures.apply(message, self.evidence_for(message)) or changed
         if isinstance(message, OomResumed):
             return self.captures.apply(message) or changed
+        if isinstance(message, MemoryHolders):
+            self.holders = {holding.device: holding for holding in message.devices}
+            for name, device in self.memory.items():
+                device.holding = self.holders.get(name)
+            return True
         if isinstance(message, OpsWindow):
             return self.op_timings.apply(message) or changed
         if isinstance(message, StackSampled):
@@ -400,6 +409,7 @@ class JobModel:
             device = self.memory.get(stats.device)
             if device is None:
                 device = DeviceMemory(stats.device, stats, deque(maxlen=self.history_points))
+                device.holding = self.holders.get(stats.device)
                 self.memory[stats.device] = device
             device.latest = stats
             device.series.append(

@@ -9,7 +9,17 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from torchtop.protocol import MemoryStats
+from torchtop.protocol import DeviceHolding, MemoryStats
+
+#: The split of a device's memory, in order (what :attr:`DeviceMemory.by_category` names).
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "other_allocated",
+    "cache",
+    "fragmentation",
+)
 
 
 @dataclass(slots=True)
@@ -33,6 +43,8 @@ class DeviceMemory:
     #: The allocator's own counters, at their highest (``None`` where it has none).
     num_ooms: int | None = None
     num_alloc_retries: int | None = None
+    #: The optimizers' parameters, gradients and state on this device (``None``: not known).
+    holding: DeviceHolding | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -97,3 +109,28 @@ class DeviceMemory:
         if self.latest.source.startswith("cpu"):
             return "RSS"
         return "reserved"
+
+    @property
+    def by_category(self) -> dict[str, int] | None:
+        """What holds this device's memory: parameters, gradients and optimizer state (read
+        from the job's optimizers), everything else allocated (activations, temporaries,
+        buffers, inputs, parameters under no optimizer), the cache (reserved less allocated
+        less fragmentation) and fragmentation. The first four sum to allocated, all six to
+        reserved. ``None`` until both the holders and allocated are known."""
+        holding, allocated = self.holding, self.latest.allocated_bytes
+        if holding is None or allocated is None:
+            return None
+        held = holding.parameters + holding.gradients + holding.optimizer_state
+        split = {
+            "parameters": holding.parameters,
+            "gradients": holding.gradients,
+            "optimizer_state": holding.optimizer_state,
+            # The holders are read a little apart from allocated: never below zero.
+            "other_allocated": max(0, allocated - held),
+        }
+        reserved = self.latest.reserved_bytes
+        if reserved is not None:
+            fragmented = min(self.fragmented or 0, max(0, reserved - allocated))
+            split["cache"] = max(0, reserved - allocated - fragmented)
+            split["fragmentation"] = fragmented
+        return split
