@@ -185,3 +185,52 @@ def test_the_monitor_sends_a_holders_frame_after_a_real_step_and_the_model_folds
     assert sum(split.values()) == reserved
     # Unknown until the holders are read.
     assert DeviceMemory("cpu", stats, deque()).by_category is None
+
+
+def test_report_and_exporter_carry_the_models_one_split() -> None:
+    from torchtop.export.families import families
+    from torchtop.export.figures import figures_of
+    from torchtop.model.job import JobModel
+    from torchtop.protocol import (
+        PROTOCOL_VERSION,
+        DeviceHolding,
+        DeviceInfo,
+        Hello,
+        MemoryHolders,
+        MemoryStats,
+        Sample,
+    )
+    from torchtop.report.job import report_json
+
+    job = JobModel()
+    job.apply(
+        Hello(
+            protocol=PROTOCOL_VERSION,
+            pid=42,
+            argv=["train.py"],
+            cwd="/work",
+            started_at=1.5,
+            python="3.11.7",
+            torch="2.13.0",
+            devices=[DeviceInfo(id="cuda:0", name="H200", total_bytes=150 << 30)],
+            interval_s=0.1,
+        )
+    )
+    job.apply(MemoryHolders(t=2.0, optimizers=1, devices=[DeviceHolding("cuda:0", 100, 100, 200)]))
+    # allocated 1000, reserved 1600, of which 150 free inside split segments.
+    stats = MemoryStats("cuda:0", "cuda", 1000, 1600, inactive_split_bytes=150)
+    job.apply(Sample(t=2.5, host=None, memory=[stats]))
+    split = job.memory["cuda:0"].by_category
+    assert split == {
+        "parameters": 100,
+        "gradients": 100,
+        "optimizer_state": 200,
+        "other_allocated": 600,
+        "cache": 450,
+        "fragmentation": 150,
+    }
+    assert report_json(job)["memory"]["by_category"] == {"cuda:0": split}
+    figures = figures_of(job)
+    assert figures is not None
+    (family,) = [f for f in families([figures]) if f.name == "torchtop_memory_bytes"]
+    assert {p.labels[-1]: p.value for p in family.points} == split

@@ -25,6 +25,8 @@ Kind = Literal["counter", "gauge", "summary"]
 JOB_LABELS = ("run", "rank", "local_rank", "hostname")
 #: The labels of every device-level series.
 DEVICE_LABELS = (*JOB_LABELS, "device", "UUID")
+#: The labels of a device's memory by what holds it.
+CATEGORY_LABELS = (*DEVICE_LABELS, "category")
 #: The labels of an advisor finding's series.
 FINDING_LABELS = (*JOB_LABELS, "finding", "severity")
 #: ``MemoryStats.source`` of the CUDA caching allocator.
@@ -148,6 +150,14 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         DEVICE_LABELS,
         "{oom}",
     )
+    by_category = Family(
+        "torchtop_memory_bytes",
+        "gauge",
+        "A device's memory by what holds it: parameters, gradients and optimizer_state (of "
+        "the job's optimizers), other_allocated, cache and fragmentation (sum: reserved).",
+        CATEGORY_LABELS,
+        "By",
+    )
     findings = Family(
         "torchtop_advice_finding",
         "gauge",
@@ -196,6 +206,8 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
             elif dev.source:
                 _add(cpu_allocated, dl, dev.allocated_bytes)
             ooms.points.append(Point(dl, dev.ooms))
+            for category, value in dev.by_category:
+                by_category.points.append(Point((*dl, category), value))
     return [
         steps,
         step_time,
@@ -206,6 +218,7 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         retries,
         cpu_allocated,
         ooms,
+        by_category,
         rss,
         sample_t,
         findings,

@@ -53,6 +53,8 @@ class DeviceFigures:
     peak_allocated_bytes: int | None = None
     alloc_retries: int | None = None
     ooms: int = 0
+    #: What holds the memory (the model's ``DeviceMemory.by_category``), as (category, bytes).
+    by_category: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ def figures_of(model: JobModel, run_findings: Sequence[Finding] = ()) -> JobFigu
                 peak_allocated_bytes=memory.peak_allocated,
                 alloc_retries=memory.num_alloc_retries,
                 ooms=model.device_ooms(device_id) or 0,
+                by_category=tuple((memory.by_category or {}).items()),
             )
         )
     training = model.training

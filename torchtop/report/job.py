@@ -89,6 +89,14 @@ def report_json(model: JobModel) -> dict[str, Any]:
         "exit_reason": exit_.reason if exit_ is not None else "no exit recorded",
         "phases": phases,
         "devices": devices,
+        # What held each device's memory at the last sample (devices with an optimizer seen).
+        "memory": {
+            "by_category": {
+                d.device: split
+                for d in model.memory.values()
+                if (split := d.by_category) is not None
+            }
+        },
         "host": {"peak_rss_bytes": model.peak_rss},
         "gpus": [
             {"index": i, "peak_util_percent": u} for i, u in sorted(model.gpu_peak_util.items())
