@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import torch
 from torch import nn
 
+from tests.unit.test_server import HELLO
 from torchtop.agent import holders
 from torchtop.agent.holders import HolderReader, read_holders
 
@@ -191,31 +193,12 @@ def test_report_and_exporter_carry_the_models_one_split() -> None:
     from torchtop.export.families import families
     from torchtop.export.figures import figures_of
     from torchtop.model.job import JobModel
-    from torchtop.protocol import (
-        PROTOCOL_VERSION,
-        DeviceHolding,
-        DeviceInfo,
-        Hello,
-        MemoryHolders,
-        MemoryStats,
-        Sample,
-    )
+    from torchtop.protocol import DeviceHolding, DeviceInfo, MemoryHolders, MemoryStats, Sample
     from torchtop.report.job import report_json
 
     job = JobModel()
-    job.apply(
-        Hello(
-            protocol=PROTOCOL_VERSION,
-            pid=42,
-            argv=["train.py"],
-            cwd="/work",
-            started_at=1.5,
-            python="3.11.7",
-            torch="2.13.0",
-            devices=[DeviceInfo(id="cuda:0", name="H200", total_bytes=150 << 30)],
-            interval_s=0.1,
-        )
-    )
+    cuda = [DeviceInfo(id="cuda:0", name="H200", total_bytes=150 << 30)]
+    job.apply(dataclasses.replace(HELLO, devices=cuda))
     job.apply(MemoryHolders(t=2.0, optimizers=1, devices=[DeviceHolding("cuda:0", 100, 100, 200)]))
     # allocated 1000, reserved 1600, of which 150 free inside split segments.
     stats = MemoryStats("cuda:0", "cuda", 1000, 1600, inactive_split_bytes=150)
