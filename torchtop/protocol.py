@@ -350,6 +350,15 @@ class AllocationSite:
 
 
 @dataclass(frozen=True)
+class CategoryBytes:
+    """Bytes held by one category (``parameters``, ``gradients``, ``optimizer_state``,
+    ``other_allocated``)."""
+
+    category: str
+    bytes: int
+
+
+@dataclass(frozen=True)
 class MemoryCapture(Message):
     """What held one device's memory at one moment: the body of ``oom`` and ``memory_snapshot``.
 
@@ -384,6 +393,9 @@ class MemoryCapture(Message):
     requested_stack: list[StackFrame] = field(default_factory=list)
     #: The failure came from the autograd engine's thread, in a backward pass.
     in_backward: bool | None = None
+    #: What held ``allocated_bytes``: blocks attributed by address to the optimizers'
+    #: parameters, gradients and state, the rest ``other_allocated`` (empty: no optimizer).
+    by_category: list[CategoryBytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

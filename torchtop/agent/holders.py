@@ -19,9 +19,10 @@ they fall in "other allocated".
 
 from __future__ import annotations
 
+import bisect
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,3 +179,52 @@ class HolderReader:
                 for device, held in sorted(holders.devices.items())
             ],
         )
+
+
+def read_now() -> Holders | None:
+    """A read at once, for a capture (the job is failing or stopped for a snapshot: the
+    state is whatever it is now, the first step's included). ``None`` if none or it failed."""
+    optimizers = list(_OPTIMIZERS)
+    if not optimizers:
+        return None
+    try:
+        return read_holders(optimizers)
+    except Exception:
+        return None
+
+
+def split_blocks(
+    segments: Iterable[Mapping[str, Any]], holders: Holders, device: str, allocated: int | None
+) -> dict[str, int]:
+    """Attribute a snapshot's allocated blocks by address: a block holding the data pointer
+    of a parameter, gradient or optimizer-state storage on ``device`` counts under that
+    category (parameters first, then gradients, then state); the rest of ``allocated`` (the
+    blocks' sum when not given) is ``other_allocated``. The four sum to allocated."""
+    blocks = sorted(
+        (int(block["address"]), int(block["size"]))
+        for segment in segments
+        for block in segment.get("blocks", ())
+        if block.get("state") == "active_allocated"
+    )
+    starts = [start for start, _ in blocks]
+    claimed: set[int] = set()
+    split = dict.fromkeys(CATEGORIES, 0)
+    order = {category: rank for rank, category in enumerate(CATEGORIES)}
+    mine = sorted(
+        (
+            (order[category], pointer)
+            for (dev, pointer), (category, _) in holders.pointers.items()
+            if dev == device
+        )
+    )
+    for rank, pointer in mine:
+        i = bisect.bisect_right(starts, pointer) - 1
+        if i < 0 or i in claimed:
+            continue
+        start, size = blocks[i]
+        if pointer < start + size:
+            claimed.add(i)
+            split[CATEGORIES[rank]] += size
+    total = sum(size for _, size in blocks) if allocated is None else allocated
+    split["other_allocated"] = max(0, total - sum(split.values()))
+    return split

@@ -11,8 +11,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from torchtop.agent.holders import Holders, split_blocks
 from torchtop.agent.memory_snapshot import site_stack, top_sites, totals, verdict
-from torchtop.protocol import MAX_FRAME_BYTES, MemoryCapture, Message, encode
+from torchtop.protocol import MAX_FRAME_BYTES, CategoryBytes, MemoryCapture, Message, encode
 
 
 def _int(value: Any) -> int | None:
@@ -76,6 +77,7 @@ def analyse_snapshot(
     error: str,
     figures: Callable[[Mapping[str, Any]], tuple[int | None, int | None]],
     segment: int | None = None,
+    holders: Holders | None = None,
 ) -> MemoryCapture:
     """Analyse one snapshot (``error`` says why there is none). Every step may fail on its
     own and says so in ``snapshot_error``; the figures that could be read are still sent.
@@ -90,6 +92,11 @@ def analyse_snapshot(
         allocated = sums.allocated
     if reserved is None and mine.get("segments"):
         reserved = sums.reserved
+    by_category: list[CategoryBytes] = []
+    if holders is not None and mine.get("segments"):
+        with contextlib.suppress(Exception):
+            split = split_blocks(mine["segments"], holders, device, allocated)
+            by_category = [CategoryBytes(name, value) for name, value in split.items()]
     return MemoryCapture(
         t=time.time(),
         id=capture_id,
@@ -109,6 +116,7 @@ def analyse_snapshot(
         snapshot_error=error,
         live_count=live,
         requested_stack=_failed_stack(snap, index) if requested is not None else [],
+        by_category=by_category,
     )
 
 

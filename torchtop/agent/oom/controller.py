@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from torchtop.agent.holders import read_now
 from torchtop.agent.memory_snapshot import failed_request, save_snapshot, site_stack
 from torchtop.agent.oom.capture import (
     _empty_capture,
@@ -438,6 +439,7 @@ class OomController:
             error=error,
             figures=figures,
             segment=segment,
+            holders=read_now(),
         )
         return _Pending(replace(capture, grad_enabled=grad), snap, message, stream)
 
@@ -558,6 +560,7 @@ class OomController:
                 snap=snap,
                 error=error,
                 figures=lambda _snap: (live, live),
+                holders=read_now(),
             )
             if not error:
                 body = self._save(body, snap, f"snapshot-{capture_id}")
@@ -617,6 +620,7 @@ class OomController:
             snap=snap,
             error="",
             figures=figures,
+            holders=read_now(),
         )
         return self._save(body, snap, f"snapshot-{capture_id}")
 
