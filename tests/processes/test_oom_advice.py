@@ -260,3 +260,54 @@ def test_report_events_carry_the_evidence() -> None:
     assert event["resumed"] == "timeout" and event["snapshot_path"] == "/runs/r.oom-1.pickle"
     text = "".join(str(part) for part in capture_parts([event]))
     assert "out of memory on cuda:0" in text and "make_batch (train.py:42)" in text
+
+
+def split(*gib: int) -> dict[str, int]:
+    """Parameters, gradients, optimizer state and other allocated, in GiB."""
+    names = ("parameters", "gradients", "optimizer_state", "other_allocated")
+    return {name: n * GiB for name, n in zip(names, gib, strict=True)}
+
+
+def test_optimizer_state_dominant_names_sharded_or_8bit_states_with_the_bytes_first() -> None:
+    suggestions = suggest(full(by_category=split(10, 10, 40, 17)))
+    assert suggestions[0].id == "sharded-optimizer"
+    assert "Optimizer state held 40.0 GiB of the 77.0 GiB allocated (52%)" in (
+        suggestions[0].evidence
+    )
+    assert "free about 30.0 GiB" in suggestions[0].evidence
+
+
+def test_activations_dominant_put_checkpointing_first() -> None:
+    assert ids(full(by_category=split(2, 2, 4, 69))) == [
+        "checkpointing",
+        "batch-size",
+        "mixed-precision",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("dominant", "rule"),
+    [("gradients", "grads-set-to-none"), ("parameters", "lower-precision-parameters")],
+)
+def test_gradients_or_parameters_dominant_get_their_fix(dominant: str, rule: str) -> None:
+    held = split(1, 1, 1, 1)
+    held[dominant] = 70 * GiB
+    assert ids(full(by_category=held))[0] == rule
+
+
+def test_the_verdict_says_what_held_the_memory() -> None:
+    from torchtop.protocol import CategoryBytes
+
+    oom = OutOfMemory(
+        t=1.0, id=1, device="cpu", emulated=True, requested_bytes=64 * MiB,
+        free_bytes=MiB, total_bytes=256 * MiB, reserved_bytes=255 * MiB,
+        allocated_bytes=255 * MiB, largest_free_block_bytes=None, fragmented=False,
+        top_sites=[], snapshot_path=None,
+        by_category=[CategoryBytes("parameters", 51 * MiB), CategoryBytes("gradients", 51 * MiB),
+                     CategoryBytes("optimizer_state", 102 * MiB),
+                     CategoryBytes("other_allocated", 51 * MiB)],
+    )  # fmt: skip
+    assert verdict_text(oom).endswith(
+        "Held by: optimizer state 102 MiB (40%), parameters 51.0 MiB (20%), "
+        "gradients 51.0 MiB (20%), activations and temporaries 51.0 MiB (20%)."
+    )

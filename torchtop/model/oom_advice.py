@@ -12,8 +12,8 @@ before it (:func:`step_floors`).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from torchtop.protocol import AllocationSite, MemoryCapture, StackFrame
 from torchtop.sizes import format_bytes
@@ -64,6 +64,8 @@ class Evidence:
     floors: Sequence[int] = ()
     top_sites: Sequence[AllocationSite] = ()
     requested_stack: Sequence[StackFrame] = ()
+    #: What held the allocated memory at the failure, by category (empty: not known).
+    by_category: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -83,7 +85,15 @@ class Evidence:
             floors=list(floors),
             top_sites=list(capture.top_sites),
             requested_stack=list(capture.requested_stack),
+            by_category={c.category: c.bytes for c in capture.by_category},
         )
+
+    @property
+    def dominant(self) -> tuple[str, int] | None:
+        """The category holding the most of allocated at the failure, and its bytes."""
+        if not self.by_category:
+            return None
+        return max(self.by_category.items(), key=lambda item: item[1])
 
 
 def size(n: int | None) -> str:
@@ -95,8 +105,37 @@ def size(n: int | None) -> str:
 # -- the verdict --------------------------------------------------------------------------------
 
 
+#: How the split names its categories in sentences.
+CATEGORY_NAMES = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "other_allocated": "activations and temporaries",
+}
+
+
+def held_text(capture: MemoryCapture) -> str:
+    """What held the allocated memory at the failure, largest first ("" when not known)."""
+    total = sum(c.bytes for c in capture.by_category)
+    if total <= 0:
+        return ""
+    parts = [
+        f"{CATEGORY_NAMES.get(c.category, c.category)} {size(c.bytes)} ({c.bytes / total:.0%})"
+        for c in sorted(capture.by_category, key=lambda c: -c.bytes)
+        if c.bytes > 0
+    ]
+    return "Held by: " + ", ".join(parts) + "."
+
+
 def verdict_text(capture: MemoryCapture) -> str:
-    """The verdict in one short sentence: fragmented, full, or why it cannot be told."""
+    """The verdict in one short sentence: fragmented, full, or why it cannot be told; then
+    what held the memory, where known."""
+    held = held_text(capture)
+    text = _verdict(capture)
+    return f"{text} {held}" if held else text
+
+
+def _verdict(capture: MemoryCapture) -> str:
     req, free = capture.requested_bytes, capture.free_bytes
     cached = max(0, (capture.reserved_bytes or 0) - (capture.allocated_bytes or 0))
     if capture.fragmented is True:
@@ -224,6 +263,7 @@ def suggest(evidence: Evidence) -> list[Suggestion]:
         else ""
     )
 
+    out.extend(_by_holder(evidence))
     if evidence.fragmented and not evidence.emulated:
         in_segments = (evidence.reserved_bytes or 0) - (evidence.allocated_bytes or 0)
         out.append(
@@ -310,7 +350,61 @@ def suggest(evidence: Evidence) -> list[Suggestion]:
                     demo="mixed-precision",
                 )
             )
+    dominant = evidence.dominant
+    if dominant is not None and dominant[0] == "other_allocated":
+        # Activations held the most: recomputing them comes first.
+        out.sort(key=lambda s: s.id != "checkpointing")
     return out
+
+
+def _by_holder(evidence: Evidence) -> list[Suggestion]:
+    """The fix for what held most of the memory, with the bytes it would free (activations
+    dominant: the checkpointing rule, which :func:`suggest` then puts first)."""
+    dominant = evidence.dominant
+    if dominant is None:
+        return []
+    category, held = dominant
+    total = sum(evidence.by_category.values())
+    share = f"{size(held)} of the {size(total)} allocated ({held / total:.0%})"
+    if category == "optimizer_state":
+        return [
+            Suggestion(
+                id="sharded-optimizer",
+                title="Shrink the optimizer state: shard it (ZeRO / FSDP) or keep it in 8 bits",
+                evidence=f"Optimizer state held {share} at the failure. 8-bit states "
+                f"(bitsandbytes' Adam8bit) would free about {size(held * 3 // 4)}; sharding "
+                f"over N ranks frees (N-1)/N of it.",
+                how="torch.distributed.optim.ZeroRedundancyOptimizer(params, torch.optim.AdamW) "
+                "or FSDP/fully_shard; or bnb.optim.AdamW8bit(params); SGD with momentum keeps "
+                "one state tensor instead of Adam's two.",
+                demo="memory",
+            )
+        ]
+    if category == "gradients":
+        return [
+            Suggestion(
+                id="grads-set-to-none",
+                title="Free gradients between steps: zero_grad(set_to_none=True)",
+                evidence=f"Gradients held {share} at the failure; set to None they are freed "
+                f"until the next backward (up to {size(held)}).",
+                how="optimizer.zero_grad(set_to_none=True); accumulate in place over "
+                "micro-batches rather than keeping copies.",
+                demo="memory",
+            )
+        ]
+    if category == "parameters":
+        return [
+            Suggestion(
+                id="lower-precision-parameters",
+                title="Hold the parameters in lower precision, or shard them",
+                evidence=f"Parameters held {share} at the failure; in bfloat16 they would "
+                f"take {size(held // 2)} less.",
+                how="model.to(torch.bfloat16) (with a float32 master copy in the optimizer if "
+                "needed), or FSDP/fully_shard to hold a shard per rank.",
+                demo="mixed-precision",
+            )
+        ]
+    return []
 
 
 def _short(path: str) -> str:
