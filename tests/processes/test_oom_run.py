@@ -116,3 +116,41 @@ def test_bad_sizes_and_addresses_are_one_line_errors() -> None:
         assert out.returncode == 2, out.stderr
         assert words in out.stderr and "Traceback" not in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def _held_oom(tmp_path: Path, kind: str) -> dict[str, object]:
+    rec = tmp_path / f"{kind}.ttr"
+    out = torchtop(
+        "run", "--headless", "--memory-limit", "280MiB", "--record", str(rec),
+        str(SCRIPTS / "oom_holders.py"), "--kind", kind,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    report = json.loads(torchtop("report", str(rec), "--json").stdout)
+    (oom,) = [e for e in report["events"] if e["kind"] == "oom"]
+    return oom
+
+
+def test_an_adam_oom_names_optimizer_state_and_the_advice_follows(tmp_path: Path) -> None:
+    oom = _held_oom(tmp_path, "adam")
+    split = oom["by_category"]
+    assert isinstance(split, dict)
+    assert sum(split.values()) == oom["allocated_bytes"]
+    params = 4 * (2048 * 2048 + 2048) * 4
+    assert split["parameters"] == params
+    # The failure came inside Adam's first step: both moments (and the step counts) exist.
+    assert split["optimizer_state"] == 2 * params + 8 * 4  # 8 float32 step counts
+    assert max(split, key=split.__getitem__) == "optimizer_state"
+    assert "Held by: optimizer state 128 MiB" in str(oom["verdict"])
+    suggestions = oom["suggestions"]
+    assert isinstance(suggestions, list) and suggestions[0]["id"] == "sharded-optimizer"
+    assert "free about 96.0 MiB" in suggestions[0]["evidence"]
+
+
+def test_an_activation_oom_gets_the_checkpointing_advice_first(tmp_path: Path) -> None:
+    oom = _held_oom(tmp_path, "activations")
+    split = oom["by_category"]
+    assert isinstance(split, dict)
+    assert sum(split.values()) == oom["allocated_bytes"]
+    assert max(split, key=split.__getitem__) == "other_allocated"
+    suggestions = oom["suggestions"]
+    assert isinstance(suggestions, list) and suggestions[0]["id"] == "checkpointing"

@@ -64,6 +64,8 @@ class Evidence:
     floors: Sequence[int] = ()
     top_sites: Sequence[AllocationSite] = ()
     requested_stack: Sequence[StackFrame] = ()
+    #: The failure came in a backward pass (where autograd is off while it runs).
+    in_backward: bool | None = None
     #: What held the allocated memory at the failure, by category (empty: not known).
     by_category: Mapping[str, int] = field(default_factory=dict)
 
@@ -86,6 +88,7 @@ class Evidence:
             top_sites=list(capture.top_sites),
             requested_stack=list(capture.requested_stack),
             by_category={c.category: c.bytes for c in capture.by_category},
+            in_backward=capture.in_backward,
         )
 
     @property
@@ -326,10 +329,15 @@ def suggest(evidence: Evidence) -> list[Suggestion]:
                 demo="oom",
             )
         )
-        training = evidence.grad_enabled is not False and not (
+        # The job holds gradients: it trains (under --memory-limit the failing thread's grad
+        # mode can read off inside the tracker's dispatch, so it is not the only witness).
+        trains = bool(evidence.in_backward) or evidence.by_category.get("gradients", 0) > 0
+        training = (evidence.grad_enabled is not False or trains) and not (
             phase is not None and EVAL_PHASE.search(phase)
         )
-        if training and _in_forward_or_backward(evidence):
+        dominant = evidence.dominant
+        activations = dominant is not None and dominant[0] == "other_allocated"
+        if training and (activations or _in_forward_or_backward(evidence)):
             out.append(
                 Suggestion(
                     id="checkpointing",
@@ -350,10 +358,8 @@ def suggest(evidence: Evidence) -> list[Suggestion]:
                     demo="mixed-precision",
                 )
             )
-    dominant = evidence.dominant
-    if dominant is not None and dominant[0] == "other_allocated":
-        # Activations held the most: recomputing them comes first.
-        out.sort(key=lambda s: s.id != "checkpointing")
+        if activations:  # activations held the most: recomputing them comes first
+            out.sort(key=lambda s: s.id != "checkpointing")
     return out
 
 

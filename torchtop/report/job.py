@@ -223,6 +223,7 @@ def _capture_json(entry: CaptureEntry, start: float | None) -> dict[str, Any]:
         "largest_free_block_bytes": capture.largest_free_block_bytes,
         "fragmented": capture.fragmented,
         "verdict": verdict_text(capture),
+        "by_category": {c.category: c.bytes for c in capture.by_category},
         "emulated": capture.emulated,
         "grad_enabled": capture.grad_enabled,
         "live_count": capture.live_count,
