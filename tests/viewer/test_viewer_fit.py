@@ -214,3 +214,22 @@ async def test_rss_below_the_heap_is_explained_not_shown_negative() -> None:
         figures = _figures(app)
         assert "-56" not in figures and "\u221256" not in figures, figures
         assert "heap > RSS" in figures, figures
+
+
+@pilot_test
+async def test_the_memory_panel_shows_what_holds_the_memory_at_80x24() -> None:
+    from torchtop.protocol import DeviceHolding, MemoryHolders
+
+    job = cuda_job()
+    last = max(m.t for m in job if isinstance(m, Sample))
+    held = MemoryHolders(last, 1, [DeviceHolding("cuda:0", GiB // 2, GiB // 2, GiB)])
+    async with running([*job, held], size=(80, 24)) as (app, pilot):
+        await pilot.pause()
+        lines, width = _figure_lines(app)
+        (bar,) = [line for line in lines if line.startswith("held ")]
+        assert len(bar) <= width
+        # One letter per cell, in the order of the split, and each category's bytes.
+        cells = bar.split()[1]
+        assert re.fullmatch(r"P+G+O+A*C*F*", cells), bar
+        assert "P 512 MiB" in bar and "O 1.00 GiB" in bar
+        assert cells.count("O") >= cells.count("P")

@@ -125,7 +125,52 @@ def memory_figures(state: JobModel, width: int | None = None) -> Text:
         first.append(Figure(full, Text.assemble(("peak ", "dim"), peak)))
     else:
         first.append(_figure(f"peak {allocated}", peak, short_label="peak"))
-    return fit_lines([(first, WIDE), _second_line(state, memory)], width)
+    figures = fit_lines([(first, WIDE), _second_line(state, memory)], width)
+    held = holders_line(memory, width or 80)
+    if held is not None:
+        figures.append("\n")
+        figures.append_text(held)
+    return figures
+
+
+#: The split's categories: key letter, label and colour, in the order of the bar.
+HOLDER_STYLES = {
+    "parameters": ("P", "params", "blue"),
+    "gradients": ("G", "grads", "magenta"),
+    "optimizer_state": ("O", "optim", "yellow"),
+    "other_allocated": ("A", "other", "cyan"),
+    "cache": ("C", "cache", "bright_black"),
+    "fragmentation": ("F", "frag", "red"),
+}
+
+
+def holders_line(memory: DeviceMemory, width: int) -> Text | None:
+    """What holds the memory, in one line: a stacked bar (one letter per cell, in its colour,
+    so it reads without colour too) and each category's bytes; ``None`` until known."""
+    split = memory.by_category
+    if not split:
+        return None
+    total = sum(split.values())
+    keys = [
+        (f"{HOLDER_STYLES[c][0]} {format_bytes(v)}", HOLDER_STYLES[c][2])
+        for c, v in split.items()
+        if v > 0
+    ]
+    key_width = sum(len(k) + 1 for k, _ in keys)
+    cells = max(8, min(30, width - key_width - 6))
+    line = Text("held ", "dim")
+    if total > 0:
+        start = 0.0
+        for category, value in split.items():
+            end = start + value * cells / total
+            letter, _, style = HOLDER_STYLES[category]
+            line.append(letter * (round(end) - round(start)), f"reverse {style}")
+            start = end
+    for text, style in keys:
+        line.append(" ")
+        line.append(text, style)
+    line.truncate(width)
+    return line
 
 
 def _second_line(state: JobModel, memory: DeviceMemory) -> tuple[list[Figure], str]:
@@ -240,7 +285,8 @@ class MemoryPanel(Vertical):
         height: auto;
     }
     MemoryPanel > #memory-figures {
-        height: 2;
+        height: auto;
+        max-height: 3;
     }
     """
 
