@@ -1,0 +1,112 @@
+"""The flight recorder's reader (on dumps recorded from a real 2-rank gloo job under torch 2.13:
+``tests/fixtures/fr_trace_gloo_rank*.json``, three all-reduces on the default group with rank 1
+sleeping 20 ms before each, one on a second group, one async) and the join of the ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torchtop.agent.collectives import (
+    BUFFER_ENV,
+    DEFAULT_RING,
+    LEGACY_BUFFER_ENV,
+    CollectiveReader,
+    enable_recorder,
+    parse_dump,
+)
+from torchtop.model.collectives import CollectiveRecord, hang_triage, lateness, straggler
+
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+
+
+def raw(rank: int) -> bytes:
+    return (FIXTURES / f"fr_trace_gloo_rank{rank}.json").read_bytes()
+
+
+def records(rank: int) -> list[CollectiveRecord]:
+    out = [CollectiveRecord.from_wire(c.as_wire()) for c in parse_dump(raw(rank))]
+    return [r for r in out if r is not None]
+
+
+def test_a_real_gloo_dump_parses_into_collectives_per_group() -> None:
+    got = parse_dump(raw(0))
+    assert [(c.pg, c.seq, c.op) for c in got] == [
+        ("0", 1, "all_reduce"),
+        ("0", 2, "all_reduce"),
+        ("0", 3, "all_reduce"),
+        ("1", 1, "all_reduce"),
+        ("0", 4, "all_reduce"),
+    ]
+    assert got[0].sizes == ((1000,),)
+    # gloo records the enqueue only.
+    assert all(c.enqueued_ns > 0 and c.started_ns == 0 == c.completed_ns for c in got)
+
+
+def test_the_reader_sends_only_new_entries_and_reads_at_most_once_a_second() -> None:
+    now = [0.0]
+    dumps = [raw(0)]
+    reader = CollectiveReader(dump=lambda: dumps[0], clock=lambda: now[0])
+    assert len(reader.poll()) == 5
+    now[0] = 0.5
+    assert reader.poll() == []  # too soon
+    now[0] = 2.0
+    assert reader.poll() == []  # nothing new
+
+
+def test_a_failing_dump_is_counted_not_raised() -> None:
+    def broken() -> bytes:
+        raise RuntimeError("no process group")
+
+    reader = CollectiveReader(dump=broken, clock=lambda: 0.0)
+    assert reader.poll() == [] and reader.failures == 1
+
+
+def test_the_recorder_is_turned_on_unless_the_user_set_a_size() -> None:
+    env: dict[str, str] = {}
+    assert enable_recorder(env) and env[BUFFER_ENV] == str(DEFAULT_RING)
+    theirs = {BUFFER_ENV: "50"}
+    assert not enable_recorder(theirs) and theirs == {BUFFER_ENV: "50"}
+    legacy = {LEGACY_BUFFER_ENV: "50"}
+    assert not enable_recorder(legacy) and BUFFER_ENV not in legacy
+
+
+def test_the_rank_that_slept_before_each_all_reduce_is_named_late() -> None:
+    per_rank = lateness({0: records(0), 1: records(1)})
+    assert per_rank[1].joined == 5
+    assert per_rank[1].last_at >= 3
+    found = straggler(per_rank)
+    assert found is not None and found.rank == 1
+    assert 0.015 < found.median_s < 0.2
+
+
+def test_ranks_on_other_nodes_are_not_compared_unless_clocks_agree() -> None:
+    recs = {0: records(0), 1: records(1)}
+    apart = lateness(recs, nodes={0: "a", 1: "b"})
+    assert apart[1].joined == 0
+    assert lateness(recs, nodes={0: "a", 1: "b"}, clocks_agree=True)[1].joined == 5
+
+
+def test_a_balanced_run_names_no_straggler() -> None:
+    base = [CollectiveRecord("0", s, "all_reduce", (), 1_000_000_000 * s) for s in range(1, 11)]
+    late = [
+        CollectiveRecord(r.pg, r.seq, r.op, (), r.enqueued_ns + (s % 2) * 1000)
+        for s, r in enumerate(base)
+    ]
+    assert straggler(lateness({0: base, 1: late})) is None
+
+
+def test_hang_triage_names_who_never_entered_and_a_desync() -> None:
+    def upto(n: int, last_op: str = "all_reduce") -> list[CollectiveRecord]:
+        return [
+            CollectiveRecord("0", s, "all_reduce" if s < n else last_op) for s in range(1, n + 1)
+        ]
+
+    found = hang_triage({0: upto(5), 1: upto(4), 2: upto(5)}, stacks={1: "train.py:88 in evaluate"})
+    assert len(found) == 1
+    f = found[0]
+    assert (f.pg, f.seq, f.last_completed_seq, f.op) == ("0", 5, 4, "all_reduce")
+    assert f.waiting == (0, 2) and f.missing == (1,)
+    assert "rank 1 never entered: train.py:88 in evaluate" in f.line()
+    desync = hang_triage({0: upto(5), 1: upto(5, "broadcast"), 2: upto(5)})
+    assert desync[0].desync == ((1, "broadcast"),) and desync[0].missing == ()
+    assert hang_triage({0: upto(5), 1: upto(5)}) == []
