@@ -33,26 +33,33 @@ Cost: a ring of 2000 entries is a few hundred kilobytes per rank; one read seria
 from __future__ import annotations
 
 import json
+import sys
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from torchtop.agent.probes.base import ProbeUnavailable
+from torchtop.agent.rank_site.torchtop_rank_marks import (
+    BUFFER_ENV,
+    DEFAULT_RING,
+    LEGACY_BUFFER_ENV,
+    enable_recorder,
+)
+from torchtop.protocol import CollectiveEntry, CollectivesSeen
 
 __all__ = [
     "BUFFER_ENV",
     "DEFAULT_RING",
     "LEGACY_BUFFER_ENV",
     "Collective",
+    "CollectiveMonitor",
     "CollectiveReader",
     "enable_recorder",
     "parse_dump",
     "recorder_missing",
 ]
 
-BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
-LEGACY_BUFFER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
-#: The ring's length when the user set none: a few minutes of a DDP job's all-reduces.
-DEFAULT_RING = 2000
 #: The reader reads at most this often (seconds).
 READ_INTERVAL = 1.0
 
@@ -80,14 +87,6 @@ class Collective:
             "started_ns": self.started_ns,
             "completed_ns": self.completed_ns,
         }
-
-
-def enable_recorder(environ: MutableMapping[str, str]) -> bool:
-    """Set a small ring unless the user set one; True when this call set it."""
-    if BUFFER_ENV in environ or LEGACY_BUFFER_ENV in environ:
-        return False
-    environ[BUFFER_ENV] = str(DEFAULT_RING)
-    return True
 
 
 def _dumper() -> Callable[[], bytes] | None:
@@ -200,3 +199,47 @@ class CollectiveReader:
         if fresh:
             self._last_record = fresh[-1].record_id
         return fresh
+
+
+def _group_ready() -> bool:
+    """torch.distributed is loaded and this process has its default process group."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is not None and bool(dist.is_available() and dist.is_initialized())
+    except Exception:
+        return False
+
+
+class CollectiveMonitor:
+    """The sampler's part: once this process has a process group, reads the recorder (at most
+    once a second) and returns one :class:`~torchtop.protocol.CollectivesSeen` with the new
+    entries. Never imports torch first. Without a recorder it raises
+    :class:`~torchtop.agent.probes.base.ProbeUnavailable` once, with the reason."""
+
+    def __init__(self, reader: CollectiveReader | None = None) -> None:
+        self._reader = reader
+
+    def tick(self, now: float) -> list[CollectivesSeen]:
+        if self._reader is None:
+            if not _group_ready():
+                return []
+            missing = recorder_missing()
+            if missing is not None:
+                raise ProbeUnavailable(missing)
+            self._reader = CollectiveReader()
+        fresh = self._reader.poll()
+        if not fresh:
+            return []
+        entries = [
+            CollectiveEntry(
+                pg=c.pg,
+                seq=c.seq,
+                op=c.op,
+                sizes=[list(s) for s in c.sizes],
+                enqueued_ns=c.enqueued_ns,
+                started_ns=c.started_ns,
+                completed_ns=c.completed_ns,
+            )
+            for c in fresh
+        ]
+        return [CollectivesSeen(t=now, entries=entries)]
