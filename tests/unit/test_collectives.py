@@ -10,11 +10,14 @@ from torchtop.agent.collectives import (
     BUFFER_ENV,
     DEFAULT_RING,
     LEGACY_BUFFER_ENV,
+    CollectiveMonitor,
     CollectiveReader,
     enable_recorder,
     parse_dump,
 )
+from torchtop.agent.rank_start import job_environment
 from torchtop.model.collectives import CollectiveRecord, hang_triage, lateness, straggler
+from torchtop.protocol import CollectivesSeen, decode, encode
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 
@@ -110,3 +113,21 @@ def test_hang_triage_names_who_never_entered_and_a_desync() -> None:
     desync = hang_triage({0: upto(5), 1: upto(5, "broadcast"), 2: upto(5)})
     assert desync[0].desync == ((1, "broadcast"),) and desync[0].missing == ()
     assert hang_triage({0: upto(5), 1: upto(5)}) == []
+
+
+def test_the_monitor_sends_new_entries_in_one_frame_after_the_group_exists() -> None:
+    reader = CollectiveReader(dump=lambda: raw(1), clock=lambda: 5.0)
+    frames = CollectiveMonitor(reader).tick(12.0)
+    assert len(frames) == 1 and frames[0].t == 12.0
+    sent = decode(encode(frames[0]))
+    assert isinstance(sent, CollectivesSeen)
+    assert [(e.pg, e.seq) for e in sent.entries][:2] == [("0", 1), ("0", 2)]
+    assert sent.entries[0].sizes == [[1000]] and sent.entries[0].enqueued_ns > 0
+    # No process group in this process: nothing is read, and torch is not imported for it.
+    assert CollectiveMonitor().tick(1.0) == []
+
+
+def test_a_launched_jobs_environment_turns_the_recorder_on_but_keeps_the_users_size() -> None:
+    assert job_environment({}, {})[BUFFER_ENV] == str(DEFAULT_RING)
+    assert job_environment({BUFFER_ENV: "300"}, {})[BUFFER_ENV] == "300"
+    assert BUFFER_ENV not in job_environment({LEGACY_BUFFER_ENV: "300"}, {})
