@@ -19,8 +19,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from torchtop.protocol import CollectiveEntry
+
 __all__ = [
     "LATE_SHARE",
+    "MAX_KEPT",
     "MIN_LATE_S",
     "CollectiveRecord",
     "HangFinding",
@@ -30,6 +33,8 @@ __all__ = [
     "straggler",
 ]
 
+#: The collectives kept per rank (about a minute of a DDP job's all-reduces).
+MAX_KEPT = 4000
 #: A rank is named a straggler when it is last at this share of the joined collectives...
 LATE_SHARE = 0.6
 #: ... and arrives at least this much later than the first rank at the median (seconds).
@@ -43,6 +48,11 @@ class CollectiveRecord:
     op: str
     sizes: tuple[tuple[int, ...], ...] = ()
     enqueued_ns: int = 0
+
+    @classmethod
+    def of(cls, entry: CollectiveEntry) -> CollectiveRecord:
+        sizes = tuple(tuple(d for d in shape if isinstance(d, int)) for shape in entry.sizes)
+        return cls(entry.pg, entry.seq, entry.op, sizes, entry.enqueued_ns)
 
     @classmethod
     def from_wire(cls, raw: Mapping[str, object]) -> CollectiveRecord | None:

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from torchtop.model.advice import MAX_CLEARED, SEVERITY_ORDER, Check, Finding, Severity
+from torchtop.model.collectives import CollectiveRecord, hang_triage, lateness
+from torchtop.model.collectives import straggler as last_to_arrive
 from torchtop.model.training import MIN_RECENT_STEPS, RECENT_WINDOW_S
 from torchtop.protocol import HANG_AFTER_S, StackFrame, StackSampled, hang_threshold
 
@@ -199,6 +201,78 @@ def straggler(times: Sequence[RankTimes], now: float) -> Verdict | None:
     )
 
 
+def _collectives(jobs: Sequence[JobModel]) -> dict[int, list[CollectiveRecord]]:
+    return {
+        job.hello.rank: list(job.collectives)
+        for job in jobs
+        if job.hello is not None and job.hello.rank is not None and job.collectives
+    }
+
+
+def arrival_straggler(jobs: Sequence[JobModel], now: float) -> Verdict | None:
+    """The rank last at most collectives, from the flight recorder's enqueue times (each
+    compared only with the ranks of its node: they share a clock). None where no rank sent
+    collectives: the rule on the time outside backward decides then."""
+    records = _collectives(jobs)
+    if len(records) < 2:
+        return None
+    nodes = {j.hello.rank: j.hello.hostname for j in jobs if j.hello and j.hello.rank is not None}
+    per_rank = lateness(records, nodes)
+    late = last_to_arrive(per_rank)
+    if late is None:
+        return None
+    summary = (
+        f"rank {late.rank} arrives last at {100 * late.last_share:.0f}% of "
+        f"{late.joined} collectives, {_ms(late.median_s)} after the first rank (median)"
+    )
+    return _verdict(
+        name="straggler",
+        rank=late.rank,
+        severity="warning",
+        title="a straggler holds the others back",
+        evidence={
+            "source": "arrivals",
+            "clock": "enqueue times compared within each node",
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "joined": r.joined,
+                    "last_share": round(r.last_share, 3),
+                    "mean_late_s": round(r.mean_s, 6),
+                    "median_late_s": round(r.median_s, 6),
+                }
+                for r in sorted(per_rank.values(), key=lambda r: r.rank)
+            ],
+        },
+        summary=summary,
+        window=(now - RECENT_WINDOW_S, now),
+        fix=(
+            f"Rank {late.rank} enqueues its collectives last: find what it does before them "
+            "that the others do not (its data, its forward, hooks or logging in its backward, "
+            "a busier host)."
+        ),
+    )
+
+
+def _either_straggler(
+    jobs: Sequence[JobModel], times: Sequence[RankTimes], now: float
+) -> Verdict | None:
+    """The arrivals' straggler where the ranks sent collectives, else the rule on the time
+    outside backward; where both name the same rank, one finding with both evidences."""
+    by_time = straggler(times, now)
+    by_arrival = arrival_straggler(jobs, now)
+    if by_arrival is None:
+        return by_time
+    if by_time is None or by_time.rank != by_arrival.rank:
+        return by_arrival
+    check = replace(
+        by_time.check,
+        evidence={**by_time.check.evidence, "arrivals": by_arrival.check.evidence},
+        summary=f"{by_time.check.summary}; {by_arrival.check.summary}",
+    )
+    return replace(by_time, check=check)
+
+
 def in_collective(frames: Sequence[StackFrame]) -> bool:
     """The stack is inside backward or a ``torch.distributed`` call: where DDP's ranks wait
     for each other."""
@@ -287,6 +361,10 @@ def hang(jobs: Sequence[JobModel], now: float) -> Verdict | None:
     elif waiting:
         summary += f": {_ranks(waiting)} wait in a collective"
     culprit = outside[0] if len(outside) == 1 else None
+    where = {row["rank"]: row["where"] for row in stuck if row.get("where")}
+    triage = hang_triage(_collectives(jobs), where)
+    if triage:
+        summary = f"{summary}. " + "; ".join(finding.line() for finding in triage)
     return _verdict(
         name="hang",
         rank=culprit,
@@ -299,6 +377,19 @@ def hang(jobs: Sequence[JobModel], now: float) -> Verdict | None:
             "outside_collective": outside,
             "in_collective": waiting,
             "ranks": stuck,
+            "collectives": [
+                {
+                    "pg": f.pg,
+                    "seq": f.seq,
+                    "last_completed_seq": f.last_completed_seq,
+                    "op": f.op,
+                    "sizes": [list(s) for s in f.sizes],
+                    "waiting": list(f.waiting),
+                    "never_entered": list(f.missing),
+                    "desync": [list(d) for d in f.desync],
+                }
+                for f in triage
+            ],
         },
         summary=summary,
         window=(last, now),
@@ -461,7 +552,7 @@ class RankAdvisor:
         verdicts: list[Verdict] = []
         for run_id, ranks in runs(jobs).items():
             times = [t for t in map(rank_times, ranks) if t is not None]
-            found = [straggler(times, now), hang(ranks, now)]
+            found = [_either_straggler(ranks, times, now), hang(ranks, now)]
             found.extend(dead_ranks(ranks, now, self.launcher_exits))
             verdicts.extend(replace(v, run_id=run_id) for v in found if v is not None)
         holds = {"straggler": STRAGGLER_HOLD_S}
