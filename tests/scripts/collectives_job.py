@@ -2,7 +2,8 @@
 
 Each rank trains ``--steps`` steps of a small model under DDP, reads its recorder with
 :class:`torchtop.agent.collectives.CollectiveReader` and writes ``OUT/rank-R.json``:
-``{"rank", "collectives": [wire dicts], "stack": "file:line in fn" | null, "buffer": env}``.
+``{"rank", "collectives": [wire dicts], "stack": "file:line in fn" | null, "buffer": env}``
+(``buffer``: the ``TORCH_FR_BUFFER_SIZE`` the rank ran with).
 
 ``--slow-rank R --slow-ms MS``: rank R sleeps MS inside its backward (a hook on an activation's
 gradient), so every rank's backward takes as long and only the arrivals tell them apart.
@@ -19,15 +20,12 @@ import threading
 import time
 from pathlib import Path
 
-from torchtop.agent.collectives import CollectiveReader, enable_recorder
-
-if not os.environ.get("KEEP_ENV"):
-    enable_recorder(os.environ)
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from torchtop.agent.collectives import CollectiveReader
 
 
 def stack_line(thread_id: int) -> str | None:
