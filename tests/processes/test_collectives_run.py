@@ -72,6 +72,7 @@ def test_the_rank_slow_inside_backward_is_named_by_its_arrivals(tmp_path: Path) 
     late = lateness(records)[2]
     assert late.joined == 120
     assert sum(0.020 <= s <= 0.040 for s in late.samples) >= 0.9 * late.joined
+    assert report["ranks"][2]["collectives"]["last_share"] >= 0.9
     # torchtop run turned the recorder on at its size.
     assert {d["buffer"] for d in ranks.values()} == {str(DEFAULT_RING)}
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from torchtop.model.advice import MAX_CLEARED, SEVERITY_ORDER, Check, Finding, Severity
-from torchtop.model.collectives import CollectiveRecord, hang_triage, lateness
+from torchtop.model.collectives import CollectiveRecord, Lateness, hang_triage, lateness
 from torchtop.model.collectives import straggler as last_to_arrive
 from torchtop.model.training import MIN_RECENT_STEPS, RECENT_WINDOW_S
 from torchtop.protocol import HANG_AFTER_S, StackFrame, StackSampled, hang_threshold
@@ -209,15 +209,31 @@ def _collectives(jobs: Sequence[JobModel]) -> dict[int, list[CollectiveRecord]]:
     }
 
 
+def collective_lateness(jobs: Sequence[JobModel]) -> dict[int, Lateness]:
+    """Each rank's lateness at the collectives the ranks of its node all recorded (empty
+    where fewer than two ranks sent collectives)."""
+    records = _collectives(jobs)
+    if len(records) < 2:
+        return {}
+    nodes = {j.hello.rank: j.hello.hostname for j in jobs if j.hello and j.hello.rank is not None}
+    return lateness(records, nodes)
+
+
+def lateness_json(late: Lateness) -> dict[str, Any]:
+    return {
+        "rank": late.rank,
+        "joined": late.joined,
+        "last_share": round(late.last_share, 3),
+        "mean_late_s": round(late.mean_s, 6),
+        "median_late_s": round(late.median_s, 6),
+    }
+
+
 def arrival_straggler(jobs: Sequence[JobModel], now: float) -> Verdict | None:
     """The rank last at most collectives, from the flight recorder's enqueue times (each
     compared only with the ranks of its node: they share a clock). None where no rank sent
     collectives: the rule on the time outside backward decides then."""
-    records = _collectives(jobs)
-    if len(records) < 2:
-        return None
-    nodes = {j.hello.rank: j.hello.hostname for j in jobs if j.hello and j.hello.rank is not None}
-    per_rank = lateness(records, nodes)
+    per_rank = collective_lateness(jobs)
     late = last_to_arrive(per_rank)
     if late is None:
         return None
@@ -233,16 +249,7 @@ def arrival_straggler(jobs: Sequence[JobModel], now: float) -> Verdict | None:
         evidence={
             "source": "arrivals",
             "clock": "enqueue times compared within each node",
-            "ranks": [
-                {
-                    "rank": r.rank,
-                    "joined": r.joined,
-                    "last_share": round(r.last_share, 3),
-                    "mean_late_s": round(r.mean_s, 6),
-                    "median_late_s": round(r.median_s, 6),
-                }
-                for r in sorted(per_rank.values(), key=lambda r: r.rank)
-            ],
+            "ranks": [lateness_json(r) for r in sorted(per_rank.values(), key=lambda r: r.rank)],
         },
         summary=summary,
         window=(now - RECENT_WINDOW_S, now),
