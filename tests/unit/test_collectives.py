@@ -131,3 +131,35 @@ def test_a_launched_jobs_environment_turns_the_recorder_on_but_keeps_the_users_s
     assert job_environment({}, {})[BUFFER_ENV] == str(DEFAULT_RING)
     assert job_environment({BUFFER_ENV: "300"}, {})[BUFFER_ENV] == "300"
     assert BUFFER_ENV not in job_environment({LEGACY_BUFFER_ENV: "300"}, {})
+
+
+def test_the_run_model_names_the_late_rank_and_exports_its_lateness() -> None:
+    from tests.unit.test_ranks_model import T0, hello
+    from torchtop.export.families import families
+    from torchtop.export.figures import figures_of
+    from torchtop.model.job import JobModel
+    from torchtop.model.run import RunModel
+
+    run = RunModel(new_job=lambda: JobModel(mode="replay"))
+    for rank in (0, 1):
+        run.apply(str(rank), hello(rank))
+        frame = CollectiveMonitor(CollectiveReader(dump=lambda r=rank: raw(r))).tick(T0 + 1)
+        run.apply(str(rank), frame[0])
+    for now in (T0 + 1, T0 + 4):  # a straggler is shown once it held for a while
+        run.advisor.evaluate(list(run), now)
+    (finding,) = [f for f in run.advisor.findings if f.name == "straggler"]
+    assert finding.rank == 1 and finding.evidence["source"] == "arrivals"
+    assert "rank 1 arrives last at" in finding.summary
+    late = run.advisor.lateness[("run", 1)]
+    snaps = [
+        figures_of(run.jobs[str(r)], run.advisor.findings, run.advisor.lateness[("run", r)])
+        for r in (0, 1)
+    ]
+    points = {
+        p.labels[1]: p.value
+        for fam in families(s for s in snaps if s is not None)
+        if fam.name == "torchtop_collective_lateness_seconds"
+        for p in fam.points
+    }
+    assert points == {"0": run.advisor.lateness[("run", 0)].mean_s, "1": late.mean_s}
+    assert points["1"] > 0.010 > points["0"]

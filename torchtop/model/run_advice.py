@@ -229,11 +229,10 @@ def lateness_json(late: Lateness) -> dict[str, Any]:
     }
 
 
-def arrival_straggler(jobs: Sequence[JobModel], now: float) -> Verdict | None:
+def arrival_straggler(per_rank: dict[int, Lateness], now: float) -> Verdict | None:
     """The rank last at most collectives, from the flight recorder's enqueue times (each
     compared only with the ranks of its node: they share a clock). None where no rank sent
     collectives: the rule on the time outside backward decides then."""
-    per_rank = collective_lateness(jobs)
     late = last_to_arrive(per_rank)
     if late is None:
         return None
@@ -262,12 +261,12 @@ def arrival_straggler(jobs: Sequence[JobModel], now: float) -> Verdict | None:
 
 
 def _either_straggler(
-    jobs: Sequence[JobModel], times: Sequence[RankTimes], now: float
+    per_rank: dict[int, Lateness], times: Sequence[RankTimes], now: float
 ) -> Verdict | None:
     """The arrivals' straggler where the ranks sent collectives, else the rule on the time
     outside backward; where both name the same rank, one finding with both evidences."""
     by_time = straggler(times, now)
-    by_arrival = arrival_straggler(jobs, now)
+    by_arrival = arrival_straggler(per_rank, now)
     if by_arrival is None:
         return by_time
     if by_time is None or by_time.rank != by_arrival.rank:
@@ -535,6 +534,8 @@ class RankAdvisor:
     #: Findings that held and then stopped, oldest first (bounded).
     cleared: deque[Finding] = field(default_factory=lambda: deque(maxlen=MAX_CLEARED))
     last_eval: float | None = None
+    #: Each rank's arrivals at the collectives, by (run id, rank), as of the last evaluation.
+    lateness: dict[tuple[str | None, int], Lateness] = field(default_factory=dict)
     _since: dict[_Key, float] = field(default_factory=dict)
     _shown: dict[_Key, Finding] = field(default_factory=dict)
 
@@ -559,7 +560,10 @@ class RankAdvisor:
         verdicts: list[Verdict] = []
         for run_id, ranks in runs(jobs).items():
             times = [t for t in map(rank_times, ranks) if t is not None]
-            found = [_either_straggler(ranks, times, now), hang(ranks, now)]
+            per_rank = collective_lateness(ranks)
+            for late in per_rank.values():
+                self.lateness[(run_id, late.rank)] = late
+            found = [_either_straggler(per_rank, times, now), hang(ranks, now)]
             found.extend(dead_ranks(ranks, now, self.launcher_exits))
             verdicts.extend(replace(v, run_id=run_id) for v in found if v is not None)
         holds = {"straggler": STRAGGLER_HOLD_S}
