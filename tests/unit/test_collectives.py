@@ -163,3 +163,12 @@ def test_the_run_model_names_the_late_rank_and_exports_its_lateness() -> None:
     }
     assert points == {"0": run.advisor.lateness[("run", 0)].mean_s, "1": late.mean_s}
     assert points["1"] > 0.010 > points["0"]
+
+
+def test_a_job_that_turned_the_recorder_off_is_told_once() -> None:
+    from torchtop.agent.collectives import _turned_off
+
+    assert _turned_off({BUFFER_ENV: "0"}) is not None and "TORCH_FR_BUFFER_SIZE=0" in str(
+        _turned_off({BUFFER_ENV: "0"})
+    )
+    assert _turned_off({BUFFER_ENV: "300"}) is None and _turned_off({}) is None

@@ -33,9 +33,10 @@ Cost: a ring of 2000 entries is a few hundred kilobytes per rank; one read seria
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,6 +202,19 @@ class CollectiveReader:
         return fresh
 
 
+def _turned_off(environ: Mapping[str, str]) -> str | None:
+    """One line when the job set the ring's size to 0 (no collectives are recorded)."""
+    for name in (BUFFER_ENV, LEGACY_BUFFER_ENV):
+        if name in environ:
+            if environ[name].strip() == "0":
+                return (
+                    f"the job turned torch's flight recorder off ({name}=0): stragglers are"
+                    " told from the time outside backward"
+                )
+            return None
+    return None
+
+
 def _group_ready() -> bool:
     """torch.distributed is loaded and this process has its default process group."""
     dist = sys.modules.get("torch.distributed")
@@ -223,7 +237,7 @@ class CollectiveMonitor:
         if self._reader is None:
             if not _group_ready():
                 return []
-            missing = recorder_missing()
+            missing = recorder_missing() or _turned_off(os.environ)
             if missing is not None:
                 raise ProbeUnavailable(missing)
             self._reader = CollectiveReader()
