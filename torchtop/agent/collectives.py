@@ -26,8 +26,9 @@ size: theirs is kept) and reads the ring at most once a second, keeping only the
 not sent yet. A torch without ``_dump_fr_trace_json`` has no recorder: :func:`recorder_missing`
 says why, and the run keeps the rule based on the time outside ``backward``.
 
-Cost: a ring of 2000 entries is a few hundred kilobytes per rank; one read serializes the ring
-(milliseconds for 2000 entries) in the sampler thread, once a second at most.
+Cost: a full ring of 2000 entries dumps as about 1 MB of JSON; parsing it took about 15 ms
+on a 2-core machine at load 1.2 (plus torch's own serialization), once a second at most in the
+sampler thread: about 1.5% of a core per rank with a full ring, less while it fills.
 """
 
 from __future__ import annotations
