@@ -172,3 +172,18 @@ def test_a_job_that_turned_the_recorder_off_is_told_once() -> None:
         _turned_off({BUFFER_ENV: "0"})
     )
     assert _turned_off({BUFFER_ENV: "300"}) is None and _turned_off({}) is None
+
+
+def test_a_full_ring_goes_out_in_frames_below_the_protocols_limit() -> None:
+    import json
+
+    from torchtop.agent.collectives import FRAME_ENTRIES
+    from torchtop.protocol import MAX_FRAME_BYTES
+
+    data = json.loads(raw(0))
+    entry = dict(data["entries"][0], input_sizes=[[10**9] * 50] * 50)
+    data["entries"] = [dict(entry, record_id=i, collective_seq_id=i + 1) for i in range(2000)]
+    reader = CollectiveReader(dump=lambda: json.dumps(data).encode(), clock=lambda: 0.0)
+    frames = CollectiveMonitor(reader).tick(1.0)
+    assert [len(f.entries) for f in frames] == [FRAME_ENTRIES] * (2000 // FRAME_ENTRIES)
+    assert all(len(encode(f)) < MAX_FRAME_BYTES for f in frames)

@@ -62,6 +62,8 @@ __all__ = [
     "recorder_missing",
 ]
 
+#: The most entries one ``collectives`` frame carries.
+FRAME_ENTRIES = 500
 #: The reader reads at most this often (seconds).
 READ_INTERVAL = 1.0
 
@@ -123,7 +125,9 @@ def _int(value: object) -> int:
 def _sizes(value: object) -> tuple[tuple[int, ...], ...]:
     if not isinstance(value, list):
         return ()
-    return tuple(tuple(_int(d) for d in shape) for shape in value[:16] if isinstance(shape, list))
+    return tuple(
+        tuple(_int(d) for d in shape[:8]) for shape in value[:8] if isinstance(shape, list)
+    )
 
 
 def _pg_name(entry: dict[str, Any]) -> str:
@@ -257,4 +261,8 @@ class CollectiveMonitor:
             )
             for c in fresh
         ]
-        return [CollectivesSeen(t=now, entries=entries)]
+        # A few hundred bytes an entry at most: frames far below the protocol's limit.
+        return [
+            CollectivesSeen(t=now, entries=entries[i : i + FRAME_ENTRIES])
+            for i in range(0, len(entries), FRAME_ENTRIES)
+        ]
