@@ -736,6 +736,34 @@ class MemoryHolders(Message):
 MESSAGE_TYPES[MemoryHolders.KIND] = MemoryHolders
 
 
+class CollectiveEntry:
+    """One collective as one rank's flight recorder saw it: its process group, its sequence
+    id in that group, the op, the input sizes, and when this rank enqueued, started and
+    completed it (ns on the node's wall clock; 0 where the backend records none: gloo records
+    the enqueue only)."""
+
+    pg: str
+    seq: int
+    op: str
+    sizes: list[list[int]]
+    enqueued_ns: int
+    started_ns: int = 0
+    completed_ns: int = 0
+
+
+@dataclass(frozen=True)
+class CollectivesSeen(Message):
+    """The collectives this rank's flight recorder holds that were not sent yet (read at most
+    once a second)."""
+
+    KIND: ClassVar[str] = "collectives"
+    t: float
+    entries: list[CollectiveEntry]
+
+
+MESSAGE_TYPES[CollectivesSeen.KIND] = CollectivesSeen
+
+
 def step_detail_weights(count: int, listed: int) -> list[int]:
     """How many steps each of the ``listed`` entries of a ``steps`` frame stands for."""
     if listed <= 0:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
+from torchtop.agent.collectives import CollectiveMonitor
 from torchtop.agent.cost import MAX_INTERVAL_S, CostMeter
 from torchtop.agent.identity import rank_identity
 from torchtop.agent.oom import OomController
@@ -36,6 +37,7 @@ from torchtop.protocol import (
     REQUEST_PROFILE,
     REQUEST_SNAPSHOT,
     AgentStats,
+    CollectivesSeen,
     DeviceInfo,
     GpuSample,
     Hello,
@@ -254,6 +256,7 @@ class Agent:
             stats_every=max(1, round(1.0 / config.interval_s)),
             agent_stats=self._agent_stats,
             training=self.training,
+            collectives=CollectiveMonitor(),
         )
         ops = self.ops
         self.cost = CostMeter(
@@ -401,7 +404,9 @@ class Agent:
         except Exception:
             return
         aged = None
-        if isinstance(message, (Sample, GpuSample, AgentStats, StepStats, LoaderInfo)):
+        if isinstance(
+            message, (Sample, GpuSample, AgentStats, StepStats, LoaderInfo, CollectivesSeen)
+        ):
             ring = SAMPLES
         elif isinstance(message, LogLine):
             ring = LOGS

@@ -27,6 +27,7 @@ from torchtop.agent.rank_site.torchtop_rank_marks import (
     RANK_MARKS,
     RANK_OPTIONS_ENV,
     GroupWatcher,
+    enable_recorder,
     launcher_rank,
     should_start,
     wrap_init_process_group,
@@ -172,6 +173,7 @@ def job_environment(
     out = {k: v for k, v in env.items() if k not in (OWNER_ENV, OWNER_RANK_ENV)}
     out[RANK_OPTIONS_ENV] = json.dumps(dict(options))
     out[RUN_ID_ENV] = run_id or new_run_id()
+    enable_recorder(out)  # before any process group exists; a size the user set is kept
     previous = out.get("PYTHONPATH")
     out["PYTHONPATH"] = str(SITE_DIR) + (os.pathsep + previous if previous else "")
     rank = launcher_rank(out)

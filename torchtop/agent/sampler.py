@@ -97,6 +97,7 @@ class Sampler:
         stats_every: int = 10,
         agent_stats: Callable[[SamplerStats], Message | None] | None = None,
         training: Any | None = None,
+        collectives: Any | None = None,
     ) -> None:
         self._agent_stats = agent_stats
         #: Steps and DataLoaders (:class:`torchtop.agent.training.TrainingMonitor`): its
@@ -116,6 +117,9 @@ class Sampler:
             name: _Guarded(name, publish) for name in ("host", "cpu_memory", "cuda_memory", "nvml")
         }
         self._guards["training"] = _Guarded("training", publish)
+        #: The flight recorder's reader (:class:`torchtop.agent.collectives.CollectiveMonitor`).
+        self._collectives = collectives
+        self._guards["collectives"] = _Guarded("collectives", publish)
         self._stop = threading.Event()
         self._resumed = threading.Event()
         self._resumed.set()
@@ -246,4 +250,7 @@ class Sampler:
                 self._publish(GpuSample(t=now, gpus=gpus))
         if self._training is not None:
             for message in self._guards["training"].call(self._training.tick, now) or ():
+                self._publish(message)
+        if self._collectives is not None and self._torch_seen:
+            for message in self._guards["collectives"].call(self._collectives.tick, now) or ():
                 self._publish(message)

@@ -181,8 +181,27 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         JOB_LABELS,
         "1",
     )
+    lateness = Family(
+        "torchtop_collective_lateness_seconds",
+        "gauge",
+        "How late this rank enqueues its collectives after the first rank of its node, on "
+        "average (torch's flight recorder, joined on process group and sequence id).",
+        JOB_LABELS,
+        "s",
+    )
+    last_share = Family(
+        "torchtop_collective_last_ratio",
+        "gauge",
+        "Share of the collectives this rank arrived last at: the others waited for it there.",
+        JOB_LABELS,
+        "1",
+    )
     for snap in figures:
         labels = job_labels(snap)
+        if snap.collective_late_s is not None:
+            lateness.points.append(Point(labels, snap.collective_late_s))
+        if snap.collective_last_share is not None:
+            last_share.points.append(Point(labels, snap.collective_last_share))
         if snap.agent_cpu_s is not None:
             agent_cpu.points.append(Point(labels, snap.agent_cpu_s))
         if snap.agent_step_share is not None:
@@ -224,6 +243,8 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         findings,
         agent_cpu,
         agent_share,
+        lateness,
+        last_share,
     ]
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torchtop.model.advice import Finding
+from torchtop.model.collectives import Lateness
 from torchtop.model.job import JobModel
 from torchtop.protocol import Hello
 
@@ -79,9 +80,15 @@ class JobFigures:
     #: job's step time (``None`` while the job takes no step, or from an older agent).
     agent_cpu_s: float | None = None
     agent_step_share: float | None = None
+    #: Its mean lateness at the collectives against the first rank of its node (flight
+    #: recorder), and the share of them it was last at; ``None`` without a recorder.
+    collective_late_s: float | None = None
+    collective_last_share: float | None = None
 
 
-def figures_of(model: JobModel, run_findings: Sequence[Finding] = ()) -> JobFigures | None:
+def figures_of(
+    model: JobModel, run_findings: Sequence[Finding] = (), late: Lateness | None = None
+) -> JobFigures | None:
     """The exported figures of one job's model; ``None`` before its hello. ``run_findings``
     (the run's findings about its ranks: straggler, hang, dead rank) add those that name this
     job's rank of its run to its own."""
@@ -129,6 +136,8 @@ def figures_of(model: JobModel, run_findings: Sequence[Finding] = ()) -> JobFigu
         exited=model.job_ended,
         agent_cpu_s=model.agent_stats.cpu_s if model.agent_stats is not None else None,
         agent_step_share=model.agent_stats.step_share if model.agent_stats is not None else None,
+        collective_late_s=late.mean_s if late is not None and late.joined else None,
+        collective_last_share=late.last_share if late is not None and late.joined else None,
         findings=tuple(
             (f.name, f.severity)
             for f in [

@@ -110,7 +110,14 @@ class JobSet:
                 if not job.accepted:
                     continue
                 if job.dirty or job.figures is None:
-                    job.figures = figures_of(self.model.jobs[address], self.model.advisor.findings)
+                    model = self.model.jobs[address]
+                    hello = model.hello
+                    late = (
+                        self.model.advisor.lateness.get((hello.run_id, hello.rank))
+                        if hello is not None and hello.rank is not None
+                        else None
+                    )
+                    job.figures = figures_of(model, self.model.advisor.findings, late)
                     job.dirty = False
                 if job.figures is not None:
                     out.append(job.figures)

@@ -17,6 +17,7 @@ from typing import Literal
 
 from torchtop.model.advice import Advisor
 from torchtop.model.captures import MemoryCaptures
+from torchtop.model.collectives import MAX_KEPT, CollectiveRecord
 from torchtop.model.connection import (
     SourceConnected,
     SourceDisconnected,
@@ -29,6 +30,7 @@ from torchtop.model.ops import OpTimings
 from torchtop.model.training import TrainingState
 from torchtop.protocol import (
     AgentStats,
+    CollectivesSeen,
     DeviceHolding,
     DeviceInfo,
     Dropped,
@@ -231,6 +233,9 @@ class JobModel:
     advice: Advisor = field(default_factory=Advisor)
     #: The training thread's stack, as the agent last sent it because the steps had stopped.
     stack: StackSampled | None = None
+    #: This rank's collectives as its flight recorder saw them (``collectives``), the newest
+    #: :data:`~torchtop.model.collectives.MAX_KEPT`; the run model joins the ranks on them.
+    collectives: deque[CollectiveRecord] = field(default_factory=lambda: deque(maxlen=MAX_KEPT))
     #: The agent's latest account of itself: its own cost, its budget, its clients.
     agent_stats: AgentStats | None = None
     #: The sum and count of the agent's step-time shares (one a second while the job steps),
@@ -342,6 +347,9 @@ class JobModel:
         if isinstance(message, StackSampled):
             self.stack = message
             return True
+        if isinstance(message, CollectivesSeen):
+            self.collectives.extend(CollectiveRecord.of(entry) for entry in message.entries)
+            return bool(message.entries) or changed
         if isinstance(message, AgentStats):
             previous, self.agent_stats = self.agent_stats, message
             if message.step_share is not None:

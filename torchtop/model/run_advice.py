@@ -40,6 +40,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from torchtop.model.advice import MAX_CLEARED, SEVERITY_ORDER, Check, Finding, Severity
+from torchtop.model.collectives import CollectiveRecord, Lateness, hang_triage, lateness
+from torchtop.model.collectives import straggler as last_to_arrive
 from torchtop.model.training import MIN_RECENT_STEPS, RECENT_WINDOW_S
 from torchtop.protocol import HANG_AFTER_S, StackFrame, StackSampled, hang_threshold
 
@@ -199,6 +201,84 @@ def straggler(times: Sequence[RankTimes], now: float) -> Verdict | None:
     )
 
 
+def _collectives(jobs: Sequence[JobModel]) -> dict[int, list[CollectiveRecord]]:
+    return {
+        job.hello.rank: list(job.collectives)
+        for job in jobs
+        if job.hello is not None and job.hello.rank is not None and job.collectives
+    }
+
+
+def collective_lateness(jobs: Sequence[JobModel]) -> dict[int, Lateness]:
+    """Each rank's lateness at the collectives the ranks of its node all recorded (empty
+    where fewer than two ranks sent collectives)."""
+    records = _collectives(jobs)
+    if len(records) < 2:
+        return {}
+    nodes = {j.hello.rank: j.hello.hostname for j in jobs if j.hello and j.hello.rank is not None}
+    return lateness(records, nodes)
+
+
+def lateness_json(late: Lateness) -> dict[str, Any]:
+    return {
+        "rank": late.rank,
+        "joined": late.joined,
+        "last_share": round(late.last_share, 3),
+        "mean_late_s": round(late.mean_s, 6),
+        "median_late_s": round(late.median_s, 6),
+    }
+
+
+def arrival_straggler(per_rank: dict[int, Lateness], now: float) -> Verdict | None:
+    """The rank last at most collectives, from the flight recorder's enqueue times (each
+    compared only with the ranks of its node: they share a clock). None where no rank sent
+    collectives: the rule on the time outside backward decides then."""
+    late = last_to_arrive(per_rank)
+    if late is None:
+        return None
+    summary = (
+        f"rank {late.rank} arrives last at {100 * late.last_share:.0f}% of "
+        f"{late.joined} collectives, {_ms(late.median_s)} after the first rank (median)"
+    )
+    return _verdict(
+        name="straggler",
+        rank=late.rank,
+        severity="warning",
+        title="a straggler holds the others back",
+        evidence={
+            "source": "arrivals",
+            "clock": "enqueue times compared within each node",
+            "ranks": [lateness_json(r) for r in sorted(per_rank.values(), key=lambda r: r.rank)],
+        },
+        summary=summary,
+        window=(now - RECENT_WINDOW_S, now),
+        fix=(
+            f"Rank {late.rank} enqueues its collectives last: find what it does before them "
+            "that the others do not (its data, its forward, hooks or logging in its backward, "
+            "a busier host)."
+        ),
+    )
+
+
+def _either_straggler(
+    per_rank: dict[int, Lateness], times: Sequence[RankTimes], now: float
+) -> Verdict | None:
+    """The arrivals' straggler where the ranks sent collectives, else the rule on the time
+    outside backward; where both name the same rank, one finding with both evidences."""
+    by_time = straggler(times, now)
+    by_arrival = arrival_straggler(per_rank, now)
+    if by_arrival is None:
+        return by_time
+    if by_time is None or by_time.rank != by_arrival.rank:
+        return by_arrival
+    check = replace(
+        by_time.check,
+        evidence={**by_time.check.evidence, "arrivals": by_arrival.check.evidence},
+        summary=f"{by_time.check.summary}; {by_arrival.check.summary}",
+    )
+    return replace(by_time, check=check)
+
+
 def in_collective(frames: Sequence[StackFrame]) -> bool:
     """The stack is inside backward or a ``torch.distributed`` call: where DDP's ranks wait
     for each other."""
@@ -287,6 +367,10 @@ def hang(jobs: Sequence[JobModel], now: float) -> Verdict | None:
     elif waiting:
         summary += f": {_ranks(waiting)} wait in a collective"
     culprit = outside[0] if len(outside) == 1 else None
+    where = {row["rank"]: row["where"] for row in stuck if row.get("where")}
+    triage = hang_triage(_collectives(jobs), where)
+    if triage:
+        summary = f"{summary}. " + "; ".join(finding.line() for finding in triage)
     return _verdict(
         name="hang",
         rank=culprit,
@@ -299,6 +383,19 @@ def hang(jobs: Sequence[JobModel], now: float) -> Verdict | None:
             "outside_collective": outside,
             "in_collective": waiting,
             "ranks": stuck,
+            "collectives": [
+                {
+                    "pg": f.pg,
+                    "seq": f.seq,
+                    "last_completed_seq": f.last_completed_seq,
+                    "op": f.op,
+                    "sizes": [list(s) for s in f.sizes],
+                    "waiting": list(f.waiting),
+                    "never_entered": list(f.missing),
+                    "desync": [list(d) for d in f.desync],
+                }
+                for f in triage
+            ],
         },
         summary=summary,
         window=(last, now),
@@ -437,6 +534,8 @@ class RankAdvisor:
     #: Findings that held and then stopped, oldest first (bounded).
     cleared: deque[Finding] = field(default_factory=lambda: deque(maxlen=MAX_CLEARED))
     last_eval: float | None = None
+    #: Each rank's arrivals at the collectives, by (run id, rank), as of the last evaluation.
+    lateness: dict[tuple[str | None, int], Lateness] = field(default_factory=dict)
     _since: dict[_Key, float] = field(default_factory=dict)
     _shown: dict[_Key, Finding] = field(default_factory=dict)
 
@@ -461,7 +560,10 @@ class RankAdvisor:
         verdicts: list[Verdict] = []
         for run_id, ranks in runs(jobs).items():
             times = [t for t in map(rank_times, ranks) if t is not None]
-            found = [straggler(times, now), hang(ranks, now)]
+            per_rank = collective_lateness(ranks)
+            for late in per_rank.values():
+                self.lateness[(run_id, late.rank)] = late
+            found = [_either_straggler(per_rank, times, now), hang(ranks, now)]
             found.extend(dead_ranks(ranks, now, self.launcher_exits))
             verdicts.extend(replace(v, run_id=run_id) for v in found if v is not None)
         holds = {"straggler": STRAGGLER_HOLD_S}

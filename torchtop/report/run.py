@@ -21,7 +21,13 @@ from typing import Any
 
 from torchtop.model import JobModel
 from torchtop.model.run import RunModel
-from torchtop.model.run_advice import died, exit_status, launcher_exits
+from torchtop.model.run_advice import (
+    collective_lateness,
+    died,
+    exit_status,
+    lateness_json,
+    launcher_exits,
+)
 from torchtop.protocol import Hello, Message
 from torchtop.report.job import add_text_row, fold, report_json
 
@@ -119,6 +125,11 @@ def summarize_ranks(messages: Sequence[Message], sources: Sequence[str | None]) 
     report["log_lines"] = launcher.log_total
     exits = run.advisor.launcher_exits
     report["ranks"] = [rank_json(job, exits, report["exit_code"]) for job in ranks]
+    # Each rank's arrivals at the collectives (flight recorder), null without a recorder.
+    late = collective_lateness(ranks)
+    for row in report["ranks"]:
+        found = late.get(row["rank"])
+        row["collectives"] = lateness_json(found) if found is not None else None
     start = ranks[0].first_t if ranks else None
     ranked = []
     for finding in run.advisor.all_findings:

@@ -1,6 +1,7 @@
 """What says that a process is a rank, and the hook that notices when it becomes one: the
 launchers' marks in the environment (:func:`launcher_rank`, :func:`should_start`) and the wrap
-of ``init_process_group`` (:func:`wrap_init_process_group`, :class:`GroupWatcher`).
+of ``init_process_group`` (:func:`wrap_init_process_group`, :class:`GroupWatcher`), and the
+flight recorder's ring that ``torchtop run`` turns on for every rank (:func:`enable_recorder`).
 
 Shared by the job's ``sitecustomize`` (which imports it by this file's name: this folder is
 first on the job's ``PYTHONPATH``) and by :mod:`torchtop.agent.rank_start`. Standard library
@@ -13,7 +14,7 @@ import sys
 
 TYPE_CHECKING = False  # typing itself costs every process of every job a few milliseconds
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Mapping, MutableMapping
     from typing import Any
 
 #: The agent's options (JSON) for each rank; its presence turns rank start-up on.
@@ -122,3 +123,18 @@ class GroupWatcher:
         be walking the list in an import at this moment."""
         self.active = False
         sys.meta_path = [finder for finder in sys.meta_path if finder is not self]
+
+
+#: The flight recorder's ring length (read by torch when a process group is created).
+BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+LEGACY_BUFFER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+#: The ring's length when the user set none: a few minutes of a DDP job's all-reduces.
+DEFAULT_RING = 2000
+
+
+def enable_recorder(environ: MutableMapping[str, str]) -> bool:
+    """Set a small ring unless the user set one; True when this call set it."""
+    if BUFFER_ENV in environ or LEGACY_BUFFER_ENV in environ:
+        return False
+    environ[BUFFER_ENV] = str(DEFAULT_RING)
+    return True
