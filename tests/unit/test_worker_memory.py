@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
-from torchtop.streams.worker_memory import parse_smaps_rollup, read_worker, read_workers
+from torchtop.protocol import LoaderInfo, LoaderStats, WorkerStats, decode, encode
+from torchtop.streams.worker_memory import (
+    parse_smaps_rollup,
+    read_worker,
+    read_workers,
+    with_worker_memory,
+)
 
 #: /proc/self/smaps_rollup of `cat` on Linux 6.x, as read.
 ROLLUP = """\
@@ -51,3 +59,39 @@ def test_read_real_process_and_skip_missing(tmp_path: Path) -> None:
     loader = read_workers([os.getpid(), 2**31 - 1])
     assert [w.pid for w in loader.workers] == [os.getpid()]
     assert loader.uss > 0 and loader.pss > 0
+
+
+def _info(*workers: WorkerStats) -> LoaderInfo:
+    loader = LoaderStats(
+        index=1,
+        name="loader 1",
+        dataset="RowsDataset",
+        batch_size=8,
+        num_workers=len(workers),
+        pin_memory=False,
+        prefetch_factor=2,
+        persistent_workers=False,
+        workers=list(workers),
+    )
+    return LoaderInfo(t=1.0, loaders=[loader])
+
+
+def test_fills_only_the_jobs_own_live_workers() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        info = _info(
+            WorkerStats(pid=child.pid, alive=True),
+            WorkerStats(pid=os.getpid(), alive=True),  # not a child of the job: another host's pid
+            WorkerStats(pid=child.pid, alive=False),
+        )
+        filled = with_worker_memory(info, job_pid=os.getpid())
+        mine, other, dead = filled.loaders[0].workers
+        assert mine.uss_bytes is not None and mine.uss_bytes > 0
+        assert mine.pss_bytes is not None and mine.shared_bytes is not None
+        assert other.uss_bytes is None and dead.uss_bytes is None
+        assert decode(encode(filled)) == filled  # travels and records as it is
+        assert with_worker_memory(info, job_pid=1) is info  # none read: unchanged
+    finally:
+        child.communicate(b"")

@@ -13,9 +13,12 @@ be read (another user, no ``/proc``), is left out of the result, never an error.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from torchtop.protocol import LoaderInfo
 
 #: The fields read, as ``smaps_rollup`` names them; values are in kB.
 _FIELDS = ("Rss", "Pss", "Shared_Clean", "Shared_Dirty", "Private_Clean", "Private_Dirty")
@@ -92,3 +95,38 @@ def read_workers(pids: Iterable[int], proc: Path = Path("/proc")) -> LoaderMemor
     """The memory of the workers in ``pids`` that can be read, in the order given."""
     found = (read_worker(pid, proc) for pid in pids)
     return LoaderMemory(workers=tuple(w for w in found if w is not None))
+
+
+def parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """``pid``'s parent from ``/proc/PID/stat``, or None when it cannot be read."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses; the last ')' ends it.
+    fields = stat[stat.rfind(")") + 1 :].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
+def with_worker_memory(info: LoaderInfo, job_pid: int, proc: Path = Path("/proc")) -> LoaderInfo:
+    """``info`` with each live worker's USS, PSS and shared memory filled in.
+
+    Only the workers that are children of ``job_pid`` on this host are read: a job on another
+    node names pids that mean other processes here. Returns ``info`` itself when none is read.
+    """
+    loaders = []
+    changed = False
+    for loader in info.loaders:
+        workers = []
+        for worker in loader.workers:
+            mem = None
+            if worker.alive and parent_pid(worker.pid, proc) == job_pid:
+                mem = read_worker(worker.pid, proc)
+            if mem is not None:
+                changed = True
+                worker = dataclasses.replace(
+                    worker, uss_bytes=mem.uss, pss_bytes=mem.pss, shared_bytes=mem.shared
+                )
+            workers.append(worker)
+        loaders.append(dataclasses.replace(loader, workers=workers))
+    return dataclasses.replace(info, loaders=loaders) if changed else info
