@@ -15,6 +15,9 @@ It knows nothing of torchtop. ``--case`` picks the job:
   that compute their items; ``threads-fixed``: one worker and the CPUs it leaves as threads.
 - ``fp32-matmuls`` (CUDA): an MLP trained in float32; ``bf16-autocast``: the same under bf16
   autocast. ``--device cpu`` runs them where there is no GPU (the advice needs one).
+- ``cow``: a dataset held as a list of Python dicts (about 300 MB) read by two forked workers:
+  each read writes a reference count and copies its page into the worker; ``cow-numpy``: the
+  same rows as one NumPy array, which stays shared.
 """
 
 from __future__ import annotations
@@ -163,6 +166,43 @@ def matmul_job(autocast: bool, device: str, seconds: float = 8.0) -> None:
         time.sleep(0.01)
 
 
+class Rows(Dataset):
+    """``blocks`` blocks of ``ROWS_PER_BLOCK`` rows, each row as a dict or as one array row."""
+
+    def __init__(self, rows: object, blocks: int) -> None:
+        self.rows = rows
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return self.blocks
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        lo = i * ROWS_PER_BLOCK
+        if isinstance(self.rows, list):
+            block = [(r["x"], float(r["y"])) for r in self.rows[lo : lo + ROWS_PER_BLOCK]]
+            return torch.tensor(block)
+        return torch.from_numpy(self.rows[lo : lo + ROWS_PER_BLOCK].copy())
+
+
+ROWS_PER_BLOCK = 1000
+
+
+def cow_job(numpy: bool, blocks: int = 1200) -> None:
+    """One epoch of ``blocks`` blocks, ~10 ms a step, from two forked workers."""
+    n = blocks * ROWS_PER_BLOCK
+    if numpy:
+        import numpy as np
+
+        rows: object = np.stack([np.arange(n, dtype=np.float64), np.arange(n) % 7.0], axis=1)
+    else:
+        rows = [{"x": float(i), "y": i % 7, "name": f"row {i}"} for i in range(n)]
+    loader = DataLoader(Rows(rows, blocks), batch_size=None, num_workers=2, shuffle=False)
+    weight = torch.zeros(2, requires_grad=True)
+    for block in loader:
+        (block.float() @ weight).sum().backward()
+        time.sleep(0.01)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -181,6 +221,8 @@ def main() -> None:
             "threads-fixed",
             "fp32-matmuls",
             "bf16-autocast",
+            "cow",
+            "cow-numpy",
         ],
     )
     parser.add_argument("--device", default="cuda")
@@ -193,6 +235,8 @@ def main() -> None:
         creep_job(case == "creep-fixed")
     elif case.startswith("workers"):
         creep_job(case == "workers", workers=2)
+    elif case.startswith("cow"):
+        cow_job(case == "cow-numpy")
     elif case.startswith("threads"):
         threads_job(case == "threads-fixed")
     elif case in ("fp32-matmuls", "bf16-autocast"):
