@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -167,21 +168,19 @@ def matmul_job(autocast: bool, device: str, seconds: float = 8.0) -> None:
 
 
 class Rows(Dataset):
-    """``blocks`` blocks of ``ROWS_PER_BLOCK`` rows, each row as a dict or as one array row."""
+    """Blocks of ``ROWS_PER_BLOCK`` rows, each row a dict (in a list) or one array row."""
 
-    def __init__(self, rows: object, blocks: int) -> None:
+    def __init__(self, rows: Any) -> None:
         self.rows = rows
-        self.blocks = blocks
 
     def __len__(self) -> int:
-        return self.blocks
+        return len(self.rows) // ROWS_PER_BLOCK
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        lo = i * ROWS_PER_BLOCK
-        if isinstance(self.rows, list):
-            block = [(r["x"], float(r["y"])) for r in self.rows[lo : lo + ROWS_PER_BLOCK]]
-            return torch.tensor(block)
-        return torch.from_numpy(self.rows[lo : lo + ROWS_PER_BLOCK].copy())
+        block = self.rows[i * ROWS_PER_BLOCK : (i + 1) * ROWS_PER_BLOCK]
+        if isinstance(block, list):
+            return torch.tensor([(r["x"], float(r["y"])) for r in block])
+        return torch.from_numpy(block.copy())
 
 
 ROWS_PER_BLOCK = 1000
@@ -193,10 +192,10 @@ def cow_job(numpy: bool, blocks: int = 1200) -> None:
     if numpy:
         import numpy as np
 
-        rows: object = np.stack([np.arange(n, dtype=np.float64), np.arange(n) % 7.0], axis=1)
+        rows: Any = np.stack([np.arange(n, dtype=np.float64), np.arange(n) % 7.0], axis=1)
     else:
         rows = [{"x": float(i), "y": i % 7, "name": f"row {i}"} for i in range(n)]
-    loader = DataLoader(Rows(rows, blocks), batch_size=None, num_workers=2, shuffle=False)
+    loader = DataLoader(Rows(rows), batch_size=None, num_workers=2, shuffle=False)
     weight = torch.zeros(2, requires_grad=True)
     for block in loader:
         (block.float() @ weight).sum().backward()
