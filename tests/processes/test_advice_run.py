@@ -131,3 +131,5 @@ def test_forked_workers_copying_python_objects_and_the_numpy_fix(tmp_path: Path)
     assert cow["evidence"]["growth_bytes"] >= 64 << 20
     assert "NumPy" in cow["fix"] and "spawn" in cow["fix"]
     assert not [f for f in array["findings"] if f["name"] == "worker-copy-on-write"]
+    (loader,) = objects["dataloader"]["loaders"]
+    assert loader["peak_workers_uss_bytes"] >= 2 * (64 << 20)
