@@ -559,12 +559,20 @@ class StackSampled(Message):
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """A DataLoader worker process, read with psutil."""
+    """A DataLoader worker process, read with psutil.
+
+    ``uss_bytes`` (private), ``pss_bytes`` and ``shared_bytes`` are read from outside the job
+    (``/proc/PID/smaps_rollup``, :mod:`torchtop.streams.worker_memory`) where the viewer runs on
+    the job's host; ``None`` elsewhere.
+    """
 
     pid: int
     alive: bool
     cpu_percent: float | None = None
     rss_bytes: int | None = None
+    uss_bytes: int | None = None
+    pss_bytes: int | None = None
+    shared_bytes: int | None = None
 
 
 @dataclass(frozen=True)

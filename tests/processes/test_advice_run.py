@@ -120,3 +120,16 @@ def test_float32_matmuls_on_a_real_gpu_and_none_under_autocast(tmp_path: Path) -
     assert evidence["dtypes"].get("float", 0) >= 10 and evidence["device"] == "cuda:0"
     fixed = _report(tmp_path, SCRIPT, "--case", "bf16-autocast")
     assert "float32-matmuls" not in {f["name"] for f in fixed["findings"]}, fixed["findings"]
+
+
+def test_forked_workers_copying_python_objects_and_the_numpy_fix(tmp_path: Path) -> None:
+    """About 300 MB of Python dicts read by two forked workers: each worker's private memory
+    (USS, read from outside the job) grows through the epoch and the rule fires with its fix;
+    the same rows as a NumPy array stay shared: no growth, no finding."""
+    objects, array = _reports(tmp_path, [SCRIPT, "--case", "cow"], [SCRIPT, "--case", "cow-numpy"])
+    (cow,) = [f for f in objects["findings"] if f["name"] == "worker-copy-on-write"]
+    assert cow["evidence"]["growth_bytes"] >= 64 << 20
+    assert "NumPy" in cow["fix"] and "spawn" in cow["fix"]
+    assert not [f for f in array["findings"] if f["name"] == "worker-copy-on-write"]
+    (loader,) = objects["dataloader"]["loaders"]
+    assert loader["peak_workers_uss_bytes"] >= 2 * (64 << 20)

@@ -15,6 +15,9 @@ It knows nothing of torchtop. ``--case`` picks the job:
   that compute their items; ``threads-fixed``: one worker and the CPUs it leaves as threads.
 - ``fp32-matmuls`` (CUDA): an MLP trained in float32; ``bf16-autocast``: the same under bf16
   autocast. ``--device cpu`` runs them where there is no GPU (the advice needs one).
+- ``cow``: a dataset held as a list of Python dicts (about 300 MB) read by two forked workers:
+  each read writes a reference count and copies its page into the worker; ``cow-numpy``: the
+  same rows as one NumPy array, which stays shared.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -163,6 +167,41 @@ def matmul_job(autocast: bool, device: str, seconds: float = 8.0) -> None:
         time.sleep(0.01)
 
 
+class Rows(Dataset):
+    """Blocks of ``ROWS_PER_BLOCK`` rows, each row a dict (in a list) or one array row."""
+
+    def __init__(self, rows: Any) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows) // ROWS_PER_BLOCK
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        block = self.rows[i * ROWS_PER_BLOCK : (i + 1) * ROWS_PER_BLOCK]
+        if isinstance(block, list):
+            return torch.tensor([(r["x"], float(r["y"])) for r in block])
+        return torch.from_numpy(block.copy())
+
+
+ROWS_PER_BLOCK = 1000
+
+
+def cow_job(numpy: bool, blocks: int = 1200) -> None:
+    """One epoch of ``blocks`` blocks, ~10 ms a step, from two forked workers."""
+    n = blocks * ROWS_PER_BLOCK
+    if numpy:
+        import numpy as np
+
+        rows: Any = np.stack([np.arange(n, dtype=np.float64), np.arange(n) % 7.0], axis=1)
+    else:
+        rows = [{"x": float(i), "y": i % 7, "name": f"row {i}"} for i in range(n)]
+    loader = DataLoader(Rows(rows), batch_size=None, num_workers=2, shuffle=False)
+    weight = torch.zeros(2, requires_grad=True)
+    for block in loader:
+        (block.float() @ weight).sum().backward()
+        time.sleep(0.01)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -181,6 +220,8 @@ def main() -> None:
             "threads-fixed",
             "fp32-matmuls",
             "bf16-autocast",
+            "cow",
+            "cow-numpy",
         ],
     )
     parser.add_argument("--device", default="cuda")
@@ -193,6 +234,8 @@ def main() -> None:
         creep_job(case == "creep-fixed")
     elif case.startswith("workers"):
         creep_job(case == "workers", workers=2)
+    elif case.startswith("cow"):
+        cow_job(case == "cow-numpy")
     elif case.startswith("threads"):
         threads_job(case == "threads-fixed")
     elif case in ("fp32-matmuls", "bf16-autocast"):

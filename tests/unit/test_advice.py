@@ -482,3 +482,34 @@ def test_a_finding_that_flaps_is_one_finding_with_its_periods() -> None:
     assert text.count("Input-bound") == 1
     assert f"{first_start - T0:.1f}-{first_end - T0:.1f} s" in text
     assert f"from {second_start - T0:.1f} s, still true at the end" in text
+
+
+def cow_job(uss_mb: list[int], *, start_method: str = "fork", epochs: list[int] | None = None):
+    """Two workers of loader 0, read once a second, each with ``uss_mb[s]`` MiB private."""
+    out: list[Message] = []
+    for s, mb in enumerate(uss_mb):
+        workers = [WorkerStats(100 + w, True, uss_bytes=mb << 20) for w in range(2)]
+        stats = dataclasses.replace(
+            loader(10 * s, 0, workers=2, name="RowsDataset"),
+            start_method=start_method,
+            epochs=epochs[s] if epochs else 1,
+            workers=workers,
+        )
+        out += [steps(T0 + s, 10 * (s + 1), 10, 0.1, 0.0), LoaderInfo(T0 + s, [stats])]
+    return out
+
+
+def test_worker_copy_on_write_when_forked_workers_grow_private_memory() -> None:
+    growing = [40 + 30 * s for s in range(10)]  # 40 -> 310 MiB per worker
+    model = fed(cow_job(growing))
+    assert "worker-copy-on-write" in names(model)
+    (finding,) = [f for f in model.advice.findings if f.name == "worker-copy-on-write"]
+    ev = finding.evidence
+    assert ev["uss_first_bytes"] == 40 << 20 and ev["growth_bytes"] >= 200 << 20
+    assert "NumPy" in finding.fix and "spawn" in finding.fix
+    assert "worker-copy-on-write" not in names(fed(cow_job([40] * 10)))  # a shared array
+    assert "worker-copy-on-write" not in names(fed(cow_job(growing, start_method="spawn")))
+    # Growth is read within one epoch: 40 -> 280 MiB across two, but 50 MiB within the second.
+    two = [40, 100, 160, 220, 230, 240, 250, 260, 270, 280]
+    assert "worker-copy-on-write" in names(fed(cow_job(two)))
+    assert "worker-copy-on-write" not in names(fed(cow_job(two, epochs=[1] * 4 + [2] * 6)))

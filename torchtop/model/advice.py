@@ -673,6 +673,73 @@ def eval_with_grad(model: JobView, now: float, advisor: Advisor) -> Check | None
     return None
 
 
+#: Copy-on-write in forked workers: the mean private memory per worker over one epoch, from at
+#: least this many readings over this many seconds, rising by at least this much and this share.
+COW_MIN_READINGS = 5
+COW_MIN_SPAN_S = 5.0
+COW_MIN_GROWTH_BYTES = 64 << 20
+COW_MIN_GROWTH_FRACTION = 0.25
+
+
+def worker_copy_on_write(model: JobView, now: float, advisor: Advisor) -> Check | None:
+    """Forked DataLoader workers whose private memory (USS) grows over an epoch: the dataset's
+    Python objects are copied into each worker page by page as their reference counts are
+    written. Shared pages (a NumPy array, a memory-mapped file) do not grow USS."""
+    for state in model.training.loader_list:
+        loader = state.stats
+        if loader.num_workers == 0 or loader.start_method in ("spawn", "forkserver"):
+            continue
+        readings = list(state.worker_uss)
+        if not readings:
+            continue
+        epoch = readings[-1][1]
+        readings = [r for r in readings if r[1] == epoch]
+        if len(readings) < COW_MIN_READINGS:
+            continue
+        (t0, _, first), (t1, _, last) = readings[0], readings[-1]
+        third = max(1, len(readings) // 3)
+        rising = max(r[2] for r in readings[:third]) < min(r[2] for r in readings[-third:])
+        growth = last - first
+        if not (
+            rising
+            and t1 - t0 >= COW_MIN_SPAN_S
+            and growth >= COW_MIN_GROWTH_BYTES
+            and growth >= COW_MIN_GROWTH_FRACTION * max(first, 1)
+        ):
+            continue
+        workers = sum(1 for w in loader.workers if w.alive) or loader.num_workers
+        return Check(
+            "warning",
+            "DataLoader workers copy the dataset (copy-on-write)",
+            {
+                "loader": loader.name,
+                "dataset": loader.dataset,
+                "workers": workers,
+                "start_method": loader.start_method,
+                "uss_first_bytes": first,
+                "uss_last_bytes": last,
+                "growth_bytes": growth,
+                "epoch": epoch,
+            },
+            (
+                f"{loader.name} ({loader.dataset}): private memory per worker rose "
+                f"{size(first)} -> {size(last)} in {t1 - t0:.0f} s of epoch {epoch} "
+                f"(x{workers} workers)"
+            ),
+            (t0, t1),
+            (
+                "Forked workers share the dataset until Python touches it: each read of a "
+                "Python object (list, dict, str) writes its reference count and copies its page "
+                "into the worker. Hold the data as NumPy/Arrow arrays or a memory-mapped file, "
+                "or start workers with multiprocessing_context='spawn' (or 'forkserver')."
+            ),
+            "self.labels = np.asarray(labels)  # not: a list of dicts\n"
+            "DataLoader(ds, num_workers=2, multiprocessing_context='forkserver')",
+            "dataloader",
+        )
+    return None
+
+
 def host_syncs(model: JobView, now: float, advisor: Advisor) -> Check | None:
     """At least one wait for the device per step on a CUDA job."""
     ops = model.op_timings
@@ -1042,6 +1109,8 @@ RULES: Sequence[_Rule] = (
     # One interval (~1 s) of evaluation batches is evidence enough; loader counts come about
     # once a second, so an interval may see none: it clears after 3 s without.
     _Rule("eval-with-grad", 0.0, eval_with_grad, clear_s=3.0),
+    # Over >= 5 readings (~1 s apart) of one epoch: its evidence is its own window.
+    _Rule("worker-copy-on-write", 0.0, worker_copy_on_write),
     # Over the profiled steps of every op window so far.
     _Rule("host-syncs", 0.0, host_syncs),
     _Rule("tiny-ops", 0.0, tiny_ops),

@@ -43,6 +43,8 @@ CHART_BUCKET_S = 0.1
 DEFAULT_HISTORY_STEPS = 16384
 #: Worker pids remembered per loader to count the workers seen (new pids beyond are counted).
 WORKER_PIDS_KEPT = 256
+#: Readings of the workers' private memory kept per loader (about one a second).
+WORKER_USS_KEPT = 600
 
 
 @dataclass(slots=True)
@@ -244,14 +246,24 @@ class LoaderState:
     workers_seen: int = 0
     peak_workers_rss: int = 0
     _pids: deque[int] = field(default_factory=lambda: deque(maxlen=WORKER_PIDS_KEPT))
+    #: Private memory (USS) of the workers, where the viewer could read it from outside:
+    #: ``(t, epochs, mean USS per live worker)``, the latest :data:`WORKER_USS_KEPT` readings.
+    worker_uss: deque[tuple[float, int, int]] = field(
+        default_factory=lambda: deque(maxlen=WORKER_USS_KEPT)
+    )
+    peak_workers_uss: int = 0
 
-    def observe_workers(self, loader: LoaderStats) -> None:
+    def observe_workers(self, loader: LoaderStats, t: float | None = None) -> None:
         for worker in loader.workers:
             if worker.pid not in self._pids:
                 self._pids.append(worker.pid)
                 self.workers_seen += 1
         rss = sum(w.rss_bytes or 0 for w in loader.workers if w.alive)
         self.peak_workers_rss = max(self.peak_workers_rss, rss)
+        uss = [w.uss_bytes for w in loader.workers if w.alive and w.uss_bytes is not None]
+        if uss and t is not None:
+            self.peak_workers_uss = max(self.peak_workers_uss, sum(uss))
+            self.worker_uss.append((t, loader.epochs, sum(uss) // len(uss)))
 
 
 @dataclass(slots=True)
@@ -337,7 +349,7 @@ class TrainingState:
                     self.last_batch_t = message.t
                 state.stats = loader
                 changed = True
-            state.observe_workers(loader)
+            state.observe_workers(loader, message.t)
         if newest:
             self.loaders_t = message.t
         return changed

@@ -162,6 +162,8 @@ def _loader_json(state: LoaderState) -> dict[str, Any]:
         "first_batch_s": _r(x.first_batch_s),
         "workers_seen": state.workers_seen,
         "peak_workers_rss_bytes": state.peak_workers_rss or None,
+        #: The workers' private memory summed (USS, read from outside on the job's host).
+        "peak_workers_uss_bytes": state.peak_workers_uss or None,
     }
 
 
@@ -384,6 +386,8 @@ def training_parts(report: dict[str, Any]) -> list[Any]:
             workers = str(x["num_workers"])
             if x["start_method"]:
                 workers += f" {x['start_method']}"
+            if x.get("peak_workers_uss_bytes"):
+                workers += f" · peak private {format_bytes(x['peak_workers_uss_bytes'])}"
             add_text_row(
                 table,
                 x["name"],

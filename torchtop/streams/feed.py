@@ -13,8 +13,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from torchtop.protocol import Hello, JobExited, Message, ProtocolError, decode
+from torchtop.protocol import Hello, JobExited, LoaderInfo, Message, ProtocolError, decode, encode
 from torchtop.streams.recording import FrameSink
+from torchtop.streams.worker_memory import with_worker_memory
 from torchtop.transport import (
     AgentConnection,
     AgentInfo,
@@ -171,6 +172,9 @@ class AgentFeed:
             for frame in self._conn.frames(on_idle=self._check_silence):
                 self._last_frame = time.monotonic()
                 message = decode(frame)
+                if isinstance(message, LoaderInfo) and self._job_pid is not None:
+                    message = with_worker_memory(message, self._job_pid)
+                    frame = encode(message)
                 if self.writer is not None:
                     self.writer.write_frame(frame)
                 self.frames += 1

@@ -63,6 +63,10 @@ def loader_lines(loader: LoaderStats) -> list[Text]:
         if rss:
             workers.append(" RSS ", "dim")
             workers.append(format_bytes(sum(rss)))
+        uss = [w.uss_bytes for w in alive if w.uss_bytes is not None]
+        if uss:  # private pages: what copy-on-write of the dataset grows
+            workers.append(" private ", "dim")
+            workers.append(format_bytes(sum(uss)))
         lines.append(workers)
     return lines
 
