@@ -32,6 +32,10 @@ class FakeGpu:
     temperature: float = 64.0
     power_w: float = 612.4
     power_limit_w: float = 700.0
+    #: NVML's total energy counter at the fake clock's zero: millijoules since driver load.
+    energy_mj_at_zero: int = 9_284_771_305
+    #: The fake clock (seconds) that :meth:`FakeNvmlBackend.energy_mj` reads; a test moves it.
+    clock_s: float = 0.0
     clock_sm_mhz: int = 1980
     clock_memory_mhz: int = 3201
     processes: list[tuple[int, int | None]] = field(
@@ -85,7 +89,11 @@ class FakeNvmlBackend:
                     name="NVIDIA GeForce RTX 3090",
                     memory_total=24_576 * MIB,
                     memory_used=20_011 * MIB,
-                    fail={"power_w": "not_supported", "power_limit_w": "not_supported"},
+                    fail={
+                        "power_w": "not_supported",
+                        "power_limit_w": "not_supported",
+                        "energy_mj": "not_supported",
+                    },
                 ),
             ]
         )
@@ -108,11 +116,13 @@ class FakeNvmlBackend:
         instances = [
             FakeGpu(name=f"{a100} MIG 3g.40gb", memory_total=40_192 * MIB, memory_used=9 * GIB,
                     fail={"utilization": "not_supported", "power_w": "not_supported",
-                          "power_limit_w": "not_supported", "temperature": "not_supported",
+                          "power_limit_w": "not_supported", "energy_mj": "not_supported",
+                          "temperature": "not_supported",
                           "clocks": "not_supported"}),
             FakeGpu(name=f"{a100} MIG 2g.20gb", memory_total=19_968 * MIB, memory_used=1 * GIB,
                     fail={"utilization": "not_supported", "power_w": "not_supported",
-                          "power_limit_w": "not_supported", "temperature": "not_supported",
+                          "power_limit_w": "not_supported", "energy_mj": "not_supported",
+                          "temperature": "not_supported",
                           "clocks": "not_supported"}),
         ]  # fmt: skip
         parent = FakeGpu(name=a100, memory_total=81_920 * MIB, mig=instances)
@@ -197,6 +207,13 @@ class FakeNvmlBackend:
 
     def power_limit_w(self, handle: object) -> float:
         return self._gpu("power_limit_w", handle).power_limit_w
+
+    def energy_mj(self, handle: object) -> int:
+        """The counter as NVML keeps it: monotonic millijoules since driver load, grown by
+        ``power_w`` and updated on a 100 ms grid (a read between updates repeats the last)."""
+        gpu = self._gpu("energy_mj", handle)
+        updated_s = int(gpu.clock_s * 10) / 10
+        return gpu.energy_mj_at_zero + round(gpu.power_w * updated_s * 1000)
 
     def clocks(self, handle: object) -> tuple[int, int]:
         gpu = self._gpu("clocks", handle)

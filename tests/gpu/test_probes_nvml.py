@@ -425,3 +425,23 @@ def test_a_gpu_whose_cuda_uuid_is_unreadable_is_not_called_outside_the_job() -> 
         (1, None, None),
         (3, None, None),
     ]
+
+
+def test_fake_energy_counter_is_monotonic_millijoules_on_a_100ms_grid() -> None:
+    backend = FakeNvmlBackend.two_h200()
+    backend.init()
+    gpu = backend.gpus[0]
+    start = backend.energy_mj(0)
+    gpu.clock_s = 0.05  # between NVML's updates: the same reading
+    assert backend.energy_mj(0) == start
+    gpu.clock_s = 2.0  # 2 s at 612.4 W
+    assert backend.energy_mj(0) - start == 1_224_800
+    power = FakeNvmlBackend.power_not_supported()
+    power.init()
+    with pytest.raises(NvmlCallError):
+        power.energy_mj(1)
+
+
+def test_real_backend_reads_total_energy_consumption() -> None:
+    backend = backend_over(fake_pynvml(nvmlDeviceGetTotalEnergyConsumption=lambda h: 9_284_771))
+    assert backend.energy_mj(object()) == 9_284_771

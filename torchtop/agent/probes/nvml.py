@@ -69,6 +69,11 @@ class NvmlBackend(Protocol):
 
     def power_limit_w(self, handle: object) -> float: ...
 
+    def energy_mj(self, handle: object) -> int:
+        """Millijoules the GPU has used since the driver was loaded (monotonic; NVML updates it
+        about every 100 ms). Raises ``not_supported`` on GPUs older than Volta and MIG instances."""
+        ...
+
     def clocks(self, handle: object) -> tuple[int, int]:
         """SM and memory clocks in MHz."""
         ...
@@ -150,6 +155,9 @@ class PynvmlBackend:
 
     def power_limit_w(self, handle: object) -> float:
         return float(self._call(self._nvml.nvmlDeviceGetEnforcedPowerLimit, handle)) / 1000.0
+
+    def energy_mj(self, handle: object) -> int:
+        return int(self._call(self._nvml.nvmlDeviceGetTotalEnergyConsumption, handle))
 
     def clocks(self, handle: object) -> tuple[int, int]:
         nvml = self._nvml
