@@ -744,6 +744,7 @@ class MemoryHolders(Message):
 MESSAGE_TYPES[MemoryHolders.KIND] = MemoryHolders
 
 
+@dataclass(frozen=True)
 class CollectiveEntry:
     """One collective as one rank's flight recorder saw it: its process group, its sequence
     id in that group, the op, the input sizes, and when this rank enqueued, started and
