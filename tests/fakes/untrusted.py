@@ -20,6 +20,9 @@ from torchtop.protocol import (
     AgentStats,
     AllocationSite,
     ClientHello,
+    CollectiveEntry,
+    CollectivesSeen,
+    DeviceHolding,
     DeviceInfo,
     Dropped,
     GpuProcess,
@@ -33,6 +36,7 @@ from torchtop.protocol import (
     LogLine,
     Marked,
     MatmulDtype,
+    MemoryHolders,
     MemorySnapshotTaken,
     MemoryStats,
     Message,
@@ -136,6 +140,10 @@ def job_stream() -> list[Message]:
         LogLine(T0 + 1.7, "stderr", "a warning"),
         Sample(T0 + 2, HostStats(GiB, 50.0, 8, 2, 8 * GiB, 64 * GiB, 8, 2), [memory]),
         LoaderInfo(T0 + 2.1, [loader]),
+        MemoryHolders(T0 + 2.2, 1, [DeviceHolding("cuda:0", GiB, GiB // 2, 2 * GiB)]),
+        CollectivesSeen(
+            T0 + 2.3, [CollectiveEntry("0", 1, "gloo:all_reduce", [[4, 4]], int(T0 * 1e9))]
+        ),
         steps,
         PhaseEnded(T0 + 2.6, "warmup", 1),
         ops,
