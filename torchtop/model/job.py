@@ -421,7 +421,13 @@ class JobModel:
                 self.memory[stats.device] = device
             device.latest = stats
             device.series.append(
-                MemoryPoint(message.t, stats.allocated_bytes, stats.reserved_bytes)
+                MemoryPoint(
+                    message.t,
+                    stats.allocated_bytes,
+                    stats.reserved_bytes,
+                    device.holding,
+                    stats.inactive_split_bytes,
+                )
             )
             device.peak_allocated = _max(
                 _max(device.peak_allocated, stats.peak_allocated_bytes), stats.allocated_bytes
