@@ -383,7 +383,7 @@ def _by_holder(evidence: Evidence) -> list[Suggestion]:
                 how="torch.distributed.optim.ZeroRedundancyOptimizer(params, torch.optim.AdamW) "
                 "or FSDP/fully_shard; or bnb.optim.AdamW8bit(params); SGD with momentum keeps "
                 "one state tensor instead of Adam's two.",
-                demo="memory",
+                demo="holders",
             )
         ]
     if category == "gradients":
