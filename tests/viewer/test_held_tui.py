@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
+import sys
 
+import pytest
 from test_tui_app import (
     HOST,
     T0,
@@ -17,6 +20,7 @@ from test_tui_app import (
     running,
     static_text,
 )
+from test_tui_tmux import Terminal, terminal  # noqa: F401 (the fixture)
 from textual.widgets import Static
 
 from tests.gpu.test_holders_attribution import attributed_capture
@@ -45,7 +49,7 @@ from torchtop.tui.widgets.held import (
     stacked_rows,
 )
 from torchtop.tui.widgets.log import LogPanel
-from torchtop.tui.widgets.memory import MemoryPanel
+from torchtop.tui.widgets.memory import MemoryPanel, stack_cells
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -106,6 +110,18 @@ def test_stacked_rows_letter_each_cell_by_the_category_at_its_middle() -> None:
     # Bottom up: P P G A; an empty slice is blank; the axis says 0 at the bottom.
     assert [row[-3:] for row in rows] == ["A C", "G C", "P C", "P C"]
     assert rows[-1].strip().startswith("0")
+
+
+def test_each_category_held_shows_in_one_cell_at_least_and_the_rest_by_share() -> None:
+    # 2 MiB of parameters beside 300 MiB of activations, 32 MiB a cell: a cell still.
+    split = {"parameters": 2 * MiB, "gradients": 0, "other_allocated": 300 * MiB}
+    assert stack_cells(split, 10, 320 * MiB) == ["parameters"] + ["other_allocated"] * 8
+    # As tall as the total, to the nearest cell; nothing held, nothing drawn.
+    assert len(stack_cells({"other_allocated": 100 * MiB}, 10, 320 * MiB)) == 3
+    assert stack_cells({"parameters": 0}, 10, 320 * MiB) == []
+    # More categories than cells: the largest ones.
+    many = {"parameters": 5, "gradients": 1, "optimizer_state": 9, "other_allocated": 7}
+    assert stack_cells(many, 2, 22) == ["optimizer_state", "other_allocated"]
 
 
 def test_the_view_shows_adam_s_state_appear_over_sgd_s() -> None:
@@ -257,3 +273,36 @@ async def test_the_oom_screen_shows_the_split_at_80x24() -> None:
         # The whole banner shows: none of its lines is cut off at the bottom.
         assert banner.region.height >= len(text.rstrip("\n").splitlines())
         assert screen.query_one("#oom-middle").region.height >= 5
+
+
+# -- the real viewer in tmux, on a real CPU job --------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_h_on_the_holders_demo_shows_the_split_move_at_80_by_24(
+    terminal: Terminal,  # noqa: F811
+) -> None:
+    """``torchtop demo holders --quick`` in the viewer: ``h`` shows the split of the demo's
+    CPU memory, one letter per cell; the optimizer state appears when Adam takes over, to the
+    byte the demo measures (2 x the 2.01 MiB of parameters)."""
+    command = f"{sys.executable} -m torchtop demo holders --quick; echo EXIT=$?"
+    terminal.keys(command, "Enter")
+    terminal.wait_for(lambda s: "running" in s and "Memory · cpu" in s, timeout=120)
+    terminal.keys("h")
+    sgd = terminal.wait_for(
+        lambda s: "What holds memory" in s and "P params 2.01 MiB" in s, timeout=120
+    )
+    assert "G grads 2.01 MiB" in sgd and NO_WINDOW in sgd, sgd
+    adam = terminal.wait_for(lambda s: "O optim 4.02 MiB" in s, timeout=120)
+    rows = adam.splitlines()
+    assert len(rows) <= 24 and max(len(row) for row in rows) <= 80
+    # The stacked bars: the y axis, parameters along the bottom row, the state above them.
+    bottom = next(row for row in rows if re.match(r"^ +0┤", row))
+    assert "PPPP" in bottom, adam
+    assert any("O" in row.split("┤" if "┤" in row else "│", 1)[-1] for row in rows), adam
+    done = terminal.wait_for(lambda s: "ended · exit 0" in s, timeout=180)
+    assert "SGD" in done and "Adam" in done, done  # the phases beneath the bars
+    terminal.keys("h")
+    terminal.wait_for(lambda s: "What holds memory" not in s and "Memory · cpu" in s)
+    terminal.keys("q")
+    assert "EXIT=0\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)

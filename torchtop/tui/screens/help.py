@@ -49,8 +49,9 @@ HELP_PANELS = (
         "per cell: P parameters, G gradients, O optimizer state (read from the optimizers the "
         "job steps, each storage once), A everything else allocated (activations, "
         "temporaries, buffers, inputs, parameters under no optimizer), C cache (reserved "
-        "less allocated; on the CPU, RSS above the heap), F fragmentation; · allocated, not "
-        "split yet. Beneath: the top modules by activation memory at a step's peak, from "
+        "less allocated), F fragmentation; · allocated, not split yet. Each category held "
+        "gets a cell at least; on the CPU the bars split the heap (RSS above it is in the "
+        "first lines). Beneath: the top modules by activation memory at a step's peak, from "
         "the latest memory window.",
     ),
     (

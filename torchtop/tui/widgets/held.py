@@ -26,7 +26,13 @@ from torchtop.model.memory import DeviceMemory, MemoryPoint
 from torchtop.text import printable
 from torchtop.tui.format import format_bytes_short, format_span, nice_ceiling
 from torchtop.tui.widgets.chart import AXIS_WIDTH, ChartSpan, append_runs, phase_row
-from torchtop.tui.widgets.memory import chart_window, flow, holder_style, split_key
+from torchtop.tui.widgets.memory import (
+    chart_window,
+    flow,
+    holder_style,
+    split_key,
+    stack_cells,
+)
 from torchtop.tui.widgets.quiet import set_titles, update_if_changed
 
 #: The fewest rows a device's stacked bars get; devices that would get fewer are listed, not drawn.
@@ -80,35 +86,24 @@ def held_columns(
     return out
 
 
-def _cell(split: Mapping[str, int], level: float) -> str | None:
-    """The category whose part of the stack covers ``level`` bytes from the bottom."""
-    reached = 0
-    for category, value in split.items():
-        reached += value
-        if level < reached:
-            return category
-    return None
-
-
 def stacked_rows(
     columns: Sequence[Mapping[str, int] | None], rows: int, top: float, axis: bool = True
 ) -> list[Text]:
-    """The columns' splits stacked from the bottom, ``rows`` lines from the top down: each cell
-    the letter of the category at its middle, in reverse colour, blank above the total; with
+    """The columns' splits stacked from the bottom (``stack_cells``), ``rows`` lines from the
+    top down, each cell its category's letter in reverse colour, blank above the total; with
     the y axis's top and zero on the left when ``axis``."""
+    stacks = [stack_cells(split, rows, top) if split is not None else [] for split in columns]
     lines = []
     for row in range(rows):
-        # The middle of this row's band of bytes, counted from the bottom.
-        level = (rows - row - 0.5) * top / rows if top > 0 else 0.0
+        level = rows - 1 - row  # cells from the bottom
         chars: list[str] = []
         styles: list[str] = []
-        for split in columns:
-            category = _cell(split, level) if split is not None and top > 0 else None
-            if category is None:
+        for stack in stacks:
+            if level >= len(stack):
                 chars.append(" ")
                 styles.append("")
             else:
-                letter, _, style = holder_style(category)
+                letter, _, style = holder_style(stack[level])
                 chars.append(letter)
                 styles.append(f"reverse {style}".strip())
         line = Text(no_wrap=True, overflow="crop")
@@ -152,9 +147,17 @@ def device_bars(
     t_start: float,
     t_end: float,
 ) -> list[Text]:
-    """A device's stacked bars over ``rows`` lines, and the window and its phases beneath."""
+    """A device's stacked bars over ``rows`` lines (on the CPU, of the heap), and the window
+    and its phases beneath."""
     plot_width = max(0, width - AXIS_WIDTH)
     columns = held_columns(memory.series, t_start, t_end, plot_width)
+    if not memory.is_cuda:
+        # The CPU's "cache" is RSS above the heap: the interpreter, libraries and pages the
+        # heap let go, hundreds of MiB beside a small model. The bars split the heap; the
+        # first lines still give RSS above it.
+        columns = [
+            None if c is None else {k: v for k, v in c.items() if k != "cache"} for c in columns
+        ]
     peak = max((sum(c.values()) for c in columns if c is not None), default=0)
     out = stacked_rows(columns, rows, nice_ceiling(peak))
     window = f"-{format_span(t_end - t_start)}" if t_end > t_start else ""

@@ -157,19 +157,38 @@ def holder_style(category: str) -> tuple[str, str, str]:
     return "?", printable(category, one_line=True)[:16], ""
 
 
+def stack_cells(split: Mapping[str, int], rows: int, top: float) -> list[str]:
+    """A stacked bar's cells from its base, each the category it shows: as many as its total
+    takes on a scale of ``top`` bytes over ``rows`` cells; each category held gets one cell at
+    least (a few MiB of parameters beside GiB of activations still show), the rest go by share
+    (largest remainders). Blank cells beyond the total are not in the list."""
+    if top <= 0 or rows <= 0:
+        return []
+    unit = top / rows
+    held = [(category, value / unit) for category, value in split.items() if value > 0]
+    if len(held) > rows:  # more categories than cells: the largest ones
+        kept = sorted(held, key=lambda item: -item[1])[:rows]
+        held = [item for item in held if item in kept]
+    height = min(rows, max(len(held), round(sum(e for _, e in held))))
+    spare = height - len(held)
+    # One cell each, then the spare cells by what each holds beyond its first cell.
+    beyond = [max(0.0, e - 1) for _, e in held]
+    whole = sum(beyond)
+    quotas = [b * spare / whole if whole > 0 else 0.0 for b in beyond]
+    counts = [1 + int(q) for q in quotas]
+    order = sorted(range(len(held)), key=lambda i: -(quotas[i] - int(quotas[i])))
+    for i in order[: height - sum(counts)]:
+        counts[i] += 1
+    return [category for (category, _), n in zip(held, counts, strict=True) for _ in range(n)]
+
+
 def split_cells(split: Mapping[str, int], cells: int) -> Text:
-    """The split as a bar of ``cells`` cells, each category's share of the total in its letter
-    (in reverse colour), in the split's order; empty when the total is 0."""
+    """The split as a bar of ``cells`` cells (:func:`stack_cells`), each cell its category's
+    letter in reverse colour, in the split's order; empty when the total is 0."""
     bar = Text()
-    total = sum(split.values())
-    if total <= 0 or cells <= 0:
-        return bar
-    start = 0.0
-    for category, value in split.items():
-        end = start + value * cells / total
+    for category in stack_cells(split, cells, sum(split.values())):
         letter, _, style = holder_style(category)
-        bar.append(letter * (round(end) - round(start)), f"reverse {style}".strip())
-        start = end
+        bar.append(letter, f"reverse {style}".strip())
     return bar
 
 
