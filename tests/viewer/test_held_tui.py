@@ -26,6 +26,7 @@ from textual.widgets import Static
 from tests.gpu.test_holders_attribution import attributed_capture
 from tests.gpu.test_oom_snapshot import load
 from torchtop.model import JobModel
+from torchtop.model.memory import ModuleMemory
 from torchtop.protocol import (
     CategoryBytes,
     DeviceHolding,
@@ -42,8 +43,8 @@ from torchtop.tui.app import TorchtopApp
 from torchtop.tui.screens.oom import OomScreen, banner_text, held_bar
 from torchtop.tui.widgets.held import (
     NO_WINDOW,
+    NOT_SPLIT,
     HeldPanel,
-    ModuleRow,
     held_columns,
     held_view,
     stacked_rows,
@@ -143,20 +144,20 @@ def test_the_view_shows_adam_s_state_appear_over_sgd_s() -> None:
 
 def test_the_module_table_lists_the_window_s_modules_made_printable() -> None:
     modules = [
-        ModuleRow("encoder.layers.3.mlp", 48 * MiB, 0.41),
-        ModuleRow("decoder\x1b[2J", 12 * MiB, 0.1),
+        ModuleMemory("encoder.layers.3.mlp", 48 * MiB, 0.41),
+        ModuleMemory("decoder\x1b[2J", 12 * MiB, 0.1),
     ]
     view = held_view(_model(held_job()), 76, 20, modules).plain
     assert re.search(r"48M +41%  encoder\.layers\.3\.mlp", view), view
     assert "\x1b" not in view and "decoder" in view
 
 
-def test_under_memory_limit_the_view_says_the_split_comes_at_the_failure() -> None:
-    stats = MemoryStats("cpu", "cpu-tensors", 200 * MiB, 200 * MiB, total_bytes=280 * MiB)
+def test_a_job_that_steps_no_optimizer_is_said_not_split() -> None:
+    stats = MemoryStats("cpu", "cpu-heap", 200 * MiB, 300 * MiB)
     model = _model([hello(cuda=False), *(Sample(T0 + i, HOST, [stats]) for i in range(5))])
     view = held_view(model, 76, 20).plain
-    assert "· not split 200 MiB" in view
-    assert "not split live under --memory-limit: the split is read at the failure" in view
+    assert "· not split 200 MiB" in view and NOT_SPLIT in view
+    assert re.search(r"0┤ *·+$", view, re.MULTILINE), view  # the heap, drawn not split
 
 
 # -- in the app ----------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from torchtop.model.connection import (
     SourceSilent,
     SourceStatus,
 )
-from torchtop.model.memory import DeviceMemory, MemoryPoint
+from torchtop.model.memory import DeviceMemory, MemoryPoint, ModuleMemory
 from torchtop.model.oom_advice import Evidence, phase_at, step_floors
 from torchtop.model.ops import OpTimings
 from torchtop.model.training import TrainingState
@@ -194,6 +194,10 @@ class JobModel:
     memory: dict[str, DeviceMemory] = field(default_factory=dict)
     #: The latest read of what holds each device's memory (``holders`` frames), by device.
     holders: dict[str, DeviceHolding] = field(default_factory=dict)
+    #: The latest memory window's top modules by activation memory at the step's peak, largest
+    #: first (``None``: the job has sent no memory window yet); the view of what holds memory
+    #: shows them.
+    top_modules: list[ModuleMemory] | None = None
     host: HostStats | None = None
     peak_rss: int | None = None
     rss_series: deque[tuple[float, int | None]] = field(init=False)

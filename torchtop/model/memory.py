@@ -21,10 +21,20 @@ CATEGORIES = (
     "fragmentation",
 )
 #: Allocated memory whose holders are not read yet (before the job's first optimizer step, or
-#: under ``--memory-limit``, where only the failure is split): :attr:`MemoryPoint.held`.
+#: in a job that steps none): :attr:`MemoryPoint.held`.
 UNSPLIT = "unsplit"
 _NONE_HELD = DeviceHolding("", 0, 0, 0)
 _SHOWN = ("other_allocated", "cache", "fragmentation")
+
+
+@dataclass(frozen=True)
+class ModuleMemory:
+    """One row of a memory window's module table: a module's path (made printable), the
+    bytes of activations it held at the step's peak, and their share of that peak."""
+
+    path: str
+    bytes: int
+    share: float
 
 
 @dataclass(slots=True)

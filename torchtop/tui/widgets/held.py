@@ -12,7 +12,6 @@ a pure function of the model (:func:`held_view`), tested without an app.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from rich.text import Text
 from textual import on
@@ -22,7 +21,7 @@ from textual.events import Resize
 from textual.widgets import Static
 
 from torchtop.model.job import JobModel
-from torchtop.model.memory import DeviceMemory, MemoryPoint
+from torchtop.model.memory import DeviceMemory, MemoryPoint, ModuleMemory
 from torchtop.text import printable
 from torchtop.tui.format import format_bytes_short, format_span, nice_ceiling
 from torchtop.tui.widgets.chart import AXIS_WIDTH, ChartSpan, append_runs, phase_row
@@ -43,16 +42,6 @@ MAX_MODULE_ROWS = 8
 MODULES_TITLE = "Top modules by activation memory at the step's peak"
 #: What the module table says before the job has sent a memory window.
 NO_WINDOW = "no memory window yet"
-
-
-@dataclass(frozen=True)
-class ModuleRow:
-    """One row of the module table: a module's path, the bytes of activations it held at the
-    step's peak, and their share of that peak."""
-
-    path: str
-    bytes: int
-    share: float
 
 
 def held_columns(
@@ -116,11 +105,9 @@ def stacked_rows(
     return lines
 
 
-def _why_unsplit(memory: DeviceMemory) -> str:
-    """Why a device's memory is not split yet."""
-    if memory.latest.source == "cpu-tensors":
-        return "not split live under --memory-limit: the split is read at the failure (o)"
-    return "not split yet: the holders are read once the job steps an optimizer"
+#: Why a device's memory is not split (yet): no optimizer has stepped, or none ever will (a
+#: job that only runs inference).
+NOT_SPLIT = "not split: the holders are read once the job steps an optimizer"
 
 
 def device_head(memory: DeviceMemory, width: int) -> list[Text]:
@@ -135,7 +122,7 @@ def device_head(memory: DeviceMemory, width: int) -> list[Text]:
         head.append(Text("waiting for a sample with allocated memory", "dim"))
     out = flow(head, width, 2)
     if memory.by_category is None:
-        out.append(Text(f"· {_why_unsplit(memory)}", "dim", no_wrap=True, overflow="ellipsis"))
+        out.append(Text(f"· {NOT_SPLIT}", "dim", no_wrap=True, overflow="ellipsis"))
     return out
 
 
@@ -168,7 +155,7 @@ def device_bars(
     return out
 
 
-def module_block(modules: Sequence[ModuleRow] | None, width: int, rows: int) -> list[Text]:
+def module_block(modules: Sequence[ModuleMemory] | None, width: int, rows: int) -> list[Text]:
     """The module table: its heading, then one row per module (bytes, share, path), or why
     there is none."""
     out = [Text(MODULES_TITLE, "bold", no_wrap=True, overflow="ellipsis")]
@@ -199,7 +186,7 @@ def held_view(
     state: JobModel,
     width: int,
     height: int,
-    modules: Sequence[ModuleRow] | None = None,
+    modules: Sequence[ModuleMemory] | None = None,
 ) -> Text:
     """The whole view in ``height`` lines at most: each device the job uses (as many as get
     :data:`MIN_BAR_ROWS` rows of bars; the others named on one line), then the module table."""
@@ -269,7 +256,7 @@ class HeldPanel(Vertical):
         if key == self._drawn_from:
             return
         self._drawn_from = key
-        update_if_changed(view, held_view(state, size.width, size.height))
+        update_if_changed(view, held_view(state, size.width, size.height, state.top_modules))
 
     @on(Resize)
     def _fit(self) -> None:
