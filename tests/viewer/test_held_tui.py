@@ -307,3 +307,34 @@ def test_h_on_the_holders_demo_shows_the_split_move_at_80_by_24(
     terminal.wait_for(lambda s: "What holds memory" not in s and "Memory · cpu" in s)
     terminal.keys("q")
     assert "EXIT=0\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
+
+
+def _devices_job(n: int) -> list[Message]:
+    """A job on ``n`` GPUs, each holding parameters, gradients and Adam's state."""
+    messages: list[Message] = [hello(cuda=True)]
+    for i in range(100):
+        t = T0 + i / 10
+        stats = [
+            MemoryStats(f"cuda:{d}", "cuda-allocator", 5 * GiB, 6 * GiB, inactive_split_bytes=GiB)
+            for d in range(n)
+        ]
+        messages.append(Sample(t, HOST, stats))
+        if i % 10 == 5:
+            held = [DeviceHolding(f"cuda:{d}", GiB, GiB, 2 * GiB) for d in range(n)]
+            messages.append(MemoryHolders(t, 1, held))
+    return messages
+
+
+def test_two_gpus_each_get_their_bars_and_eight_are_named_past_what_fits() -> None:
+    two = held_view(_model(_devices_job(2)), 76, 20).plain.splitlines()
+    assert len(two) <= 20
+    heads = [line for line in two if line.startswith("cuda:")]
+    assert [h.split()[0] for h in heads] == ["cuda:0", "cuda:1"], two
+    # Each device's bars, from its own zero: parameters at the bottom, fragmentation on top.
+    zeros = [line for line in two if re.match(r"^ +0┤", line)]
+    assert len(zeros) == 2 and all(line.rstrip().endswith("P") for line in zeros), two
+    tops = [line for line in two if re.match(r"^ +6\.0G┤", line)]
+    assert len(tops) == 2 and all(line.rstrip().endswith("F") for line in tops), two
+    eight = held_view(_model(_devices_job(8)), 76, 20).plain
+    assert re.search(r"also cuda:\d, .*cuda:7 \(a taller terminal shows them\)", eight), eight
+    assert len(eight.splitlines()) <= 20
