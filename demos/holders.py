@@ -54,7 +54,7 @@ def held_by(optimizer: torch.optim.Optimizer) -> dict[str, harness.Bytes]:
 
 def compare(options: harness.DemoOptions) -> list[harness.PhaseResult]:
     """One model: SGD, then Adam, then Adam with a checkpoint around each segment of blocks."""
-    batch, width, depth = (1024, 256, 8) if options.quick else (4096, 1024, 12)
+    batch, width, depth = (1024, 256, 8) if options.quick else (1024, 1024, 8)
     repeat = 3
     # Each phase runs long enough for the agent's holders read (once a second) to see it, and
     # without --quick long enough to watch.
