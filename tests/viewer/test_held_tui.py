@@ -184,6 +184,10 @@ async def test_h_shows_the_view_in_place_of_the_panels_and_h_again_goes_back() -
         assert panel.region.height >= 18  # the whole body at 80x24
         text = _held_text(app)
         assert "P params 64.0 MiB" in text and "O optim 128 MiB" in text, text
+        # It fits the panel: no line cut or wrapped, none past its last row.
+        region = panel.query_one("#held-view").content_region
+        assert len(text.splitlines()) <= region.height
+        assert max(len(line) for line in text.splitlines()) <= region.width
         assert NO_WINDOW in text
         await pilot.press("h")
         await drained(pilot)
