@@ -9,6 +9,7 @@ import shutil
 import sys
 
 import pytest
+from test_ops_tui import ops_job, window
 from test_tui_app import (
     HOST,
     T0,
@@ -197,10 +198,11 @@ async def test_h_shows_the_view_in_place_of_the_panels_and_h_again_goes_back() -
 
 @pilot_test
 async def test_t_and_l_take_the_view_s_place() -> None:
-    async with running(cuda_job()) as (app, pilot):
+    async with running(ops_job(window())) as (app, pilot):
         body = app.job.query_one("#body")
         await pilot.press("h")
         await pilot.press("t")
+        await pilot.pause()
         assert body.has_class("ops-only") and not body.has_class("held-only")
         await pilot.press("h")
         assert body.has_class("held-only") and not body.has_class("ops-only")

@@ -589,8 +589,8 @@ class JobScreen(Screen[None]):
         body = self.query_one("#body")
         body.set_class(shown, "held-only")
         if shown:
+            self._set_ops_shown(False)  # and the ops table's focus goes with it
             body.remove_class("log-only")
-            body.remove_class("ops-only")
             self.query_one(HeldPanel).show_state(self.state)
 
     def action_toggle_held(self) -> None:
