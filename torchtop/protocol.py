@@ -66,6 +66,16 @@ class ClientHello(Message):
     protocol: int
     client: str = "viewer"
     token: str | None = None
+    #: What this viewer reads of the job from outside it (``/proc``, NVML): names from
+    #: :data:`OUTSIDE_READS`. While every viewer reads a figure from outside, the agent leaves it
+    #: to them and sends only what the job alone can read (see ``torchtop.streams.outside``).
+    outside: list[str] = field(default_factory=list)
+
+
+#: The figures a viewer on the job's machine can read from outside it: the process's CPU,
+#: threads, children and the machine's memory (``host``; the agent still sends the RSS, one
+#: ``pread``), and the GPUs as NVML sees them (``nvml``).
+OUTSIDE_READS = ("host", "nvml")
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,8 @@ class Agent:
             agent_stats=self._agent_stats,
             training=self.training,
             collectives=CollectiveMonitor(),
+            # What every viewer reads from outside the job (/proc, NVML) the agent leaves to it.
+            outside=self.server.read_outside,
         )
         ops = self.ops
         self.cost = CostMeter(

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from torchtop.agent.threads import agent_thread
 from torchtop.protocol import (
+    OUTSIDE_READS,
     PROTOCOL_VERSION,
     ClientHello,
     Dropped,
@@ -154,6 +155,8 @@ class _Client:
     reported_dropped: int = 0
     outbuf: bytearray = field(default_factory=bytearray)
     want_write: bool = False
+    #: What the viewer reads of the job from outside it (its hello's ``outside``).
+    outside: frozenset[str] = frozenset()
 
 
 class AgentServer:
@@ -236,6 +239,14 @@ class AgentServer:
                     self._queued_bytes -= old
                     client.dropped += 1
         self._wake()
+
+    def read_outside(self, name: str) -> bool:
+        """True while every viewer that said hello reads ``name`` (one of
+        :data:`~torchtop.protocol.OUTSIDE_READS`) from outside the job, and while none has:
+        the agent then leaves that figure to them. One viewer that does not (an older one, one
+        on another machine) is enough for the agent to read it again."""
+        with self._lock:
+            return all(name in c.outside for c in self._clients.values() if c.greeted or c.waiting)
 
     @property
     def client_count(self) -> int:
@@ -417,6 +428,9 @@ class AgentServer:
                         raise ProtocolError("the first frame must be a client hello")
                     if message.protocol != PROTOCOL_VERSION:
                         raise ProtocolError(f"unsupported protocol version {message.protocol}")
+                    client.outside = frozenset(
+                        name for name in message.outside[:8] if name in OUTSIDE_READS
+                    )
                     client.waiting = True
                     self._waiting.append(client)
                 elif isinstance(message, Request) and self._allow_request(message.action):
