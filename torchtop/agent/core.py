@@ -247,7 +247,10 @@ class Agent:
         self.sampler = Sampler(
             self.publish,
             host=self._host,
-            cpu_memory=self.oom.cpu_probe(CpuMemoryProbe()),
+            # The C heap twice a second (mallinfo2 takes the allocator's locks), the RSS each tick.
+            cpu_memory=self.oom.cpu_probe(
+                CpuMemoryProbe(heap_every=max(1, round(0.5 / config.interval_s)))
+            ),
             cuda_memory=self._cuda,
             nvml=nvml,
             interval_s=config.interval_s,

@@ -189,6 +189,8 @@ class _OutsideSource(Source):
 #: A job whose process started this much before or after its agent says is not the agent's
 #: (a pid seen from another pid namespace): nothing is read from outside for it.
 START_SLACK_S = 5.0
+#: A sample older than this (the agent's history, sent at attach) keeps what the agent sent.
+FILL_WITHIN_S = 2.0
 #: How often the process table is walked for every reader of this process together.
 CHILDREN_EVERY_S = 5.0
 
@@ -348,6 +350,8 @@ class OutsideReader:
         host = sample.host
         if host is None or host.cpu_percent is not None or host.threads is not None:
             return sample  # the agent read them (or read nothing)
+        if abs(time.time() - sample.t) > FILL_WITHIN_S:
+            return sample  # history from before this viewer: what it was then is not known
         now = time.monotonic()
         if now - self._host_at >= self._host_every_s:
             self._host_at = now
