@@ -288,6 +288,12 @@ class AgentStats(Message):
     #: above the budget it samples less often than its configured interval.
     cost_budget: float | None = None
     interval_s: float | None = None
+    #: The agent's cost on the steps as measured by pausing it now and then and comparing the
+    #: steps in the pauses with those around them (``measured_pairs`` comparisons; their
+    #: median, less one). Includes the time a step waits for the GIL while the agent's threads
+    #: hold it, which ``step_share`` cannot see. ``None`` until measured.
+    measured_step_share: float | None = None
+    measured_pairs: int | None = None
 
 
 @dataclass(frozen=True)

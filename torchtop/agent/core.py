@@ -14,6 +14,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from torchtop.agent.collectives import CollectiveMonitor
-from torchtop.agent.cost import MAX_INTERVAL_S, CostMeter
+from torchtop.agent.cost import MAX_INTERVAL_S, CostMeter, Measured, PausedSteps
 from torchtop.agent.identity import rank_identity
 from torchtop.agent.oom import OomController
 from torchtop.agent.ops import PROBE as OPS_PROBE
@@ -107,6 +108,10 @@ class AgentConfig:
     #: The share of the job's step time the agent's threads may use (``--cost-budget``); above
     #: it the sampler samples less often. 0: no budget.
     cost_budget: float = 0.01
+    #: Measure the agent's cost on the steps by pausing its sampler for 2 s a minute
+    #: (:class:`~torchtop.agent.cost.PausedSteps`).
+    measure_cost: bool = True
+    cost_pause_every_s: float = 60.0
 
     # -- out of memory (torchtop.agent.oom) --------------------------------------------------
     #: Record CUDA allocator history and capture out-of-memory failures (``--no-oom-capture``).
@@ -265,6 +270,10 @@ class Agent:
             outside=self.server.read_outside,
         )
         ops = self.ops
+        #: The cost on the steps, measured by pausing the sampler now and then.
+        self.paused_steps = (
+            PausedSteps(every_s=config.cost_pause_every_s) if config.measure_cost else None
+        )
         self.cost = CostMeter(
             config.cost_budget,
             lambda: self.training.steps.total,
@@ -388,6 +397,7 @@ class Agent:
                 self.publish(
                     ProbeStatus(t=time.time(), probe=COST_PROBE, available=True, detail=detail)
                 )
+        measured = self._measure_cost()
         return AgentStats(
             t=time.time(),
             clients=self.server.client_count,
@@ -402,7 +412,24 @@ class Agent:
             step_share=cost.step_share,
             cost_budget=self.cost.budget,
             interval_s=self.sampler.interval_s,
+            measured_step_share=round(measured.step_share, 5) if measured else None,
+            measured_pairs=measured.pairs if measured else None,
         )
+
+    def _measure_cost(self) -> Measured | None:
+        """In the sampler thread, once a second: compare the last pause's steps with those
+        around it, and pause again when one is due (not while an op window is under way)."""
+        paused = self.paused_steps
+        if paused is None:
+            return None
+        steps = self.training.steps
+        paused.add(steps.ends)
+        usual = statistics.median(steps.recent) if steps.recent else None
+        busy = self.ops is not None and not self.ops.idle
+        if paused.due(usual, busy=busy):
+            began, ended = self.sampler.pause_for(paused.pause_s)
+            paused.paused(began, ended)
+        return paused.measured()
 
     def publish(self, message: Message) -> None:
         try:

@@ -150,6 +150,15 @@ class Sampler:
     def start(self) -> None:
         self._thread.start()
 
+    def pause_for(self, seconds: float) -> tuple[float, float]:
+        """From the sampler thread itself: do nothing for ``seconds`` (less if stopped), then
+        sample on a schedule that starts again; when the pause began and ended
+        (``perf_counter``)."""
+        began = time.perf_counter()
+        self._stop.wait(seconds)
+        self._rescheduled = True
+        return began, time.perf_counter()
+
     def pause(self) -> None:
         """Stop sampling until :meth:`resume` (the thread stays, idle)."""
         self._resumed.clear()
