@@ -70,7 +70,14 @@ class ClientHello(Message):
     #: :data:`OUTSIDE_READS`. While every viewer reads a figure from outside, the agent leaves it
     #: to them and sends only what the job alone can read (see ``torchtop.streams.outside``).
     outside: list[str] = field(default_factory=list)
+    #: Above 0: this viewer wants the job's samples at its pace, not the agent's (a viewer of
+    #: many ranks, an exporter): one ``sample`` a second (:data:`PACED_SAMPLE_S`); every other
+    #: frame as usual. 0: every sample.
+    pace_s: float = 0.0
 
+
+#: The pace of ``sample`` frames for a viewer that asks for its own pace (``pace_s``).
+PACED_SAMPLE_S = 1.0
 
 #: The figures a viewer on the job's machine can read from outside it: the process's CPU,
 #: threads, children and the machine's memory (``host``; the agent still sends the RSS, one

@@ -417,10 +417,12 @@ class AgentConnection:
         client: str = "viewer",
         timeout: float = 5.0,
         outside: Sequence[str] | Callable[[int | None], Sequence[str]] = (),
+        pace_s: float = 0.0,
     ) -> None:
         """``outside``: what this viewer reads of the job from outside it (see
         :data:`~torchtop.protocol.OUTSIDE_READS`), or a function of the agent's pid (from the
-        socket, ``None`` where unknown) that says it."""
+        socket, ``None`` where unknown) that says it. ``pace_s`` above 0: samples at this
+        viewer's pace (one a second), for a viewer of many ranks or an exporter."""
         if not address.startswith("unix:"):
             raise TransportError(f"unsupported address {address!r}; expected unix:/path")
         path = address.removeprefix("unix:")
@@ -428,7 +430,9 @@ class AgentConnection:
         self.sock = _connect(path, timeout)
         try:
             reads = outside(peer_pid(self.sock)) if callable(outside) else outside
-            hello = ClientHello(protocol=PROTOCOL_VERSION, client=client, outside=list(reads))
+            hello = ClientHello(
+                protocol=PROTOCOL_VERSION, client=client, outside=list(reads), pace_s=pace_s
+            )
             self.sock.sendall(encode(hello))
         except OSError as exc:
             self.sock.close()

@@ -1,4 +1,5 @@
-"""What a viewer reads of the job from outside it, the agent leaves to it.
+"""What a viewer reads of the job from outside it, the agent leaves to it; and a viewer that
+takes samples at its own pace gets one a second.
 
 A real job under its agent, real connections: a viewer that says it reads the process from
 outside gets samples with the RSS alone while it is the only one; a second viewer that does
@@ -200,3 +201,34 @@ def _hello(uuids: list[str]) -> Hello:
         interval_s=0.1,
         hostname="node",
     )
+
+
+def test_a_paced_viewer_gets_a_sample_a_second_and_everything_else(agent) -> None:
+    _, info = agent
+    counts: dict[str, dict[str, int]] = {"full": {}, "paced": {}}
+
+    def read(name: str, conn: AgentConnection) -> None:
+        for message in conn.messages():
+            kind = type(message).__name__
+            counts[name][kind] = counts[name].get(kind, 0) + 1
+
+    full = AgentConnection(info.address)
+    paced = AgentConnection(info.address, pace_s=1.0)
+    threads = [
+        threading.Thread(target=read, args=(name, conn), daemon=True)
+        for name, conn in (("full", full), ("paced", paced))
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)  # past the history replay
+    before = {name: dict(c) for name, c in counts.items()}
+    time.sleep(6.0)
+    full.close()
+    paced.close()
+    got = {
+        name: {k: v - before[name].get(k, 0) for k, v in counts[name].items()} for name in counts
+    }
+    assert 4 <= got["paced"]["Sample"] <= 8, got
+    assert got["full"]["Sample"] >= 5 * got["paced"]["Sample"], got
+    # The agent's own stats, once a second, go to both.
+    assert got["paced"].get("AgentStats", 0) >= 4, got

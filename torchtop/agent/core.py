@@ -34,6 +34,7 @@ from torchtop.agent.stall import StallWatch
 from torchtop.agent.threads import agent_thread
 from torchtop.agent.training import TrainingMonitor
 from torchtop.protocol import (
+    PACED_SAMPLE_S,
     PROTOCOL_VERSION,
     REQUEST_PROFILE,
     REQUEST_SNAPSHOT,
@@ -186,6 +187,8 @@ class Agent:
         #: Goes up when the identity changes: a hello built before is stale.
         self._identity_version = 0
         self.pid = os.getpid()
+        #: When the next sample goes to the viewers that take one a second.
+        self._next_paced_sample = 0.0
         self.started_at = time.time()
         self.finished = False
         self._finish_lock = threading.Lock()
@@ -437,9 +440,14 @@ class Agent:
         except Exception:
             return
         aged = None
-        if isinstance(
-            message, (Sample, GpuSample, AgentStats, StepStats, LoaderInfo, CollectivesSeen)
-        ):
+        detail_only = False
+        if isinstance(message, Sample):
+            ring = SAMPLES
+            # Viewers at their own pace get one a second.
+            detail_only = message.t < self._next_paced_sample
+            if not detail_only:
+                self._next_paced_sample = message.t + PACED_SAMPLE_S
+        elif isinstance(message, (GpuSample, AgentStats, StepStats, LoaderInfo, CollectivesSeen)):
             ring = SAMPLES
         elif isinstance(message, LogLine):
             ring = LOGS
@@ -453,7 +461,7 @@ class Agent:
             ring = ANSWERS
         else:
             ring = EVENTS  # rare and important: phases, marks, statuses, OOMs, the exit
-        self.server.publish(frame, ring, aged)
+        self.server.publish(frame, ring, aged, detail_only)
 
     def start(self) -> None:
         self.server.start()

@@ -157,6 +157,9 @@ class _Client:
     want_write: bool = False
     #: What the viewer reads of the job from outside it (its hello's ``outside``).
     outside: frozenset[str] = frozenset()
+    #: Wants samples at its own pace (its hello's ``pace_s``): frames published as
+    #: ``detail_only`` are not queued for it.
+    paced: bool = False
 
 
 class AgentServer:
@@ -211,11 +214,18 @@ class AgentServer:
 
     # -- producers ----------------------------------------------------------------------------
 
-    def publish(self, frame: bytes, ring: str = SAMPLES, aged: bytes | None = None) -> None:
+    def publish(
+        self,
+        frame: bytes,
+        ring: str = SAMPLES,
+        aged: bytes | None = None,
+        detail_only: bool = False,
+    ) -> None:
         """Queue an encoded frame for every client and keep it in the history ring.
 
         ``aged``: a summary of this frame that replaces it in the history once the ring gets
-        its next frame (op windows keep only the latest in full).
+        its next frame (op windows keep only the latest in full). ``detail_only``: not for the
+        clients that take frames at their own pace (it is in the history all the same).
         """
         size = len(frame)
         with self._lock:
@@ -224,7 +234,7 @@ class AgentServer:
             if not self._clients:
                 return
             for client in self._clients.values():
-                if not client.greeted:
+                if not client.greeted or (detail_only and client.paced):
                     continue
                 client.queue.append(frame)
                 client.queued_bytes += size
@@ -431,6 +441,7 @@ class AgentServer:
                     client.outside = frozenset(
                         name for name in message.outside[:8] if name in OUTSIDE_READS
                     )
+                    client.paced = message.pace_s > 0
                     client.waiting = True
                     self._waiting.append(client)
                 elif isinstance(message, Request) and self._allow_request(message.action):

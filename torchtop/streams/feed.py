@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from torchtop.protocol import (
+    PACED_SAMPLE_S,
     GpuSample,
     Hello,
     JobExited,
@@ -73,6 +74,7 @@ class AgentFeed:
         client: str = "viewer",
         started_at: float | None = None,
         outside: bool = True,
+        paced: bool = False,
     ) -> None:
         if pid is None and address is None:
             raise ValueError("give the agent's pid or address")
@@ -90,6 +92,9 @@ class AgentFeed:
         #: where this process can (the job's pid seen here; see :class:`OutsideReader`).
         self._outside = outside
         self._started_at = started_at
+        #: Samples once a second (:data:`~torchtop.protocol.PACED_SAMPLE_S`), not at the
+        #: agent's rate: for what shows or exports figures per second, never a recording.
+        self._paced = paced and writer is None
         self.outside: OutsideReader | None = None
         #: The agent's sampling interval (from its hello) and when its last frame arrived.
         self._interval_s = 0.1
@@ -219,7 +224,10 @@ class AgentFeed:
         while True:
             try:
                 self._conn = AgentConnection(
-                    address, client=self._client, outside=self._outside_reads
+                    address,
+                    client=self._client,
+                    outside=self._outside_reads,
+                    pace_s=PACED_SAMPLE_S if self._paced else 0.0,
                 )
                 break
             except TransportError:
