@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import replace
@@ -86,20 +87,21 @@ def test_the_op_windows_reading_is_shown_but_left_to_its_own_budget() -> None:
 
 
 def test_agent_threads_cpu_is_measured() -> None:
-    done = []
+    spun, release = threading.Event(), threading.Event()
 
     def spin() -> None:
         end = time.thread_time() + 0.05
         while time.thread_time() < end:
             pass
-        time.sleep(0.3)
-        done.append(True)
+        spun.set()
+        release.wait(30)  # alive while measured: an ended thread's CPU leaves /proc
 
     thread = agent_thread(spin, "torchtop-test")
     before = agent_cpu_s() or 0.0
     thread.start()
-    time.sleep(0.2)
+    assert spun.wait(30)
     after = agent_cpu_s()
+    release.set()
     thread.join()
     assert after is not None and after - before >= 0.04
 
