@@ -657,6 +657,8 @@ def agent_cost_summary(model: JobModel) -> dict[str, float | None] | None:
         "mean_step_share": round(model.agent_step_share_sum / count, 5) if count else None,
         "budget": stats.cost_budget,
         "interval_s": stats.interval_s,
+        "measured_step_share": stats.measured_step_share,
+        "measured_pairs": stats.measured_pairs,
     }
 
 
@@ -664,4 +666,9 @@ def _cost_key(stats: AgentStats) -> tuple[object, ...]:
     def tenth(share: float | None) -> int | None:
         return None if share is None else round(share * 1000)
 
-    return (tenth(stats.step_share), tenth(stats.cpu_share), stats.interval_s)
+    return (
+        tenth(stats.step_share),
+        tenth(stats.cpu_share),
+        stats.interval_s,
+        tenth(stats.measured_step_share),
+    )
