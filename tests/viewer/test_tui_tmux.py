@@ -267,3 +267,44 @@ def test_a_script_whose_processes_become_ranks_goes_on_in_the_same_viewer_on_its
     terminal.keys("q")
     done = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=60)
     assert re.search(r"EXIT=(130|0)\n", done), done
+
+
+def test_a_stopped_job_gets_time_to_save_its_checkpoint(terminal: Terminal) -> None:
+    """A job that saves a checkpoint on KeyboardInterrupt (8 s here) is not terminated under
+    it: torchtop says it waits, and the job ends as it chose to (0), its checkpoint saved."""
+    script = SCRIPTS / "slow_stop.py"
+    command = f"{sys.executable} -m torchtop run {script} 8; echo EXIT=$?"
+    terminal.keys(command, "Enter")
+    try:
+        terminal.wait_for(lambda s: "running" in s and "step 50" in s)
+        terminal.keys("q")
+        terminal.wait_for(lambda s: "still running" in s)
+        terminal.keys("s")
+        terminal.wait_for(lambda s: "is still stopping" in s and "Ctrl-C terminates" in s)
+        screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=60)
+        assert "EXIT=0\n" in screen, screen
+        log = re.search(r"less (\S+-job\.log)", screen)
+        assert log is not None, screen
+        with open(log.group(1)) as file:
+            assert "checkpoint saved" in file.read()
+    finally:
+        for agent in list_agents():
+            os.kill(agent.pid, signal.SIGKILL)
+
+
+def test_ctrl_c_while_a_job_stops_terminates_it(terminal: Terminal) -> None:
+    script = SCRIPTS / "slow_stop.py"
+    command = f"{sys.executable} -m torchtop run {script} 1 --ignore-sigint; echo EXIT=$?"
+    terminal.keys(command, "Enter")
+    try:
+        terminal.wait_for(lambda s: "running" in s and "step 50" in s)
+        terminal.keys("q")
+        terminal.wait_for(lambda s: "still running" in s)
+        terminal.keys("s")
+        terminal.wait_for(lambda s: "is still stopping" in s)
+        terminal.keys("C-c")
+        screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=30)
+        assert "terminating job pid" in screen and "EXIT=143\n" in screen, screen
+    finally:
+        for agent in list_agents():
+            os.kill(agent.pid, signal.SIGKILL)

@@ -38,8 +38,13 @@ from torchtop.transport import TransportError, ensure_runtime_dir, job_log_path
 OPTIONS_ENV = "TORCHTOP_AGENT_OPTIONS"
 #: Modules that launch the ranks of a distributed job: run as launchers (:attr:`RunSpec.launcher`).
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-#: How long a job has to stop after SIGINT before SIGTERM, and after SIGTERM before SIGKILL.
-STOP_GRACE_S = 5.0
+#: How long a job stopped from the viewer has to stop by itself after SIGINT (its own handlers
+#: run: a checkpoint saved on KeyboardInterrupt, ranks torn down) before SIGTERM, and after
+#: SIGTERM before SIGKILL. Ctrl-C while torchtop waits cuts the wait short.
+INTERRUPT_GRACE_S = 30.0
+TERM_GRACE_S = 5.0
+#: While a job stops, how often torchtop says it still waits.
+STOPPING_SAY_EVERY_S = 10.0
 
 
 class RunError(Exception):
@@ -143,6 +148,8 @@ class Job:
         self._on_line = on_line
         self._output: JobOutput | None = None
         self._stopping = False
+        #: Set to cut the current wait of the stop short (Ctrl-C while waiting).
+        self._hurry = threading.Event()
         #: The run's id, for ranks whose launcher gives none (``TORCHTOP_RUN_ID``).
         self.run_id = new_run_id()
 
@@ -265,13 +272,44 @@ class Job:
         # stops one: every process of it gets the signal, so the ranks that the job's process
         # started itself (mp.spawn's, Lightning's) stop with it instead of outliving it.
         kill = os.killpg if not self.spec.headless else os.kill
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+        steps = (
+            (signal.SIGINT, INTERRUPT_GRACE_S),
+            (signal.SIGTERM, TERM_GRACE_S),
+            (signal.SIGKILL, TERM_GRACE_S),
+        )
+        for signum, grace in steps:
             if not self.running():
                 return
+            self._hurry.clear()
             with contextlib.suppress(OSError):
                 kill(self.pid, signum)
-            if self.wait(STOP_GRACE_S) is not None:
+            deadline = time.monotonic() + grace
+            while self.running() and time.monotonic() < deadline and not self._hurry.is_set():
+                self._hurry.wait(0.1)
+            if not self.running():
                 return
+
+    def wait_stopping(self, say: Callable[[str], None]) -> int | None:
+        """Wait for a job being stopped to end, saying every few seconds that it still stops;
+        Ctrl-C here goes on to the next signal at once (SIGTERM, then SIGKILL)."""
+        began = time.monotonic()
+        next_say = began + min(STOPPING_SAY_EVERY_S, 3.0)
+        while True:
+            try:
+                code = self.wait(0.2)
+            except KeyboardInterrupt:
+                self._hurry.set()
+                say(f"torchtop: terminating job pid {self.pid}")
+                continue
+            if code is not None:
+                return code
+            if time.monotonic() >= next_say:
+                next_say = time.monotonic() + STOPPING_SAY_EVERY_S
+                say(
+                    f"torchtop: job pid {self.pid} is still stopping "
+                    f"({time.monotonic() - began:.0f} s; its own KeyboardInterrupt handling runs "
+                    f"for up to {INTERRUPT_GRACE_S:.0f} s); Ctrl-C terminates it now"
+                )
 
 
 def run_headless(spec: RunSpec) -> int:
@@ -388,7 +426,7 @@ class RankRun(RunFold):
 
     def finish(self) -> int | None:
         """After the viewer: wait for the job to end, finish the recording; its exit code."""
-        returncode = self.job.wait()
+        returncode = self.job.wait_stopping(say) if self.stopped else self.job.wait()
         assert returncode is not None
         feeds = self.feeds
         if feeds is not None:
@@ -412,3 +450,8 @@ class RankRun(RunFold):
             stopped=self.stopped,
             stderr=tuple(self._stderr.lines()),
         )
+
+
+def say(line: str) -> None:
+    """One line to the user on stderr, at once."""
+    print(line, file=sys.stderr, flush=True)

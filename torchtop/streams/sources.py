@@ -15,7 +15,7 @@ from torchtop.protocol import Hello, JobExited, LogLine, Message, Request
 from torchtop.report.exit_summary import JobEnd, StderrTail, exit_status
 from torchtop.streams.feed import AgentFeed
 from torchtop.streams.recording import RecordingWriter
-from torchtop.streams.runner import Job, LogLines, RunSpec
+from torchtop.streams.runner import Job, LogLines, RunSpec, say
 from torchtop.streams.runs import RankFeeds, RunFold, ranks_below
 from torchtop.streams.source import (
     Sink,
@@ -276,7 +276,7 @@ class RunSource(Source):
         """After the viewer has gone: let a stopping job end and the recording be finished."""
         if self.stopping:
             print(f"torchtop: stopping job pid {self.job.pid}…", file=sys.stderr)
-            self.job.wait()
+            self.job.wait_stopping(say)
         if self._feed is not None:
             self._feed.join(10.0)
         self.close()
