@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -74,6 +75,22 @@ def terminal(tmp_path: object) -> Iterator[Terminal]:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
 
 
+@pytest.fixture
+def jobs_killed() -> Iterator[None]:
+    """Whatever jobs a test leaves running are killed after it."""
+    yield
+    for agent in list_agents():
+        with contextlib.suppress(OSError):
+            os.kill(agent.pid, signal.SIGKILL)
+
+
+def _stop_from_viewer(terminal: Terminal) -> None:
+    """``q`` on a running job, then ``s``: stop it."""
+    terminal.keys("q")
+    terminal.wait_for(lambda s: "still running" in s)
+    terminal.keys("s")
+
+
 def test_live_viewer_shows_the_job_stays_open_and_quits(terminal: Terminal) -> None:
     script = SCRIPTS / "train_mlp.py"
     command = f"{sys.executable} -m torchtop run {script} --steps 60 --sleep 0.03; echo EXIT=$?"
@@ -97,40 +114,36 @@ def test_live_viewer_shows_the_job_stays_open_and_quits(terminal: Terminal) -> N
     assert "EXIT=0\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
 
 
-def test_quitting_a_running_job_asks_and_detach_leaves_it_running(terminal: Terminal) -> None:
+def test_quitting_a_running_job_asks_and_detach_leaves_it_running(
+    terminal: Terminal, jobs_killed: None
+) -> None:
     """Detached, the job writes to its log file: ``torchtop attach`` shows the file's recent
     lines in the log panel, says where the output goes, and follows it."""
     script = SCRIPTS / "train_mlp.py"
     command = f"{sys.executable} -m torchtop run {script} --steps 100000 --sleep 0.02; echo EXIT=$?"
     terminal.keys(command, "Enter")
-    try:
-        terminal.wait_for(lambda s: "running" in s and "step 0 loss" in s)
-        terminal.keys("q")
-        terminal.wait_for(lambda s: "still running" in s)
-        terminal.keys("d")
-        screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
-        assert "EXIT=0\n" in screen and "left job pid" in screen
-        (agent,) = list_agents()  # the job runs on
-        terminal.keys("clear", "Enter")
-        terminal.keys(f"{sys.executable} -m torchtop attach {agent.pid}", "Enter")
-        terminal.wait_for(lambda s: "Log · " in s and "loss" in s)
-        # The log alone, full height: at 80x24 the log panel's few rows scroll the line that
-        # says where the output goes out of sight within a second or two.
-        terminal.keys("l")
-        screen = terminal.wait_for(
-            lambda s: "output goes to " in s and f"{agent.pid}-job.log" in s and "loss" in s
-        )
-        shown = max(int(n) for n in re.findall(r"step (\d+) loss", screen))
-        terminal.wait_for(
-            lambda s: max(map(int, re.findall(r"step (\d+) loss", s)), default=0) > shown
-        )
-        terminal.keys("q")
-        # Leaving the attached viewer says so, and where the output goes on.
-        left = terminal.wait_for(lambda s: f"left job pid {agent.pid} running" in s, timeout=15)
-        assert "tail -f " in left and f"{agent.pid}-job.log" in left, left
-    finally:
-        for agent in list_agents():
-            os.kill(agent.pid, signal.SIGKILL)
+    terminal.wait_for(lambda s: "running" in s and "step 0 loss" in s)
+    terminal.keys("q")
+    terminal.wait_for(lambda s: "still running" in s)
+    terminal.keys("d")
+    screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
+    assert "EXIT=0\n" in screen and "left job pid" in screen
+    (agent,) = list_agents()  # the job runs on
+    terminal.keys("clear", "Enter")
+    terminal.keys(f"{sys.executable} -m torchtop attach {agent.pid}", "Enter")
+    terminal.wait_for(lambda s: "Log · " in s and "loss" in s)
+    # The log alone, full height: at 80x24 the log panel's few rows scroll the line that
+    # says where the output goes out of sight within a second or two.
+    terminal.keys("l")
+    screen = terminal.wait_for(
+        lambda s: "output goes to " in s and f"{agent.pid}-job.log" in s and "loss" in s
+    )
+    shown = max(int(n) for n in re.findall(r"step (\d+) loss", screen))
+    terminal.wait_for(lambda s: max(map(int, re.findall(r"step (\d+) loss", s)), default=0) > shown)
+    terminal.keys("q")
+    # Leaving the attached viewer says so, and where the output goes on.
+    left = terminal.wait_for(lambda s: f"left job pid {agent.pid} running" in s, timeout=15)
+    assert "tail -f " in left and f"{agent.pid}-job.log" in left, left
 
 
 def test_the_live_run_exits_with_the_jobs_code(terminal: Terminal) -> None:
@@ -152,21 +165,15 @@ def test_the_live_run_exits_with_the_jobs_code(terminal: Terminal) -> None:
     assert "EXIT=3\n" in terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=15)
 
 
-def test_a_job_stopped_from_the_viewer_exits_130(terminal: Terminal) -> None:
+def test_a_job_stopped_from_the_viewer_exits_130(terminal: Terminal, jobs_killed: None) -> None:
     script = SCRIPTS / "train_mlp.py"
     command = f"{sys.executable} -m torchtop run {script} --steps 100000 --sleep 0.02; echo EXIT=$?"
     terminal.keys(command, "Enter")
-    try:
-        terminal.wait_for(lambda s: "running" in s and "step 0 loss" in s)
-        terminal.keys("q")
-        terminal.wait_for(lambda s: "still running" in s)
-        terminal.keys("s")
-        screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=30)
-        assert "EXIT=130\n" in screen
-        assert list_agents() == []
-    finally:
-        for agent in list_agents():
-            os.kill(agent.pid, signal.SIGKILL)
+    terminal.wait_for(lambda s: "running" in s and "step 0 loss" in s)
+    _stop_from_viewer(terminal)
+    screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=30)
+    assert "EXIT=130\n" in screen
+    assert list_agents() == []
 
 
 def test_an_input_bound_job_shows_its_finding_with_evidence_at_80_by_24(
@@ -269,42 +276,32 @@ def test_a_script_whose_processes_become_ranks_goes_on_in_the_same_viewer_on_its
     assert re.search(r"EXIT=(130|0)\n", done), done
 
 
-def test_a_stopped_job_gets_time_to_save_its_checkpoint(terminal: Terminal) -> None:
+def test_a_stopped_job_gets_time_to_save_its_checkpoint(
+    terminal: Terminal, jobs_killed: None
+) -> None:
     """A job that saves a checkpoint on KeyboardInterrupt (8 s here) is not terminated under
     it: torchtop says it waits, and the job ends as it chose to (0), its checkpoint saved."""
     script = SCRIPTS / "slow_stop.py"
     command = f"{sys.executable} -m torchtop run {script} 8; echo EXIT=$?"
     terminal.keys(command, "Enter")
-    try:
-        terminal.wait_for(lambda s: "running" in s and "step 50" in s)
-        terminal.keys("q")
-        terminal.wait_for(lambda s: "still running" in s)
-        terminal.keys("s")
-        terminal.wait_for(lambda s: "is still stopping" in s and "Ctrl-C terminates" in s)
-        screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=60)
-        assert "EXIT=0\n" in screen, screen
-        log = re.search(r"less (\S+-job\.log)", screen)
-        assert log is not None, screen
-        with open(log.group(1)) as file:
-            assert "checkpoint saved" in file.read()
-    finally:
-        for agent in list_agents():
-            os.kill(agent.pid, signal.SIGKILL)
+    terminal.wait_for(lambda s: "running" in s and "step 50" in s)
+    _stop_from_viewer(terminal)
+    terminal.wait_for(lambda s: "is still stopping" in s and "Ctrl-C terminates" in s)
+    screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=60)
+    assert "EXIT=0\n" in screen, screen
+    log = re.search(r"less (\S+-job\.log)", screen)
+    assert log is not None, screen
+    with open(log.group(1)) as file:
+        assert "checkpoint saved" in file.read()
 
 
-def test_ctrl_c_while_a_job_stops_terminates_it(terminal: Terminal) -> None:
+def test_ctrl_c_while_a_job_stops_terminates_it(terminal: Terminal, jobs_killed: None) -> None:
     script = SCRIPTS / "slow_stop.py"
     command = f"{sys.executable} -m torchtop run {script} 1 --ignore-sigint; echo EXIT=$?"
     terminal.keys(command, "Enter")
-    try:
-        terminal.wait_for(lambda s: "running" in s and "step 50" in s)
-        terminal.keys("q")
-        terminal.wait_for(lambda s: "still running" in s)
-        terminal.keys("s")
-        terminal.wait_for(lambda s: "is still stopping" in s)
-        terminal.keys("C-c")
-        screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=30)
-        assert "terminating job pid" in screen and "EXIT=143\n" in screen, screen
-    finally:
-        for agent in list_agents():
-            os.kill(agent.pid, signal.SIGKILL)
+    terminal.wait_for(lambda s: "running" in s and "step 50" in s)
+    _stop_from_viewer(terminal)
+    terminal.wait_for(lambda s: "is still stopping" in s)
+    terminal.keys("C-c")
+    screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=30)
+    assert "terminating job pid" in screen and "EXIT=143\n" in screen, screen
