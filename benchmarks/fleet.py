@@ -37,6 +37,7 @@ from pathlib import Path
 
 from torchtop.agent.server import EVENTS, LOGS, OPS, SAMPLES, AgentServer, RingLimit
 from torchtop.protocol import (
+    PACED_SAMPLE_S,
     AgentStats,
     GpuSample,
     Hello,
@@ -111,6 +112,8 @@ class SimulatedRank:
     dies_at: float | None = None
     dead: bool = False
     frames: int = 0
+    #: When this rank's next sample goes to viewers at their own pace, as an agent does.
+    next_paced_sample: float = 0.0
 
     @property
     def pid(self) -> int:
@@ -231,7 +234,12 @@ class Fleet:
             if not (hung and isinstance(message, StepStats)):
                 dt = (start + loop * length) - self._t0
                 out = moved(message, dt, loop * self.steps_per_loop, member.slow)
-                member.server.publish(encode(out), ring_of(out))
+                detail_only = False
+                if isinstance(out, Sample):  # viewers at their own pace get one a second
+                    detail_only = out.t < member.next_paced_sample
+                    if not detail_only:
+                        member.next_paced_sample = out.t + PACED_SAMPLE_S
+                member.server.publish(encode(out), ring_of(out), detail_only=detail_only)
                 member.frames += 1
             when, loop, message = next(gens[i])
             heapq.heappush(pending, (when, next(order), i, loop, message))
