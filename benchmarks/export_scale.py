@@ -7,7 +7,11 @@ exporter would. Measured once every rank is exported: the time of a scrape of ``
 exporter's memory (RSS) and CPU over the measured span, as a share of one core.
 
     python -m benchmarks.export_scale --from r.ttr --ranks 256
-    python -m benchmarks.export_scale --from r.ttr --ranks 1024 --scrapes 20
+    python -m benchmarks.export_scale --from r.ttr --ranks 1024 --scrapes 100
+
+The scrape time's p95 and the exporter's largest RSS in the first and the last third of the
+scrapes are printed too (``--scrapes 1800`` is a 30-minute soak), and what ``promtool check
+metrics`` says of the last scrape where promtool is installed.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,6 +38,17 @@ def scrape(url: str) -> tuple[float, bytes]:
     with urllib.request.urlopen(url, timeout=60) as response:
         body: bytes = response.read()
     return time.perf_counter() - began, body
+
+
+def promtool_check(body: bytes) -> str:
+    """What ``promtool check metrics`` says of a scrape (Prometheus's own linter)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        return "promtool check metrics: skipped (no promtool; Debian's prometheus package has it)"
+    out = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True)
+    said = (out.stdout + out.stderr).decode(errors="replace").strip()
+    verdict = "passed" if out.returncode == 0 and not said else f"rc {out.returncode}"
+    return f"promtool check metrics: {verdict}" + (f": {said[:500]}" if said else "")
 
 
 def main() -> None:
@@ -85,20 +101,27 @@ def main() -> None:
             me = psutil.Process(exporter.pid)
             cpu0, wall0 = sum(me.cpu_times()[:2]), time.monotonic()
             times: list[float] = []
+            rss: list[int] = []
             for _ in range(args.scrapes):
                 took, body = scrape(url)
                 times.append(took)
+                rss.append(me.memory_info().rss)
                 time.sleep(args.interval)
             cpu = sum(me.cpu_times()[:2]) - cpu0
             wall = time.monotonic() - wall0
             series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+            p95 = sorted(times)[max(0, round(0.95 * len(times)) - 1)]
+            third = max(1, len(rss) // 3)
             print(
                 f"export of {args.ranks} ranks: scrape median {1000 * statistics.median(times):.0f}"
-                f" ms, slowest {1000 * max(times):.0f} ms; {len(body) / 1e6:.2f} MB, {series} "
-                f"series; exporter RSS {me.memory_info().rss / 2**20:.0f} MiB, CPU "
-                f"{100 * cpu / wall:.1f}% of a core ({args.scrapes} scrapes, {args.interval} s "
-                "apart)"
+                f" ms, p95 {1000 * p95:.0f} ms, slowest {1000 * max(times):.0f} ms; "
+                f"{len(body) / 1e6:.2f} MB, {series} series; exporter RSS "
+                f"{me.memory_info().rss / 2**20:.0f} MiB (largest in the first third of the "
+                f"scrapes {max(rss[:third]) / 2**20:.0f} MiB, in the last "
+                f"{max(rss[-third:]) / 2**20:.0f} MiB), CPU {100 * cpu / wall:.1f}% of a core "
+                f"({args.scrapes} scrapes, {args.interval} s apart)"
             )
+            print(promtool_check(body))
         finally:
             if exporter is not None:
                 exporter.terminate()
