@@ -4,6 +4,7 @@ OTLP path through the SDK's in-memory reader; the CLI's options."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +32,7 @@ from torchtop.export.prometheus import (
     parse_address,
     registry_for,
 )
-from torchtop.export.service import JobSet
+from torchtop.export.service import JobSet, _exported_job
 from torchtop.model.job import JobModel
 from torchtop.protocol import (
     DeviceInfo,
@@ -516,3 +518,43 @@ def test_a_job_that_only_launched_its_ranks_is_not_exported_as_a_job() -> None:
         for pid in kids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_an_exported_jobs_model_stays_small_over_a_long_run() -> None:
+    """A node's exporter may follow a thousand ranks: each rank's model keeps the latest readings
+    and the rules' recent steps, not the viewer's long step history; the exported figures are
+    the same."""
+
+    def long_run() -> list[Message]:
+        out: list[Message] = [hello(3)]
+        for frame in range(1600):  # 16,000 steps of 50 ms, 10 a frame
+            t = T0 + 0.5 * (frame + 1)
+            ends = [t - 0.05 * (9 - i) for i in range(10)]
+            out.append(
+                dataclasses.replace(
+                    steps(t, 10 * (frame + 1), 10, 0.5, 0.05),
+                    ends=ends,
+                    durations=[0.05] * 10,
+                    waits=[0.005] * 10,
+                    startups=[0.0] * 10,
+                    optimizer=[0.01] * 10,
+                    batch_samples=[32] * 10,
+                )
+            )
+        return out
+
+    messages = long_run()
+    sizes = {}
+    models = {}
+    for name, make in (("viewer", JobModel), ("exporter", _exported_job)):
+        tracemalloc.start()
+        model = make()
+        for message in messages:
+            model.apply(message)
+        sizes[name] = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        models[name] = model
+    assert models["exporter"].training.total == 16_000
+    assert sizes["exporter"] < 1 << 20 and sizes["exporter"] * 8 < sizes["viewer"], sizes
+    exported = figures_of(models["exporter"])
+    assert exported is not None and exported == figures_of(models["viewer"])

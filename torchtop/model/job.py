@@ -27,7 +27,7 @@ from torchtop.model.connection import (
 from torchtop.model.memory import DeviceMemory, MemoryPoint, ModuleMemory
 from torchtop.model.oom_advice import Evidence, phase_at, step_floors
 from torchtop.model.ops import OpTimings
-from torchtop.model.training import TrainingState
+from torchtop.model.training import DEFAULT_HISTORY_STEPS, DEFAULT_STEP_POINTS, TrainingState
 from torchtop.protocol import (
     AgentStats,
     CollectivesSeen,
@@ -179,6 +179,11 @@ class JobModel:
     history_points: int = DEFAULT_HISTORY_POINTS
     log_lines: int = DEFAULT_LOG_LINES
     max_events: int = DEFAULT_EVENTS
+    #: The steps' recent points and the run's sample of step times (see
+    #: :class:`~torchtop.model.training.TrainingState`): a viewer keeps many; an exporter of a
+    #: thousand ranks keeps few.
+    step_points: int = DEFAULT_STEP_POINTS
+    history_steps: int = DEFAULT_HISTORY_STEPS
 
     #: Goes up by one on every change; the app redraws when it differs from what it drew.
     version: int = 0
@@ -250,6 +255,10 @@ class JobModel:
     _open_phases: dict[int, Phase] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if (self.step_points, self.history_steps) != (DEFAULT_STEP_POINTS, DEFAULT_HISTORY_STEPS):
+            self.training = TrainingState(
+                max_points=self.step_points, history_steps=self.history_steps
+            )
         self.rss_series = deque(maxlen=self.history_points)
         self.phases = deque(maxlen=self.max_events)
         self.marks = deque(maxlen=self.max_events)
