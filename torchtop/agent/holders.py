@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,16 +178,46 @@ def forget_all() -> None:
     _STEPPING[0] = 0
 
 
-def _tensors(value: Any) -> Iterator[Any]:
+def _state_tensors(value: Any, tensor_type: type, found: list[Any]) -> None:
     """The tensors in an optimizer state entry (tensors, or lists/tuples/dicts of them)."""
-    if hasattr(value, "untyped_storage"):
-        yield value
+    if isinstance(value, tensor_type):
+        found.append(value)
     elif isinstance(value, dict):
         for item in list(value.values()):
-            yield from _tensors(item)
+            _state_tensors(item, tensor_type, found)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors(item)
+            _state_tensors(item, tensor_type, found)
+
+
+def _count(out: Holders, category: str, tensors: list[Any], names: dict[Any, str]) -> None:
+    """Count each tensor's storage once (the loop the read's cost is made of: kept tight)."""
+    pointers = out.pointers
+    sums: dict[str, int] = {}
+    for tensor in tensors:
+        device = tensor.device
+        name = names.get(device)
+        if name is None:
+            name = names[device] = str(device)
+        if name == "meta":
+            continue
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested: no plain storage
+            continue
+        nbytes = storage.nbytes()
+        if not nbytes:
+            continue
+        key = (name, storage.data_ptr())
+        if key in pointers:
+            continue
+        pointers[key] = (category, nbytes)
+        sums[name] = sums.get(name, 0) + nbytes
+    for name, nbytes in sums.items():
+        held = out.devices.get(name)
+        if held is None:
+            held = out.devices[name] = DeviceHolders()
+        held.add(category, nbytes)
 
 
 def read_holders(optimizers: Iterable[Any]) -> Holders:
@@ -199,38 +229,23 @@ def read_holders(optimizers: Iterable[Any]) -> Holders:
     """
     optimizers = list(optimizers)
     out = Holders(optimizers=len(optimizers))
-    names: dict[Any, str] = {}
     params = [
         param
         for optimizer in optimizers
         for group in list(optimizer.param_groups)
         for param in list(group["params"])
     ]
-
-    def count(category: str, tensor: Any) -> None:
-        if getattr(tensor, "is_sparse", False):
-            return
-        device = tensor.device
-        name = names.get(device)
-        if name is None:
-            name = names[device] = str(device)
-        if device.type == "meta":
-            return
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes:
-            out.count(category, (name, storage.data_ptr()), nbytes)
-
-    for param in params:
-        count("parameters", param)
-    for param in params:
-        grad = param.grad
-        if grad is not None:
-            count("gradients", grad)
-    for optimizer in optimizers:
-        for entry in list(optimizer.state.values()):
-            for tensor in _tensors(entry):
-                count("optimizer_state", tensor)
+    grads = [grad for grad in (param.grad for param in params) if grad is not None]
+    state: list[Any] = []
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        for optimizer in optimizers:
+            for entry in list(optimizer.state.values()):
+                _state_tensors(entry, torch.Tensor, state)
+    names: dict[Any, str] = {}
+    _count(out, "parameters", params, names)
+    _count(out, "gradients", grads, names)
+    _count(out, "optimizer_state", state, names)
     return out
 
 
@@ -238,6 +253,8 @@ def merge(reads: Iterable[tuple[Holders, bool]]) -> Holders:
     """One split from several optimizers' reads, each with whether to count its gradients:
     each storage once, parameters first, then gradients, then optimizer state."""
     reads = list(reads)
+    if len(reads) == 1 and reads[0][1]:
+        return reads[0][0]  # one optimizer: its read as it is (never changed once made)
     out = Holders(optimizers=len(reads))
     for category in CATEGORIES:
         for read, gradients in reads:
