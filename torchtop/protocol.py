@@ -720,25 +720,29 @@ MESSAGE_TYPES.update({OpsWindow.KIND: OpsWindow, StackSampled.KIND: StackSampled
 
 @dataclass(frozen=True)
 class DeviceHolding:
-    """Bytes on one device held by the optimizers' parameters, their gradients and the
+    """Bytes on one device held by the parameters, the optimizers' gradients and the
     optimizers' state, each storage counted once (tied and shared weights once)."""
 
     device: str
     parameters: int
     gradients: int
     optimizer_state: int
+    #: Of ``parameters``, those under no optimizer (frozen, an EMA copy, a teacher model).
+    frozen: int = 0
 
 
 @dataclass(frozen=True)
 class MemoryHolders(Message):
     """What holds the memory, read at most once a second from the optimizers whose ``step``
-    ran (``optimizers`` of them). Parameters under no optimizer are not in it. A reader that
-    does not know this kind skips it."""
+    ran (``optimizers`` of them), with the parameters of the job's modules under no optimizer
+    when ``modules_seen`` (the agent saw the modules built); else those are missing (counted
+    as other allocated). A reader that does not know this kind skips it."""
 
     KIND: ClassVar[str] = "holders"
     t: float
     optimizers: int
     devices: list[DeviceHolding]
+    modules_seen: bool = False
 
 
 MESSAGE_TYPES[MemoryHolders.KIND] = MemoryHolders

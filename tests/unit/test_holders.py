@@ -304,3 +304,61 @@ def test_report_and_exporter_carry_the_models_one_split() -> None:
     assert figures is not None
     (family,) = [f for f in families([figures]) if f.name == "torchtop_memory_bytes"]
     assert {p.labels[-1]: p.value for p in family.points} == split
+
+
+def test_parameters_under_no_optimizer_count_once_the_agent_saw_the_modules_built() -> None:
+    """A frozen backbone and a teacher model hold memory under no optimizer: the module
+    registration hook finds them; a split counts them as parameters, by address too."""
+    from torch.nn.modules import module as torch_module
+
+    holders.forget_all()
+    undo = holders.install_module_hook(torch_module, seen_all=True)
+    try:
+        backbone = nn.Sequential(nn.Linear(16, 32), nn.ReLU()).requires_grad_(False)
+        head = nn.Linear(32, 4)
+        teacher = nn.Linear(16, 4)
+        optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+        optimizer.register_step_pre_hook(holders.optimizer_pre_hook)
+        _train(nn.Sequential(backbone, head), optimizer, torch.randn(2, 16))
+        reader = HolderReader()
+        frame = reader.frame(1.0, now=0.0)
+        frozen = _bytes([*backbone.parameters(), *teacher.parameters()])
+        trained = _bytes(list(head.parameters()))
+        assert frame is not None and frame.modules_seen
+        (cpu,) = frame.devices
+        assert (cpu.parameters, cpu.frozen, cpu.gradients) == (frozen + trained, frozen, trained)
+        # At an OOM the frozen weights' blocks count as parameters.
+        read = reader.last
+        assert read is not None
+        weight = backbone[0].weight.untyped_storage()
+        block = {"address": weight.data_ptr(), "size": weight.nbytes()}
+        segments = [{"blocks": [{**block, "state": "active_allocated"}]}]
+        split = holders.split_blocks(segments, read, "cpu", None)
+        assert split["parameters"] == weight.nbytes() and split["other_allocated"] == 0
+    finally:
+        for fn in undo:
+            fn()
+        holders.forget_all()
+    assert not holders.MODULES_SEEN[0] and not list(holders._MODULE_PARAMS)
+
+
+def test_modules_built_before_the_agent_are_said_to_be_missing() -> None:
+    """Started after the job built its model (``torch.nn`` already loaded), the agent cannot
+    know the frozen parameters: the frame says they are missing."""
+    from torchtop.agent.training import TrainingMonitor
+    from torchtop.protocol import MemoryHolders
+
+    frozen = nn.Linear(16, 16).requires_grad_(False)  # before the agent
+    monitor = TrainingMonitor()
+    monitor.start()
+    try:
+        head = nn.Linear(16, 4)
+        optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+        _train(nn.Sequential(frozen, head), optimizer, torch.randn(2, 16))
+        frames = [m for m in monitor.tick(5.0) if isinstance(m, MemoryHolders)]
+    finally:
+        monitor.stop(6.0)
+    (frame,) = frames
+    assert not frame.modules_seen
+    (cpu,) = frame.devices
+    assert (cpu.parameters, cpu.frozen) == (_bytes(list(head.parameters())), 0)

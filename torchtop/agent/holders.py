@@ -29,8 +29,13 @@ thread, while the stepping thread waits for it). Elsewhere (a snapshot on reques
 last step's reads without their gradients: ``zero_grad()`` frees them every step, so their last
 addresses may hold anything by then; they count as other allocated.
 
-Parameters not under any optimizer (frozen, or a model used only for inference) are not seen:
-they fall in "other allocated".
+Parameters under no optimizer (a frozen backbone, an EMA copy, a teacher model) are found
+through torch's module parameter registration hook: it runs once per parameter while the job
+builds its modules (nothing during training) and keeps the parameter weakly; each read counts
+those not under the optimizer as parameters too (``frozen``). That needs the agent to start
+before ``torch.nn`` loads (``torchtop run``); a job that built its modules first
+(``torchtop.start()`` late in a script) has them missing, and the frame says so
+(``modules_seen``). A job that never steps an optimizer (inference only) has no read at all.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +58,9 @@ READ_INTERVAL_S = 1.0
 READ_BUDGET = 0.001
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state")
+#: The order storages are claimed in: parameters, then parameters under no optimizer (counted
+#: as parameters in a split), gradients, optimizer state.
+READ_ORDER = ("parameters", "frozen", "gradients", "optimizer_state")
 
 
 @dataclass
@@ -62,6 +70,8 @@ class DeviceHolders:
     parameters: int = 0
     gradients: int = 0
     optimizer_state: int = 0
+    #: Parameters under no optimizer (not in ``parameters`` here; the frame adds them).
+    frozen: int = 0
 
     def add(self, category: str, nbytes: int) -> None:
         setattr(self, category, getattr(self, category) + nbytes)
@@ -113,6 +123,33 @@ _STEPPING = [0]
 _VERSION = [0]
 #: Reads that raised (an odd optimizer); the job never sees it.
 FAILURES = [0]
+#: The parameters of every module built since the hook went in, weakly.
+_MODULE_PARAMS: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Whether the hook went in before ``torch.nn`` loaded: then every module's parameters were seen.
+MODULES_SEEN = [False]
+
+
+def parameter_registered(module: Any, name: str, param: Any) -> None:
+    """Torch's module parameter registration hook: keep the parameter, weakly."""
+    if param is not None:
+        try:
+            _MODULE_PARAMS.add(param)
+        except TypeError:
+            pass
+
+
+def install_module_hook(module_module: Any, seen_all: bool) -> list[Callable[[], None]]:
+    """Put :func:`parameter_registered` in (``torch.nn.modules.module``); ``seen_all``: the job
+    has built no module yet. Returns what undoes it."""
+    handle = module_module.register_module_parameter_registration_hook(parameter_registered)
+    MODULES_SEEN[0] = seen_all
+
+    def undo() -> None:
+        handle.remove()
+        _MODULE_PARAMS.clear()
+        MODULES_SEEN[0] = False
+
+    return [undo]
 
 
 def next_read_at(now: float, cost_s: float, interval_s: float, budget: float) -> float:
@@ -236,6 +273,8 @@ def read_holders(optimizers: Iterable[Any]) -> Holders:
         for param in list(group["params"])
     ]
     grads = [grad for grad in (param.grad for param in params) if grad is not None]
+    under = {id(param) for param in params}
+    frozen = [param for param in list(_MODULE_PARAMS) if id(param) not in under]
     state: list[Any] = []
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -244,6 +283,7 @@ def read_holders(optimizers: Iterable[Any]) -> Holders:
                 _state_tensors(entry, torch.Tensor, state)
     names: dict[Any, str] = {}
     _count(out, "parameters", params, names)
+    _count(out, "frozen", frozen, names)
     _count(out, "gradients", grads, names)
     _count(out, "optimizer_state", state, names)
     return out
@@ -256,7 +296,7 @@ def merge(reads: Iterable[tuple[Holders, bool]]) -> Holders:
     if len(reads) == 1 and reads[0][1]:
         return reads[0][0]  # one optimizer: its read as it is (never changed once made)
     out = Holders(optimizers=len(reads))
-    for category in CATEGORIES:
+    for category in READ_ORDER:
         for read, gradients in reads:
             if category == "gradients" and not gradients:
                 continue
@@ -303,12 +343,14 @@ class HolderReader:
             devices=[
                 DeviceHolding(
                     device=device,
-                    parameters=held.parameters,
+                    parameters=held.parameters + held.frozen,
                     gradients=held.gradients,
                     optimizer_state=held.optimizer_state,
+                    frozen=held.frozen,
                 )
                 for device, held in sorted(holders.devices.items())
             ],
+            modules_seen=MODULES_SEEN[0],
         )
 
 
@@ -368,6 +410,7 @@ def split_blocks(
     claimed: set[int] = set()
     split = dict.fromkeys(CATEGORIES, 0)
     order = {category: rank for rank, category in enumerate(CATEGORIES)}
+    order["frozen"] = order["parameters"]
     mine = sorted(
         (
             (order[category], pointer)
