@@ -134,7 +134,7 @@ def parameter_registered(module: Any, name: str, param: Any) -> None:
     if param is not None:
         try:
             _MODULE_PARAMS.add(param)
-        except TypeError:
+        except Exception:  # never the job's model building's failure
             pass
 
 
