@@ -197,8 +197,8 @@ def read_due(
 
 
 def note_optimizer(optimizer: Any) -> None:
-    """Note an optimizer and read it now, as its step pre-hook does when due (for tests and
-    for a job's first step). Call it in the thread that steps the optimizer."""
+    """Note an optimizer and read it now, as its step pre-hook does when due (for tests).
+    Call it in the thread that steps the optimizer."""
     try:
         noted = _NOTED.get(optimizer)
         if noted is None:
