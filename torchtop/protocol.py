@@ -649,6 +649,15 @@ class OpStat:
 
 
 @dataclass(frozen=True)
+class ModuleBytes:
+    """Activation memory one module of the job held at a step's peak, its submodules
+    included. ``path`` is the module's name in the job's model (the job's text)."""
+
+    path: str
+    bytes: int
+
+
+@dataclass(frozen=True)
 class MatmulDtype:
     """Matrix-multiply and convolution calls (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``,
     ``_convolution``...) by the dtype of their first input, as the profiler names it
@@ -713,6 +722,10 @@ class OpsWindow(Message):
     #: ``torch.get_num_threads()`` in the thread that opened the window (the training
     #: thread's intra-op threads; the setting is per thread, so only that thread can tell).
     torch_threads: int | None = None
+    #: The window's first step: what autograd saved for backward (the activations held at
+    #: the step's peak), in all, and the top modules holding it. Empty when not measured.
+    activation_bytes: int = 0
+    activations: list[ModuleBytes] = field(default_factory=list)
 
 
 MESSAGE_TYPES.update({OpsWindow.KIND: OpsWindow, StackSampled.KIND: StackSampled})

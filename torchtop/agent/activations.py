@@ -11,11 +11,15 @@ the bytes per module are the activation memory it holds there; they agree with t
 against its output (``tests/unit/test_activations.py``).
 
 Cost: a Python call per module call and per saved tensor, in that step only; the hooks are
-removed at :meth:`end`. Not yet scheduled by the op windows nor sent: a building block.
+removed at :meth:`end`. The op windows take one over their first step
+(``torchtop.agent.ops.sampler``): it goes in and out at step boundaries, where the job has no
+saved-tensor hooks of its own open, and never in a job that compiled a graph (the hooks would
+change what torch.compile traced).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +52,11 @@ class ActivationWindow:
         self._undo: list[Any] = []
         self._thread = 0
 
+    @property
+    def total(self) -> int:
+        """Bytes saved for backward in all (outside the job's modules too)."""
+        return sum(self.own.values())
+
     def begin(self) -> None:
         import torch
         from torch.nn.modules import module as nn_module
@@ -57,10 +66,19 @@ class ActivationWindow:
         post = nn_module.register_module_forward_hook(self._post, always_call=True)
         saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         saved.__enter__()
-        self._undo = [pre.remove, post.remove, lambda: saved.__exit__(None, None, None)]
+
+        def leave() -> None:
+            # Torch's saved-tensor hooks are a stack: pop only if ours is on top (else the
+            # job opened its own meanwhile; ours stays, counting nothing, never theirs popped).
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is not None and top[0] == self._pack:
+                saved.__exit__(None, None, None)
+
+        self._undo = [pre.remove, post.remove, leave]
 
     def end(self, top: int = TOP) -> list[ModuleActivations]:
         """Remove the hooks; the top modules (see :func:`top_modules`)."""
+        self._thread = -1  # whatever stays in place counts nothing from now on
         for undo in reversed(self._undo):
             undo()
         self._undo = []
@@ -104,6 +122,15 @@ class ActivationWindow:
 
 def _unpack(tensor: Any) -> Any:
     return tensor
+
+
+def compiled_in_use() -> bool:
+    """Whether the job has compiled a graph with torch.compile (no measurement then)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    try:
+        return utils is not None and utils.counters["stats"]["unique_graphs"] > 0
+    except Exception:
+        return True
 
 
 def _key(tensor: Any) -> tuple[str, int]:
