@@ -981,9 +981,9 @@ def test_a_step_window_measures_its_first_steps_activations_by_module(
     # Saved for backward, each storage once: every Linear's input, ReLU's output (which the
     # second Linear saves too), and outside the model the loss's input (pow).
     assert frame.activation_bytes == batch * (16 + 16 + 256 + 16 + 4) * 4
-    assert [m.path for m in frame.activations] == ["1", "0", "2"]
+    assert [m.path for m in frame.activations] == ["Sequential.1", "Sequential.0", "Sequential.2"]
     assert frame.activations[0].bytes == batch * (16 + 256) * 4
     job = JobModel()
     job.apply(frame)
     (top, *_) = report_json(job)["memory"]["top_modules"]
-    assert top == {"path": "1", "bytes": batch * 272 * 4, "share": round(272 / 308, 4)}
+    assert top == {"path": "Sequential.1", "bytes": batch * 272 * 4, "share": round(272 / 308, 4)}

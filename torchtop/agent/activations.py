@@ -45,9 +45,11 @@ class ActivationWindow:
     def __init__(self) -> None:
         self._stack: list[str] = []
         self._names: dict[int, str] = {}
+        self._roots: set[str] = set()
         self._weights: set[tuple[str, int]] = set()
         self._seen: set[tuple[str, int]] = set()
-        #: Bytes saved for backward under each innermost module path ("" outside any module).
+        #: Bytes saved for backward under each innermost module path (``Root.child.leaf``; ""
+        #: outside any module).
         self.own: dict[str, int] = {}
         self._undo: list[Any] = []
         self._thread = 0
@@ -93,12 +95,15 @@ class ActivationWindow:
         if name is None:
             if self._stack:  # a module its parent did not list (made in forward): by class
                 name = f"{self._stack[-1]}.{type(module).__name__}"
-            else:  # a root: name its tree, and know its weights
+            else:  # a root: name its tree after its class, as MemTracker does; know its weights
+                name = type(module).__name__
+                if name in self._roots:
+                    name = f"{name}#{len(self._roots) + 1}"
+                self._roots.add(name)
                 for path, child in module.named_modules():
-                    self._names[id(child)] = path
+                    self._names[id(child)] = f"{name}.{path}" if path else name
                 for param in module.parameters():
                     self._weights.add(_key(param))
-                name = ""
             self._names[id(module)] = name
         self._stack.append(name)
 
