@@ -8,7 +8,9 @@ call of that hook as torch makes it:
   wall time (the share of the training thread it took), its cost per step when no read is due,
   and what one read takes;
 - 10,000 parameter tensors under Adam: what one read takes, the spacing the budget gives it,
-  and what the sampler's merge of that read takes (in the sampler thread, numbers only).
+  and what the sampler's merge of that read takes (in the sampler thread, numbers only);
+- the activation measurement an op window makes over its first step (module and saved-tensor
+  hooks, put in and taken out): the MLP's step with it against without, alternating, medians.
 
     python -m benchmarks.holders_cost            # about 30 seconds
     python -m benchmarks.holders_cost --quick
@@ -97,6 +99,32 @@ def many_tensors(count: int) -> dict[str, float]:
     }
 
 
+def activation_step(rounds: int) -> dict[str, float]:
+    from torchtop.agent.activations import ActivationWindow
+
+    model, x, y = mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    plain, measured = [], []
+    for _ in range(rounds):
+        began = time.perf_counter()
+        step()
+        plain.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        window = ActivationWindow()
+        window.begin()
+        step()
+        window.end()
+        measured.append(time.perf_counter() - began)
+    p, m = statistics.median(plain), statistics.median(measured)
+    return {"step_ms": 1e3 * p, "with_hooks_ms": 1e3 * m, "extra_ms": 1e3 * (m - p)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -109,11 +137,12 @@ def main() -> None:
         "load": float(load),
         "mlp_adam": mlp_share(5.0 if args.quick else 30.0),
         "ten_thousand_adam": many_tensors(10_000),
+        "activation_step": activation_step(20 if args.quick else 200),
     }
     if args.json:
         print(json.dumps(result))
         return
-    m, t = result["mlp_adam"], result["ten_thousand_adam"]
+    m, t, a = result["mlp_adam"], result["ten_thousand_adam"], result["activation_step"]
     print(f"load average {result['load']}")
     print(
         f"MLP + Adam: {m['steps']} steps of {m['step_ms']:.1f} ms; the hook took "
@@ -124,6 +153,10 @@ def main() -> None:
         f"10,000 tensors + Adam ({t['tensors']} storages): a read takes {t['read_ms']:.0f} ms, "
         f"so one every {t['spacing_s']:.0f} s ({t['share_pct']:.2f}%); the sampler's merge "
         f"{t['merge_ms']:.1f} ms"
+    )
+    print(
+        f"activations by module, one MLP step: {a['with_hooks_ms']:.2f} ms against "
+        f"{a['step_ms']:.2f} ms ({a['extra_ms']:+.2f} ms, once per op window)"
     )
 
 
