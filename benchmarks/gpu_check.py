@@ -519,6 +519,7 @@ OOM_RUNS: dict[str, tuple[str, list[str] | None, list[str]]] = {
     "handled": ("oom handled by cuDNN", [], ["oom-handled"]),
     "backward": ("oom in backward", [], ["oom-backward"]),
     "stream": ("oom with a free block on another stream", [], ["oom-stream"]),
+    "holders": ("oom in backward, what holds it", [], ["oom-holders"]),
     "async": ("oom on cudaMallocAsync", [], ["oom-huge"]),
     "free": (
         "free under a memory fraction",
@@ -582,6 +583,7 @@ def group_oom(s: Session) -> list[Check]:
     for key, compare in (
         ("backward", cmp.backward_oom),
         ("stream", cmp.free_blocks_on_the_failing_stream),
+        ("holders", cmp.holders_at_backward_oom),
     ):
         truth = load_json(w / f"{key}.json")
         if truth is None:

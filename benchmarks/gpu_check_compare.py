@@ -613,6 +613,27 @@ def backward_oom(frames: Sequence[Frame], truth: Mapping[str, Any]) -> Check:
     return check(name, expected, measured, ok)
 
 
+def holders_at_backward_oom(frames: Sequence[Frame], truth: Mapping[str, Any]) -> Check:
+    """At an OOM in backward the agent reads what holds the memory in the autograd engine's
+    thread (safe there: the stepping thread waits for the backward): the event's split gives
+    the job's parameters, gradients and momentum, each to its blocks (at most 2 MiB more per
+    category, for blocks the allocator did not split)."""
+    name = "oom: what holds it, read in autograd's thread"
+    names = ("parameters", "gradients", "optimizer_state")
+    expected = ", ".join(f"{n} {mib(truth.get(n))}" for n in names)
+    if not truth.get("raised"):
+        return check(name, expected, "the job saw no OOM in backward", False)
+    oom = of_kind(frames, "oom")
+    if not oom:
+        return check(name, expected, "no oom event", False)
+    split = {c.get("category"): c.get("bytes") for c in oom[0].get("by_category") or []}
+    measured = ", ".join(f"{n} {mib(split.get(n))}" for n in names)
+    ok = all(
+        isinstance(split.get(n), int) and 0 <= split[n] - int(truth[n]) <= 2 * MIB for n in names
+    )
+    return check(name, expected, measured, ok)
+
+
 def free_blocks_on_the_failing_stream(frames: Sequence[Frame], truth: Mapping[str, Any]) -> Check:
     """Free blocks on another stream cannot serve the request (the allocator keeps blocks per
     stream): the event's largest free block is the failing stream's, which the job's

@@ -478,6 +478,48 @@ def job_oom_backward(out: str) -> None:
     _write(out, payload)
 
 
+def job_oom_holders(out: str) -> None:
+    """What holds the memory at an OOM in backward: a layer trained one step with SGD and
+    momentum, its gradients kept (``zero_grad(set_to_none=False)``), then the cap is set to
+    what the job holds and the next backward fails in the autograd engine's device thread,
+    where the agent reads the parameters, gradients and momentum buffers at the failure. The
+    job writes its own arithmetic: each tensor's bytes rounded up to the allocator's 512-byte
+    blocks."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0)
+    layer = nn.Linear(BACKWARD_WIDTH, BACKWARD_WIDTH).to(device)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(BACKWARD_WIDTH, BACKWARD_WIDTH, device=device)
+    layer(x).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    loss = layer(x).square().mean()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    keep = torch.empty(16, device=device)
+
+    def blocks(tensors: list[Any]) -> int:
+        return sum(-(-t.numel() * t.element_size() // 512) * 512 for t in tensors)
+
+    params = list(layer.parameters())
+    payload: dict[str, Any] = {
+        "parameters": blocks(params),
+        "gradients": blocks([p.grad for p in params]),
+        "optimizer_state": blocks([optimizer.state[p]["momentum_buffer"] for p in params]),
+        "fraction": _cap(torch.cuda.memory_reserved(0) + MIB),
+        "raised": "",
+    }
+    try:
+        loss.backward()
+    except torch.OutOfMemoryError as exc:
+        payload["raised"] = str(exc).splitlines()[0]
+    del keep
+    _write(out, payload)
+
+
 def job_oom_stream(out: str) -> None:
     """A free block on a side stream that the default stream's request would fit in: the
     allocator cannot use it (blocks are per stream), and the segment holding it cannot be
@@ -798,6 +840,7 @@ JOBS = {
     "oom-handled": lambda a: job_oom_handled(a[0]),
     "oom-backward": lambda a: job_oom_backward(a[0]),
     "oom-stream": lambda a: job_oom_stream(a[0]),
+    "oom-holders": lambda a: job_oom_holders(a[0]),
     "oom-huge": lambda a: job_oom_huge(a[0]),
     "free": lambda a: job_free_under_cap(a[0]),
     "ops": lambda a: job_ops(a[0], *a[1:]),

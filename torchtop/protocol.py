@@ -672,6 +672,15 @@ class OpStat:
 
 
 @dataclass(frozen=True)
+class ModuleBytes:
+    """Activation memory one module of the job held at a step's peak, its submodules
+    included. ``path`` is the module's name in the job's model (the job's text)."""
+
+    path: str
+    bytes: int
+
+
+@dataclass(frozen=True)
 class MatmulDtype:
     """Matrix-multiply and convolution calls (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``,
     ``_convolution``...) by the dtype of their first input, as the profiler names it
@@ -736,6 +745,10 @@ class OpsWindow(Message):
     #: ``torch.get_num_threads()`` in the thread that opened the window (the training
     #: thread's intra-op threads; the setting is per thread, so only that thread can tell).
     torch_threads: int | None = None
+    #: The window's first step: what autograd saved for backward (the activations held at
+    #: the step's peak), in all, and the top modules holding it. Empty when not measured.
+    activation_bytes: int = 0
+    activations: list[ModuleBytes] = field(default_factory=list)
 
 
 MESSAGE_TYPES.update({OpsWindow.KIND: OpsWindow, StackSampled.KIND: StackSampled})
@@ -743,25 +756,29 @@ MESSAGE_TYPES.update({OpsWindow.KIND: OpsWindow, StackSampled.KIND: StackSampled
 
 @dataclass(frozen=True)
 class DeviceHolding:
-    """Bytes on one device held by the optimizers' parameters, their gradients and the
+    """Bytes on one device held by the parameters, the optimizers' gradients and the
     optimizers' state, each storage counted once (tied and shared weights once)."""
 
     device: str
     parameters: int
     gradients: int
     optimizer_state: int
+    #: Of ``parameters``, those under no optimizer (frozen, an EMA copy, a teacher model).
+    frozen: int = 0
 
 
 @dataclass(frozen=True)
 class MemoryHolders(Message):
     """What holds the memory, read at most once a second from the optimizers whose ``step``
-    ran (``optimizers`` of them). Parameters under no optimizer are not in it. A reader that
-    does not know this kind skips it."""
+    ran (``optimizers`` of them), with the parameters of the job's modules under no optimizer
+    when ``modules_seen`` (the agent saw the modules built); else those are missing (counted
+    as other allocated). A reader that does not know this kind skips it."""
 
     KIND: ClassVar[str] = "holders"
     t: float
     optimizers: int
     devices: list[DeviceHolding]
+    modules_seen: bool = False
 
 
 MESSAGE_TYPES[MemoryHolders.KIND] = MemoryHolders

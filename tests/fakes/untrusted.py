@@ -40,6 +40,7 @@ from torchtop.protocol import (
     MemorySnapshotTaken,
     MemoryStats,
     Message,
+    ModuleBytes,
     OomResumed,
     OpStat,
     OpsWindow,
@@ -122,7 +123,8 @@ def job_stream() -> list[Message]:
     ops = OpsWindow(
         T0 + 3, 1, T0 + 2.6, 0.4, 2, 0.01, 10.0, True, 1, 2, [op], 2, 0.4, 1, 2, [op],
         trace_path="/tmp/42-ops-1.json", matmuls=[MatmulDtype("float", 3)],
-        total_matmuls=[MatmulDtype("float", 3)],
+        total_matmuls=[MatmulDtype("float", 3)], activation_bytes=GiB,
+        activations=[ModuleBytes("encoder.layers.3", GiB // 2)],
     )  # fmt: skip
     hello = Hello(
         1, 42, ["train.py", "--name", "x"], "/w", T0, "3.11.9", "2.4.0", [cpu, cuda], 0.1,
@@ -140,7 +142,9 @@ def job_stream() -> list[Message]:
         LogLine(T0 + 1.7, "stderr", "a warning"),
         Sample(T0 + 2, HostStats(GiB, 50.0, 8, 2, 8 * GiB, 64 * GiB, 8, 2), [memory]),
         LoaderInfo(T0 + 2.1, [loader]),
-        MemoryHolders(T0 + 2.2, 1, [DeviceHolding("cuda:0", GiB, GiB // 2, 2 * GiB)]),
+        MemoryHolders(
+            T0 + 2.2, 1, [DeviceHolding("cuda:0", GiB, GiB // 2, 2 * GiB, GiB // 4)], True
+        ),
         CollectivesSeen(
             T0 + 2.3, [CollectiveEntry("0", 1, "gloo:all_reduce", [[4, 4]], int(T0 * 1e9))]
         ),

@@ -722,6 +722,36 @@ def test_an_oom_in_backward(tmp_path: Path) -> None:
     assert cmp.backward_oom([in_backward], in_main).status == cmp.SKIP
 
 
+def test_what_holds_the_memory_at_an_oom_in_backward() -> None:
+    big, small = 256 * MIB, 32 * 1024  # an 8192x8192 float32 weight and its bias, as blocks
+    truth = {
+        "parameters": big + small,
+        "gradients": big + small,
+        "optimizer_state": big + small,
+        "raised": "CUDA out of memory. Tried to allocate 256.00 MiB.",
+    }
+    split = [
+        {"category": "parameters", "bytes": big + small},
+        {"category": "gradients", "bytes": big + small},
+        {"category": "optimizer_state", "bytes": big + 2 * MIB},  # a block left unsplit
+        {"category": "other_allocated", "bytes": 3 * big},
+    ]
+    event = {"kind": "oom", "by_category": split}
+    assert cmp.holders_at_backward_oom([event], truth).status == cmp.PASS
+    # Read off the training thread, the gradients would be left out: that must fail.
+    no_grads = [{**c, "bytes": 0} if c["category"] == "gradients" else c for c in split]
+    assert cmp.holders_at_backward_oom([{**event, "by_category": no_grads}], truth).failed
+    assert cmp.holders_at_backward_oom([{"kind": "oom", "by_category": []}], truth).failed
+    assert cmp.holders_at_backward_oom([], truth).failed
+    assert cmp.holders_at_backward_oom([event], {**truth, "raised": ""}).failed
+
+
+def test_the_holders_job_is_one_of_the_oom_runs() -> None:
+    from benchmarks.gpu_check_jobs import JOBS
+
+    assert gpu_check.OOM_RUNS["holders"][2] == ["oom-holders"] and "oom-holders" in JOBS
+
+
 def test_free_blocks_on_the_failing_stream(tmp_path: Path) -> None:
     # The fixture's side stream holds a free 16 MiB block; the failing stream's largest is
     # 2 MiB. The job's observer reads both from the snapshot as below.

@@ -363,6 +363,7 @@ def test_a_closure_that_raises_reaches_the_job(monitor: TrainingMonitor) -> None
 
 
 def test_uninstall_puts_everything_back(monitor: TrainingMonitor) -> None:
+    from torch.nn.modules import module as nn_module
     from torch.optim import optimizer as optim_module
     from torch.utils.data import dataloader as dl_module
 
@@ -371,6 +372,7 @@ def test_uninstall_puts_everything_back(monitor: TrainingMonitor) -> None:
     hooks = (
         len(optim_module._global_optimizer_pre_hooks),
         len(optim_module._global_optimizer_post_hooks),
+        len(nn_module._global_parameter_registration_hooks),
     )
     monitor.uninstall()
     assert not getattr(cls.__dict__["__next__"], "_torchtop", False)
@@ -379,6 +381,8 @@ def test_uninstall_puts_everything_back(monitor: TrainingMonitor) -> None:
     # Two pre-hooks: the step timer's and the one that notes the optimizer for the holders.
     assert len(optim_module._global_optimizer_pre_hooks) == hooks[0] - 2
     assert len(optim_module._global_optimizer_post_hooks) == hooks[1] - 1
+    # The module parameter registration hook that finds parameters under no optimizer.
+    assert len(nn_module._global_parameter_registration_hooks) == hooks[2] - 1
     PENDING.clear()
     model, opt = _model()
     model(torch.randn(2, 4)).sum().backward()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -118,26 +120,111 @@ def test_reader_sees_only_optimizers_whose_step_ran_and_reads_at_most_once_an_in
     holders.forget_all()
 
 
-def test_ten_thousand_parameter_tensors_are_read_off_the_training_thread() -> None:
-    """Not timed: the read happens in the thread that calls it, never the one that steps."""
+def test_the_step_hook_reads_in_the_training_thread_and_the_sampler_touches_no_tensor() -> None:
+    """The sampler's side merges numbers: with the optimizer made unreadable after its step,
+    it still gives the split, from another thread."""
     holders.forget_all()
-    params = [nn.Parameter(torch.zeros(2)) for _ in range(10_000)]
-    optimizer = torch.optim.SGD(params, lr=0.1)
-    holders.note_optimizer(optimizer)
+    layer = nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    optimizer.register_step_pre_hook(holders.optimizer_pre_hook)
+    _train(layer, optimizer, torch.randn(2, 8))  # the second step's read sees the momentum
+
+    class Unreadable:
+        def __getattr__(self, name: str) -> object:
+            raise AssertionError(f"the sampler touched the optimizer ({name})")
+
+        def __iter__(self) -> object:
+            raise AssertionError("the sampler touched the optimizer")
+
+    optimizer.param_groups = Unreadable()  # type: ignore[assignment]
+    optimizer.state = Unreadable()  # type: ignore[assignment]
     reader = HolderReader()
     seen: dict[str, object] = {}
 
     def sampler() -> None:
-        seen["thread"] = threading.current_thread()
         seen["read"] = reader.read(now=0.0)
+        seen["now"] = holders.read_now()
 
     thread = threading.Thread(target=sampler)
     thread.start()
     thread.join()
     read = seen["read"]
+    params = (64 + 8) * F32
     assert isinstance(read, holders.Holders)
-    assert read.devices["cpu"].parameters == 10_000 * 2 * F32
-    assert seen["thread"] is not threading.main_thread()
+    got = read.devices["cpu"]
+    assert (got.parameters, got.gradients, got.optimizer_state) == (params, params, params)
+    holders.forget_all()
+
+
+def test_reads_are_spaced_so_that_their_cost_stays_within_the_budget() -> None:
+    assert holders.next_read_at(10.0, 0.0002, 1.0, 0.001) == 11.0  # cheap: once an interval
+    assert holders.next_read_at(10.0, 0.05, 1.0, 0.001) == pytest.approx(60.0)  # 50 ms: 0.1%
+    holders.forget_all()
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(10_000)]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    sum(p.sum() for p in params).backward()
+    noted = holders._Noted()
+    before = time.monotonic()
+    holders.read_due(optimizer, noted, interval_s=0.0, budget=0.001)
+    read = noted.read
+    assert read is not None and read.devices["cpu"].parameters == 10_000 * 2 * F32
+    assert read.devices["cpu"].gradients == 10_000 * 2 * F32
+    # The next read waits a thousand times what this one took.
+    assert noted.cost_s > 0 and noted.next_at - before >= noted.cost_s / 0.001
+    holders.forget_all()
+
+
+def test_a_capture_off_the_training_thread_leaves_the_gradients_out() -> None:
+    """``zero_grad()`` frees the gradients every step: their last addresses may hold anything in
+    a snapshot taken later. A capture in the stepping thread reads them afresh; one in another
+    thread (a snapshot on request) counts the parameters and state only."""
+    holders.forget_all()
+    layer = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    optimizer.register_step_pre_hook(holders.optimizer_pre_hook)
+    _train(layer, optimizer, torch.randn(2, 4))
+    params = (16 + 4) * F32
+    fresh = holders.read_now()
+    assert fresh is not None
+    got = fresh.devices["cpu"]
+    assert (got.parameters, got.gradients, got.optimizer_state) == (params, params, params)
+    seen: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: seen.update(now=holders.read_now()))
+    thread.start()
+    thread.join()
+    other = seen["now"]
+    assert isinstance(other, holders.Holders)
+    got = other.devices["cpu"]
+    assert (got.parameters, got.gradients, got.optimizer_state) == (params, 0, params)
+    assert all(category != "gradients" for category, _ in other.pointers.values())
+    holders.forget_all()
+
+
+def test_a_capture_inside_backward_reads_afresh() -> None:
+    """An OOM in CUDA's backward is captured in the autograd thread; reading there is safe
+    (the stepping thread waits for the backward), and on the CPU the same code path runs in a
+    custom function's backward."""
+    holders.forget_all()
+    layer = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    optimizer.register_step_pre_hook(holders.optimizer_pre_hook)
+    _train(layer, optimizer, torch.randn(2, 4))
+    holders._STEPPING[0] = 0  # as if another thread stepped: only the backward makes it safe
+    seen: list[holders.Holders | None] = []
+
+    class Capture(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            seen.append(holders.read_now())
+            return grad
+
+    Capture.apply(layer(torch.randn(2, 4))).sum().backward()  # gradients accumulate on .grad
+    (inside,) = seen
+    assert inside is not None and inside.devices["cpu"].gradients == (16 + 4) * F32
     holders.forget_all()
 
 
@@ -217,3 +304,61 @@ def test_report_and_exporter_carry_the_models_one_split() -> None:
     assert figures is not None
     (family,) = [f for f in families([figures]) if f.name == "torchtop_memory_bytes"]
     assert {p.labels[-1]: p.value for p in family.points} == split
+
+
+def test_parameters_under_no_optimizer_count_once_the_agent_saw_the_modules_built() -> None:
+    """A frozen backbone and a teacher model hold memory under no optimizer: the module
+    registration hook finds them; a split counts them as parameters, by address too."""
+    from torch.nn.modules import module as torch_module
+
+    holders.forget_all()
+    undo = holders.install_module_hook(torch_module, seen_all=True)
+    try:
+        backbone = nn.Sequential(nn.Linear(16, 32), nn.ReLU()).requires_grad_(False)
+        head = nn.Linear(32, 4)
+        teacher = nn.Linear(16, 4)
+        optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+        optimizer.register_step_pre_hook(holders.optimizer_pre_hook)
+        _train(nn.Sequential(backbone, head), optimizer, torch.randn(2, 16))
+        reader = HolderReader()
+        frame = reader.frame(1.0, now=0.0)
+        frozen = _bytes([*backbone.parameters(), *teacher.parameters()])
+        trained = _bytes(list(head.parameters()))
+        assert frame is not None and frame.modules_seen
+        (cpu,) = frame.devices
+        assert (cpu.parameters, cpu.frozen, cpu.gradients) == (frozen + trained, frozen, trained)
+        # At an OOM the frozen weights' blocks count as parameters.
+        read = reader.last
+        assert read is not None
+        weight = backbone[0].weight.untyped_storage()
+        block = {"address": weight.data_ptr(), "size": weight.nbytes()}
+        segments = [{"blocks": [{**block, "state": "active_allocated"}]}]
+        split = holders.split_blocks(segments, read, "cpu", None)
+        assert split["parameters"] == weight.nbytes() and split["other_allocated"] == 0
+    finally:
+        for fn in undo:
+            fn()
+        holders.forget_all()
+    assert not holders.MODULES_SEEN[0] and not list(holders._MODULE_PARAMS)
+
+
+def test_modules_built_before_the_agent_are_said_to_be_missing() -> None:
+    """Started after the job built its model (``torch.nn`` already loaded), the agent cannot
+    know the frozen parameters: the frame says they are missing."""
+    from torchtop.agent.training import TrainingMonitor
+    from torchtop.protocol import MemoryHolders
+
+    frozen = nn.Linear(16, 16).requires_grad_(False)  # before the agent
+    monitor = TrainingMonitor()
+    monitor.start()
+    try:
+        head = nn.Linear(16, 4)
+        optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+        _train(nn.Sequential(frozen, head), optimizer, torch.randn(2, 16))
+        frames = [m for m in monitor.tick(5.0) if isinstance(m, MemoryHolders)]
+    finally:
+        monitor.stop(6.0)
+    (frame,) = frames
+    assert not frame.modules_seen
+    (cpu,) = frame.devices
+    assert (cpu.parameters, cpu.frozen) == (_bytes(list(head.parameters())), 0)

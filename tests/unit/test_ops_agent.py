@@ -947,3 +947,43 @@ def test_on_a_cuda_build_no_window_opens_until_the_job_initializes_cuda(
     _boundary()
     assert profiler.calls == ["start"] and sampler._state == OPEN
     assert [s.available for s in statuses] == [True]
+
+
+def test_a_step_window_measures_its_first_steps_activations_by_module(
+    sampler: OpsSampler,
+) -> None:
+    """The hooks go in at the window's opening boundary and out at the next; the frame names
+    the modules, the report carries them (``memory.top_modules``) and the hooks are gone."""
+    from torch.nn.modules import module as nn_module
+
+    from torchtop.model.job import JobModel
+    from torchtop.report.job import report_json
+
+    hooks = len(nn_module._global_forward_pre_hooks)
+    torch.manual_seed(0)
+    wide = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 16))
+    model = nn.Sequential(nn.Linear(16, 16), wide, nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = FakeSteps()
+    assert sampler.tick(time.time(), steps) == []
+    _boundary()
+    assert sampler._activations is not None
+    assert len(nn_module._global_forward_pre_hooks) == hooks + 1
+    for _ in range(sampler.window_steps):
+        _train_steps(model, opt, 1)
+        _boundary()
+        assert sampler._activations is None  # out after the first step
+        assert len(nn_module._global_forward_pre_hooks) == hooks
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    (frame,) = sampler.tick(time.time(), steps)
+    assert isinstance(frame, OpsWindow) and decode(encode(frame)) == frame
+    batch = 8
+    # Saved for backward, each storage once: every Linear's input, ReLU's output (which the
+    # second Linear saves too), and outside the model the loss's input (pow).
+    assert frame.activation_bytes == batch * (16 + 16 + 256 + 16 + 4) * 4
+    assert [m.path for m in frame.activations] == ["Sequential.1", "Sequential.0", "Sequential.2"]
+    assert frame.activations[0].bytes == batch * (16 + 256) * 4
+    job = JobModel()
+    job.apply(frame)
+    (top, *_) = report_json(job)["memory"]["top_modules"]
+    assert top == {"path": "Sequential.1", "bytes": batch * 272 * 4, "share": round(272 / 308, 4)}

@@ -234,7 +234,6 @@ class Agent:
                 with_stack=config.profile_stack,
             )
         self.training = TrainingMonitor(ops=self.ops, stall=StallWatch(config.hang_after_s))
-        self.training.holders.live = config.memory_limit_bytes is None
         self._hello_cache: tuple[tuple[bool, bool, int], bytes] | None = None
         self._snapshots_requested = 0
         self.server = AgentServer(

@@ -1,58 +1,66 @@
 """What holds the memory: the bytes of the job's parameters, their gradients and optimizer state.
 
-The agent already hooks every optimizer's ``step``; the pre-hook hands the optimizer to
-:func:`note_optimizer`, which keeps it in a weak set (a set add per step, nothing more). The
-sampler thread calls :meth:`HolderReader.read` at most once per :data:`READ_INTERVAL_S`: it
-walks the optimizers' ``param_groups``, each parameter's ``.grad`` and every tensor in
-``optimizer.state``, and sums, per device, the bytes of each **unique storage** (keyed by the
-storage's data pointer and device), so tied or shared weights, and views of one buffer, count
-once. A storage met under several categories counts under the first: parameters, then
-gradients, then optimizer state.
+The agent already hooks every optimizer's ``step``. Its step pre-hook here,
+:func:`optimizer_pre_hook`, runs in the thread that steps the optimizer and, at most once per
+:data:`READ_INTERVAL_S` and only as often as :data:`READ_BUDGET` allows, reads that optimizer:
+its parameters, each parameter's ``.grad`` and every tensor in ``optimizer.state``, summed per
+device by **unique storage** (keyed by the storage's data pointer and device), so tied or shared
+weights, and views of one buffer, count once. A storage met under several categories counts under
+the first: parameters, then gradients, then optimizer state. What it keeps is numbers only
+(device, data pointer, bytes): no tensor is held.
 
-Never run in the training thread. The training thread may change ``optimizer.state`` while it
-is read (the first step creates it); a read that meets a dictionary changing under it gives up
-and is tried again at the next interval rather than report a partial figure.
+The sampler thread (:class:`HolderReader`) only merges those numbers; **no thread of the agent
+ever touches the job's tensors.** Reading ``param.grad`` from another thread crashes the job:
+``param.grad = None`` (what ``optimizer.zero_grad()`` does by default) frees the old gradient's
+Python object while the parameter still points at it, and ``THPVariable_clear`` releases the GIL
+in the middle of that free; a thread that takes the GIL then and reads ``param.grad`` increfs an
+object being freed (segmentation fault in ``TensorImpl::incref_pyobject``, torch 2.13). Any job
+that zeroes its gradients to ``None`` is exposed; the ``--memory-limit`` tracker, which runs
+Python in every free, made it frequent (1 run in 3 of ``torchtop demo oom``).
+``tests/processes/test_holders_race.py`` reproduces it.
 
-Parameters not under any optimizer (frozen, or a model used only for inference) are not seen:
-they fall in "other allocated".
+The cost falls on the training thread, so it is bounded: a read that took ``c`` seconds is
+followed by the next no sooner than ``c / READ_BUDGET`` later (a model with 10,000 parameter
+tensors under Adam is read every few seconds instead of every second).
+
+A capture reads afresh where reading is safe: in the thread that steps (an OOM in the job's
+forward, backward on the CPU, or step), or inside a backward pass (an OOM in CUDA's backward
+thread, while the stepping thread waits for it). Elsewhere (a snapshot on request) it uses the
+last step's reads without their gradients: ``zero_grad()`` frees them every step, so their last
+addresses may hold anything by then; they count as other allocated.
+
+Parameters under no optimizer (a frozen backbone, an EMA copy, a teacher model) are found
+through torch's module parameter registration hook: it runs once per parameter while the job
+builds its modules (nothing during training) and keeps the parameter weakly; each read counts
+those not under the optimizer as parameters too (``frozen``). That needs the agent to start
+before ``torch.nn`` loads (``torchtop run``); a job that built its modules first
+(``torchtop.start()`` late in a script) has them missing, and the frame says so
+(``modules_seen``). A job that never steps an optimizer (inference only) has no read at all.
 """
 
 from __future__ import annotations
 
 import bisect
+import sys
+import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torchtop.protocol import DeviceHolding, MemoryHolders
 
-#: Seconds between two reads at most: the walk is cheap but proportional to the tensors.
+#: Seconds between two reads of one optimizer at most, and between two frames.
 READ_INTERVAL_S = 1.0
-
-#: The optimizers whose ``step`` ran, weakly: an optimizer the job drops is forgotten.
-_OPTIMIZERS: weakref.WeakSet[Any] = weakref.WeakSet()
+#: The share of the training thread's time the reads may take: after a read of ``c`` seconds
+#: the next waits at least ``c / READ_BUDGET``.
+READ_BUDGET = 0.001
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state")
-
-
-def note_optimizer(optimizer: Any) -> None:
-    """Remember an optimizer whose step ran (called from the step pre-hook: a set add)."""
-    try:
-        _OPTIMIZERS.add(optimizer)
-    except TypeError:  # an optimizer that cannot be weakly referenced: not counted
-        pass
-
-
-def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """The global step pre-hook: note the optimizer, change nothing."""
-    note_optimizer(optimizer)
-
-
-def forget_all() -> None:
-    """Forget every optimizer (the hooks are removed)."""
-    _OPTIMIZERS.clear()
+#: The order storages are claimed in: parameters, then parameters under no optimizer (counted
+#: as parameters in a split), gradients, optimizer state.
+READ_ORDER = ("parameters", "frozen", "gradients", "optimizer_state")
 
 
 @dataclass
@@ -62,6 +70,8 @@ class DeviceHolders:
     parameters: int = 0
     gradients: int = 0
     optimizer_state: int = 0
+    #: Parameters under no optimizer (not in ``parameters`` here; the frame adds them).
+    frozen: int = 0
 
     def add(self, category: str, nbytes: int) -> None:
         setattr(self, category, getattr(self, category) + nbytes)
@@ -79,94 +89,251 @@ class Holders:
     pointers: dict[tuple[str, int], tuple[str, int]] = field(default_factory=dict)
     optimizers: int = 0
 
+    def count(self, category: str, key: tuple[str, int], nbytes: int) -> None:
+        """Count a storage under ``category`` unless it was counted already."""
+        if key in self.pointers:
+            return
+        self.pointers[key] = (category, nbytes)
+        held = self.devices.get(key[0])
+        if held is None:
+            held = self.devices[key[0]] = DeviceHolders()
+        held.add(category, nbytes)
 
-def _tensors(value: Any) -> Iterator[Any]:
+
+class _Noted:
+    """What the step pre-hook keeps of one optimizer: its last read, and when to read again."""
+
+    __slots__ = ("cost_s", "next_at", "read", "states")
+
+    def __init__(self) -> None:
+        self.next_at = 0.0
+        #: Entries in ``optimizer.state`` at the last read: a change (the first step creates
+        #: them) calls for a read at once.
+        self.states = -1
+        self.read: Holders | None = None
+        #: What the last read took, in seconds of the training thread.
+        self.cost_s = 0.0
+
+
+#: The optimizers whose ``step`` ran, weakly: an optimizer the job drops is forgotten.
+_NOTED: weakref.WeakKeyDictionary[Any, _Noted] = weakref.WeakKeyDictionary()
+#: The thread that ran the last step pre-hook: the one where reading tensors is safe.
+_STEPPING = [0]
+#: Bumped by each read, so that the sampler sends a frame only when there is something new.
+_VERSION = [0]
+#: Reads that raised (an odd optimizer); the job never sees it.
+FAILURES = [0]
+#: The parameters of every module built since the hook went in, weakly.
+_MODULE_PARAMS: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Whether the hook went in before ``torch.nn`` loaded: then every module's parameters were seen.
+MODULES_SEEN = [False]
+
+
+def parameter_registered(module: Any, name: str, param: Any) -> None:
+    """Torch's module parameter registration hook: keep the parameter, weakly."""
+    if param is not None:
+        try:
+            _MODULE_PARAMS.add(param)
+        except Exception:  # never the job's model building's failure
+            pass
+
+
+def install_module_hook(module_module: Any, seen_all: bool) -> list[Callable[[], None]]:
+    """Put :func:`parameter_registered` in (``torch.nn.modules.module``); ``seen_all``: the job
+    has built no module yet. Returns what undoes it."""
+    handle = module_module.register_module_parameter_registration_hook(parameter_registered)
+    MODULES_SEEN[0] = seen_all
+
+    def undo() -> None:
+        handle.remove()
+        _MODULE_PARAMS.clear()
+        MODULES_SEEN[0] = False
+
+    return [undo]
+
+
+def next_read_at(now: float, cost_s: float, interval_s: float, budget: float) -> float:
+    """When the next read may run after one that took ``cost_s`` and ended at ``now``."""
+    return now + max(interval_s, cost_s / budget if budget > 0 else interval_s)
+
+
+def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The global step pre-hook: note the optimizer and read it when due; change nothing.
+
+    Runs in the thread that steps the optimizer, the only one where its tensors may be read.
+    """
+    try:
+        noted = _NOTED.get(optimizer)
+        if noted is None:
+            noted = _NOTED[optimizer] = _Noted()
+        _STEPPING[0] = threading.get_ident()
+        if time.monotonic() < noted.next_at and len(optimizer.state) == noted.states:
+            return
+        read_due(optimizer, noted, READ_INTERVAL_S, READ_BUDGET)
+    except Exception:  # cannot be weakly referenced, an odd optimizer: never the job's failure
+        FAILURES[0] += 1
+
+
+def read_due(
+    optimizer: Any,
+    noted: _Noted,
+    interval_s: float = READ_INTERVAL_S,
+    budget: float = READ_BUDGET,
+) -> None:
+    """Read one optimizer now (in the thread that steps it) and schedule the next read."""
+    start = time.perf_counter()
+    noted.states = len(optimizer.state)
+    try:
+        holders = read_holders([optimizer])
+    except Exception:
+        holders = None
+        FAILURES[0] += 1
+    noted.cost_s = time.perf_counter() - start
+    noted.next_at = next_read_at(time.monotonic(), noted.cost_s, interval_s, budget)
+    if holders is None:
+        return
+    noted.read = holders
+    _VERSION[0] += 1
+
+
+def note_optimizer(optimizer: Any) -> None:
+    """Note an optimizer and read it now, as its step pre-hook does when due (for tests).
+    Call it in the thread that steps the optimizer."""
+    try:
+        noted = _NOTED.get(optimizer)
+        if noted is None:
+            noted = _NOTED[optimizer] = _Noted()
+        _STEPPING[0] = threading.get_ident()
+        read_due(optimizer, noted)
+    except TypeError:  # an optimizer that cannot be weakly referenced: not counted
+        pass
+
+
+def forget_all() -> None:
+    """Forget every optimizer (the hooks are removed)."""
+    _NOTED.clear()
+    _STEPPING[0] = 0
+
+
+def _state_tensors(value: Any, tensor_type: type, found: list[Any]) -> None:
     """The tensors in an optimizer state entry (tensors, or lists/tuples/dicts of them)."""
-    if hasattr(value, "untyped_storage"):
-        yield value
+    if isinstance(value, tensor_type):
+        found.append(value)
     elif isinstance(value, dict):
         for item in list(value.values()):
-            yield from _tensors(item)
+            _state_tensors(item, tensor_type, found)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors(item)
+            _state_tensors(item, tensor_type, found)
 
 
-def _walk(optimizers: Iterable[Any]) -> Iterator[tuple[str, Any]]:
-    optimizers = list(optimizers)
-    for optimizer in optimizers:
-        for group in list(optimizer.param_groups):
-            for param in list(group["params"]):
-                yield "parameters", param
-    for optimizer in optimizers:
-        for group in list(optimizer.param_groups):
-            for param in list(group["params"]):
-                grad = param.grad
-                if grad is not None:
-                    yield "gradients", grad
-    for optimizer in optimizers:
-        for entry in list(optimizer.state.values()):
-            for tensor in _tensors(entry):
-                yield "optimizer_state", tensor
+def _count(out: Holders, category: str, tensors: list[Any], names: dict[Any, str]) -> None:
+    """Count each tensor's storage once (the loop the read's cost is made of: kept tight)."""
+    pointers = out.pointers
+    sums: dict[str, int] = {}
+    for tensor in tensors:
+        device = tensor.device
+        name = names.get(device)
+        if name is None:
+            name = names[device] = str(device)
+        if name == "meta":
+            continue
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested: no plain storage
+            continue
+        nbytes = storage.nbytes()
+        if not nbytes:
+            continue
+        key = (name, storage.data_ptr())
+        if key in pointers:
+            continue
+        pointers[key] = (category, nbytes)
+        sums[name] = sums.get(name, 0) + nbytes
+    for name, nbytes in sums.items():
+        held = out.devices.get(name)
+        if held is None:
+            held = out.devices[name] = DeviceHolders()
+        held.add(category, nbytes)
 
 
 def read_holders(optimizers: Iterable[Any]) -> Holders:
     """Sum the unique storages of the optimizers' parameters, gradients and state, per device.
 
-    Raises ``RuntimeError`` when a dictionary changed while it was read (try again later).
+    **Only in the thread that steps these optimizers** (see the module docstring: ``.grad`` read
+    from another thread can crash the job). Raises when the optimizer is odd or a dictionary
+    changed while it was read.
     """
     optimizers = list(optimizers)
     out = Holders(optimizers=len(optimizers))
-    for category, tensor in _walk(optimizers):
-        if getattr(tensor, "is_sparse", False) or tensor.device.type == "meta":
-            continue
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0:
-            continue
-        device = str(tensor.device)
-        key = (device, storage.data_ptr())
-        if key in out.pointers:
-            continue
-        out.pointers[key] = (category, nbytes)
-        out.devices.setdefault(device, DeviceHolders()).add(category, nbytes)
+    params = [
+        param
+        for optimizer in optimizers
+        for group in list(optimizer.param_groups)
+        for param in list(group["params"])
+    ]
+    grads = [grad for grad in (param.grad for param in params) if grad is not None]
+    under = {id(param) for param in params}
+    frozen = [param for param in list(_MODULE_PARAMS) if id(param) not in under]
+    state: list[Any] = []
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        for optimizer in optimizers:
+            for entry in list(optimizer.state.values()):
+                _state_tensors(entry, torch.Tensor, state)
+    names: dict[Any, str] = {}
+    _count(out, "parameters", params, names)
+    _count(out, "frozen", frozen, names)
+    _count(out, "gradients", grads, names)
+    _count(out, "optimizer_state", state, names)
+    return out
+
+
+def merge(reads: Iterable[tuple[Holders, bool]]) -> Holders:
+    """One split from several optimizers' reads, each with whether to count its gradients:
+    each storage once, parameters first, then gradients, then optimizer state."""
+    reads = list(reads)
+    if len(reads) == 1 and reads[0][1]:
+        return reads[0][0]  # one optimizer: its read as it is (never changed once made)
+    out = Holders(optimizers=len(reads))
+    for category in READ_ORDER:
+        for read, gradients in reads:
+            if category == "gradients" and not gradients:
+                continue
+            for key, (seen, nbytes) in read.pointers.items():
+                if seen == category:
+                    out.count(category, key, nbytes)
     return out
 
 
 class HolderReader:
-    """Reads the noted optimizers at most once per interval, in the sampler thread."""
+    """The sampler's side: merges the reads the step pre-hook made, touching no tensor."""
 
     def __init__(self, interval_s: float = READ_INTERVAL_S) -> None:
         self.interval_s = interval_s
         self._next = 0.0
-        #: The last complete read (``None`` before the first optimizer step).
+        self._version = 0
+        #: The last merged split (``None`` before the first optimizer step).
         self.last: Holders | None = None
-        #: Reads given up because the training thread changed a dictionary meanwhile.
-        self.retries = 0
-        #: Off under ``--memory-limit``: reading storages from this thread while the emulated
-        #: device's tracker frees them crashed the job (1 run in 3 of ``torchtop demo oom``).
-        #: The read at the failure, in the failing thread, stays.
-        self.live = True
 
     def read(self, now: float | None = None) -> Holders | None:
-        """A fresh read when the interval has passed, else ``None``."""
+        """A merged split when the interval has passed and a step read something new."""
         now = time.monotonic() if now is None else now
-        if not self.live or now < self._next:
+        if now < self._next:
             return None
         self._next = now + self.interval_s
-        optimizers = list(_OPTIMIZERS)
-        if not optimizers:
+        version = _VERSION[0]
+        if version == self._version:
             return None
-        try:
-            holders = read_holders(optimizers)
-        except Exception:  # "dictionary changed size during iteration", an odd optimizer:
-            self.retries += 1  # next time, and never the job's or the sampler's failure
+        reads = _reads()
+        if not reads:
             return None
-        self.last = holders
-        return holders
+        self._version = version
+        self.last = merge((read, True) for read in reads)
+        return self.last
 
     def frame(self, t: float, now: float | None = None) -> MemoryHolders | None:
-        """A ``holders`` frame when a fresh read was made (see :meth:`read`)."""
+        """A ``holders`` frame when a fresh split was merged (see :meth:`read`)."""
         holders = self.read(now)
         if holders is None:
             return None
@@ -176,25 +343,54 @@ class HolderReader:
             devices=[
                 DeviceHolding(
                     device=device,
-                    parameters=held.parameters,
+                    parameters=held.parameters + held.frozen,
                     gradients=held.gradients,
                     optimizer_state=held.optimizer_state,
+                    frozen=held.frozen,
                 )
                 for device, held in sorted(holders.devices.items())
             ],
+            modules_seen=MODULES_SEEN[0],
         )
 
 
-def read_now() -> Holders | None:
-    """A read at once, for a capture (the job is failing or stopped for a snapshot: the
-    state is whatever it is now, the first step's included). ``None`` if none or it failed."""
-    optimizers = list(_OPTIMIZERS)
-    if not optimizers:
-        return None
+def _reads() -> list[Holders]:
+    for _ in range(3):  # the training thread may note an optimizer while this copies
+        try:
+            noted = list(_NOTED.values())
+        except RuntimeError:
+            continue
+        return [n.read for n in noted if n.read is not None]
+    return []
+
+
+def _safe_here() -> bool:
+    """Whether this thread may read the job's tensors: the thread that steps, or a thread
+    running a backward pass (the stepping thread waits for it; gradients are written there)."""
+    if threading.get_ident() == _STEPPING[0]:
+        return True
+    torch = sys.modules.get("torch")
     try:
-        return read_holders(optimizers)
+        return torch is not None and int(torch._C._current_graph_task_id()) != -1
+    except Exception:
+        return False
+
+
+def read_now() -> Holders | None:
+    """The split for a capture: a fresh read where it is safe (see :func:`_safe_here`), else
+    the last step's reads without their gradients (see the module docstring). ``None`` before
+    the first step, or if it failed."""
+    try:
+        optimizers = list(_NOTED.keys())
+        if not optimizers:
+            return None
+        if _safe_here():
+            return read_holders(optimizers)
+        noted = list(_NOTED.values())
     except Exception:
         return None
+    reads = [(n.read, False) for n in noted if n.read is not None]
+    return merge(reads) if reads else None
 
 
 def split_blocks(
@@ -214,6 +410,7 @@ def split_blocks(
     claimed: set[int] = set()
     split = dict.fromkeys(CATEGORIES, 0)
     order = {category: rank for rank, category in enumerate(CATEGORIES)}
+    order["frozen"] = order["parameters"]
     mine = sorted(
         (
             (order[category], pointer)

@@ -52,6 +52,8 @@ OPTIMIZER_MODULE = "torch.optim.optimizer"
 PROFILER_MODULE = "torch.autograd.profiler"
 DATALOADER_MODULE = "torch.utils.data.dataloader"
 AUTOGRAD_MODULE = "torch.autograd"
+#: Where torch keeps its global module hooks (the parameter registration hook).
+MODULE_MODULE = "torch.nn.modules.module"
 #: ``torch.amp.GradScaler`` from torch 2.3; before, ``torch.cuda.amp.GradScaler``.
 SCALER_MODULES = ("torch.amp.grad_scaler", "torch.cuda.amp.grad_scaler")
 #: Seconds between reads of the DataLoader workers (psutil, a few per worker).
@@ -183,6 +185,8 @@ class TrainingMonitor:
                 self._install_part("optimizer", self._install_optimizer)
             if "dataloader" not in self._undo and loaded(DATALOADER_MODULE) is not None:
                 self._install_part("dataloader", self._install_dataloader)
+            if "modules" not in self._undo and loaded(MODULE_MODULE) is not None:
+                self._install_part("modules", self._install_modules)
             if "backward" not in self._undo and loaded(AUTOGRAD_MODULE) is not None:
                 self._install_part("backward", self._install_backward)
             if "scaler" not in self._undo:
@@ -212,6 +216,9 @@ class TrainingMonitor:
         post = optimizer.register_optimizer_step_post_hook(step_hooks.optimizer_post_hook)
         note = optimizer.register_optimizer_step_pre_hook(holder_hooks.optimizer_pre_hook)
         return [pre.remove, post.remove, note.remove, holder_hooks.forget_all]
+
+    def _install_modules(self) -> list[Callable[[], None]]:
+        return holder_hooks.install_module_hook(loaded(MODULE_MODULE), self._watcher is not None)
 
     @staticmethod
     def _install_dataloader() -> list[Callable[[], None]]:

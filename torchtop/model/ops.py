@@ -45,6 +45,8 @@ class OpTimings:
 
     #: The latest window: its own ops and the cumulative ops over every window so far.
     latest: OpsWindow | None = None
+    #: The latest window that measured its first step's activations by module.
+    activations: OpsWindow | None = None
     #: Windows this model received (the agent may have taken some before it attached).
     received: int = 0
     #: Some window recorded device activity, so host-device copies can be counted.
@@ -63,6 +65,8 @@ class OpTimings:
             if message == self.latest:
                 return False
             self.latest = message
+            if message.activations:
+                self.activations = message
             self.received += 1
             self.device = self.device or message.device
             if message.trace_path is not None:

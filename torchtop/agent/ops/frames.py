@@ -12,14 +12,14 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchtop.agent.ops.aggregation import OpKey, OpTotals, aggregate, merge, ranked
 from torchtop.agent.ops.torch_events import _library_dirs, read_events, site_reader
 from torchtop.private_files import written_privately
-from torchtop.protocol import MatmulDtype, OpsWindow
+from torchtop.protocol import MatmulDtype, ModuleBytes, OpsWindow
 
 #: What one profiled event costs the job until windows over steps have measured it: about
 #: 2 µs on a CPU (measured on many tiny ops: 1.8 µs; on a small MLP: 1-4 µs).
@@ -50,6 +50,9 @@ class Closed:
     inputs: bool = False
     #: ``torch.get_num_threads()`` in the thread that opened it.
     torch_threads: int | None = None
+    #: The first step's activation bytes in all, and by top module (path, bytes).
+    activation_bytes: int = 0
+    activations: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -196,6 +199,8 @@ class FrameMaker:
             matmuls=_dtype_list(window.matmuls),
             total_matmuls=_dtype_list(self._total_matmuls),
             torch_threads=closed.torch_threads,
+            activation_bytes=closed.activation_bytes,
+            activations=[ModuleBytes(path, nbytes) for path, nbytes in closed.activations],
         )
         closed.result = None  # kineto's events are freed here, inside what is measured
         return frame, cost, len(events)

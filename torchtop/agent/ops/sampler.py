@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 from torchtop.agent import steps as step_hooks
+from torchtop.agent.activations import ActivationWindow, compiled_in_use
 from torchtop.agent.ops.frames import (
     MEASURE_WAIT_S,
     Closed,
@@ -107,6 +108,9 @@ class OpsSampler:
         self._device = False
         self._inputs = False
         self._torch_threads: int | None = None
+        #: The activation measurement over the window's first step, and its result.
+        self._activations: ActivationWindow | None = None
+        self._activation_result: tuple[int, list[tuple[str, int]]] = (0, [])
         #: Windows opened so far (training thread).
         self._opened = 0
         self._requested_window = False
@@ -210,7 +214,10 @@ class OpsSampler:
                     return
                 self._refused = 0
                 self._open(time_based=False)
+                if self._state == OPEN:
+                    self._activations_begin()
             elif self._state == OPEN and self._thread == threading.get_ident():
+                self._activations_end()  # the first step is done
                 if not self._time_based:
                     self._steps_in += 1
                 due = self._close_requested or (
@@ -284,6 +291,7 @@ class OpsSampler:
         self._state = IDLE
         step_hooks.BOUNDARY[0] = None
         self._close_requested = False
+        self._activations_end()
         if profiler is None:
             return
         t0 = time.perf_counter()
@@ -313,10 +321,35 @@ class OpsSampler:
                     requested=self._requested_window,
                     inputs=self._inputs,
                     torch_threads=self._torch_threads,
+                    activation_bytes=self._activation_result[0],
+                    activations=self._activation_result[1],
                 )
             )
+        self._activation_result = (0, [])
         self._requested_window = False
         self._last_closed = time.monotonic()
+
+    def _activations_begin(self) -> None:
+        """Measure the activations of the window's first step (see ``agent/activations``)."""
+        self._activation_result = (0, [])
+        if compiled_in_use():
+            return
+        window = ActivationWindow()
+        try:
+            window.begin()
+        except Exception:
+            return
+        self._activations = window
+
+    def _activations_end(self) -> None:
+        window, self._activations = self._activations, None
+        if window is None:
+            return
+        try:
+            top = window.end()
+        except Exception:
+            return
+        self._activation_result = (window.total, [(m.path, m.bytes) for m in top])
 
     def _refuse(self) -> None:
         """A boundary inside torch's callbacks (an optimizer stepped from backward, or in a
