@@ -24,21 +24,38 @@ from torchtop.protocol import CollectiveEntry
 __all__ = [
     "LATE_SHARE",
     "MAX_KEPT",
+    "MIN_JOINED",
     "MIN_LATE_S",
+    "SPREAD_MULTIPLE",
+    "ArrivalStraggler",
     "CollectiveRecord",
     "HangFinding",
+    "Joined",
     "Lateness",
+    "RunWaiting",
     "hang_triage",
+    "join",
     "lateness",
+    "lateness_of",
     "straggler",
+    "waiting",
 ]
 
 #: The collectives kept per rank (about a minute of a DDP job's all-reduces).
 MAX_KEPT = 4000
-#: A rank is named a straggler when it is last at this share of the joined collectives...
-LATE_SHARE = 0.6
-#: ... and arrives at least this much later than the first rank at the median (seconds).
+#: A rank is named a straggler only over at least this many joined collectives (a job's first
+#: collectives, where the ranks end their start-up at different times, are not enough)...
+MIN_JOINED = 20
+#: ... when it is last at this share of them...
+LATE_SHARE = 0.75
+#: ... and, at the median, arrives at least this much after the latest of the other ranks
+#: (seconds)...
 MIN_LATE_S = 0.005
+#: ... and at least this multiple of the other ranks' own spread (the upper quartile of their
+#: lateness: how far apart balanced ranks arrive on this machine anyway).
+SPREAD_MULTIPLE = 3.0
+#: The quantile of the other ranks' lateness taken as their spread.
+SPREAD_QUANTILE = 0.75
 
 
 @dataclass(frozen=True)
@@ -69,6 +86,35 @@ class CollectiveRecord:
         return cls(pg, seq, op, sizes, enq if isinstance(enq, int) else 0)
 
 
+@dataclass(frozen=True)
+class Joined:
+    """One collective that every rank of a clock domain entered: when each arrived."""
+
+    pg: str
+    seq: int
+    op: str
+    sizes: tuple[tuple[int, ...], ...]
+    #: The first rank's enqueue time (that domain's wall clock, ns).
+    first_ns: int
+    #: Each rank's lateness after the first arrival (seconds), by rank.
+    late_s: tuple[tuple[int, float], ...]
+
+    @property
+    def last_rank(self) -> int:
+        """The rank the others waited for (the latest enqueue; the lowest rank on a tie)."""
+        return max(self.late_s, key=lambda item: (item[1], -item[0]))[0]
+
+    @property
+    def last_s(self) -> float:
+        return max(late for _, late in self.late_s)
+
+    @property
+    def wait_s(self) -> float:
+        """The time the ranks spent waiting for the last one here, summed over the ranks."""
+        last = self.last_s
+        return sum(last - late for _, late in self.late_s)
+
+
 @dataclass
 class Lateness:
     """One rank's arrivals over the joined collectives."""
@@ -78,11 +124,24 @@ class Lateness:
     last_at: int = 0
     mean_s: float = 0.0
     median_s: float = 0.0
+    #: At the median, how long after the latest of the other ranks it arrived (negative: it
+    #: was not last, and waited that long for the one that was).
+    margin_s: float = 0.0
+    #: The time it waited for the last rank, summed over the collectives.
+    waited_s: float = 0.0
+    #: From the first arrival at its first joined collective to the last at its last.
+    span_s: float = 0.0
     samples: list[float] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
 
     @property
     def last_share(self) -> float:
         return self.last_at / self.joined if self.joined else 0.0
+
+    @property
+    def wait_share(self) -> float | None:
+        """The share of its time spent waiting for the last rank at collectives."""
+        return self.waited_s / self.span_s if self.span_s > 0 else None
 
 
 def _by_key(
@@ -95,16 +154,17 @@ def _by_key(
     return joined
 
 
-def lateness(
+def join(
     records: Mapping[int, Sequence[CollectiveRecord]],
     nodes: Mapping[int, str] | None = None,
     clocks_agree: bool = False,
-) -> dict[int, Lateness]:
-    """Per rank: its lateness against the first arrival at every collective all ranks of its
-    clock domain (its node, or the whole run when ``clocks_agree``) recorded."""
+) -> list[Joined]:
+    """The collectives all ranks of a clock domain (a node, or the whole run when
+    ``clocks_agree``) recorded, oldest first; a desync (ranks in different ops at one sequence
+    id) is no arrival question and is left out."""
     nodes = nodes or {}
-    out = {rank: Lateness(rank) for rank in records}
-    for by_rank in _by_key(records).values():
+    out: list[Joined] = []
+    for (pg, seq), by_rank in _by_key(records).items():
         domains: dict[str, dict[int, CollectiveRecord]] = {}
         for rank, rec in by_rank.items():
             domain = "" if clocks_agree else nodes.get(rank, "")
@@ -114,31 +174,121 @@ def lateness(
             if len(members) < 2 or len(members) != len(everyone):
                 continue
             if len({rec.op for rec in members.values()}) != 1:
-                continue  # a desync: not an arrival question
+                continue
             first = min(rec.enqueued_ns for rec in members.values())
-            last_rank = max(members, key=lambda r: members[r].enqueued_ns)
-            for rank, rec in members.items():
-                late = out[rank]
-                late.joined += 1
-                late.samples.append((rec.enqueued_ns - first) / 1e9)
-                if rank == last_rank:
-                    late.last_at += 1
-    for late in out.values():
-        if late.samples:
-            late.mean_s = statistics.fmean(late.samples)
-            late.median_s = statistics.median(late.samples)
+            example = next(iter(members.values()))
+            late = tuple(
+                (rank, (members[rank].enqueued_ns - first) / 1e9) for rank in sorted(members)
+            )
+            out.append(Joined(pg, seq, example.op, example.sizes, first, late))
+    out.sort(key=lambda j: (j.first_ns, j.pg, j.seq))
     return out
 
 
-def straggler(per_rank: Mapping[int, Lateness]) -> Lateness | None:
-    """The rank last at most collectives, when it is last at most of them and clearly late."""
+def lateness_of(joined: Sequence[Joined]) -> dict[int, Lateness]:
+    """Per rank: its arrivals over the joined collectives."""
+    out: dict[int, Lateness] = {}
+    spans: dict[int, tuple[int, int]] = {}
+    for item in joined:
+        last_rank, last = item.last_rank, item.last_s
+        end_ns = item.first_ns + int(last * 1e9)
+        for rank, late_s in item.late_s:
+            late = out.setdefault(rank, Lateness(rank))
+            late.joined += 1
+            late.samples.append(late_s)
+            others = max((s for r, s in item.late_s if r != rank), default=0.0)
+            late.margins.append(late_s - others)
+            late.waited_s += last - late_s
+            if rank == last_rank:
+                late.last_at += 1
+            begin, end = spans.get(rank, (item.first_ns, end_ns))
+            spans[rank] = (min(begin, item.first_ns), max(end, end_ns))
+    for rank, late in out.items():
+        late.mean_s = statistics.fmean(late.samples)
+        late.median_s = statistics.median(late.samples)
+        late.margin_s = statistics.median(late.margins)
+        begin, end = spans[rank]
+        late.span_s = (end - begin) / 1e9
+    return out
+
+
+def lateness(
+    records: Mapping[int, Sequence[CollectiveRecord]],
+    nodes: Mapping[int, str] | None = None,
+    clocks_agree: bool = False,
+) -> dict[int, Lateness]:
+    """Per rank: its lateness against the first arrival at every collective all ranks of its
+    clock domain (its node, or the whole run when ``clocks_agree``) recorded."""
+    out = {rank: Lateness(rank) for rank in records}
+    out.update(lateness_of(join(records, nodes, clocks_agree)))
+    return out
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+@dataclass(frozen=True)
+class ArrivalStraggler:
+    """The rank the others wait for, and the margin that decided it."""
+
+    late: Lateness
+    #: The upper quartile of the other ranks' lateness: how far apart they arrive anyway.
+    spread_s: float
+
+    @property
+    def rank(self) -> int:
+        return self.late.rank
+
+
+def straggler(per_rank: Mapping[int, Lateness]) -> ArrivalStraggler | None:
+    """The rank last at most collectives, named only on a margin clearly above the ranks'
+    spread: over :data:`MIN_JOINED` collectives or more, last at :data:`LATE_SHARE` of them,
+    and at the median later than the latest other rank by :data:`MIN_LATE_S` and by
+    :data:`SPREAD_MULTIPLE` times the other ranks' spread. A false alarm costs more than a
+    miss: a balanced run under load (ranks descheduled in turn) must name none."""
     candidates = [late for late in per_rank.values() if late.joined]
     if len(candidates) < 2:
         return None
-    worst = max(candidates, key=lambda late: (late.last_share, late.median_s))
-    if worst.last_share >= LATE_SHARE and worst.median_s >= MIN_LATE_S:
-        return worst
-    return None
+    worst = max(candidates, key=lambda late: (late.last_share, late.margin_s))
+    if worst.joined < MIN_JOINED or worst.last_share < LATE_SHARE:
+        return None
+    others = [s for late in candidates if late is not worst for s in late.samples]
+    spread = _quantile(others, SPREAD_QUANTILE)
+    if worst.margin_s < MIN_LATE_S or worst.margin_s < SPREAD_MULTIPLE * spread:
+        return None
+    return ArrivalStraggler(worst, spread)
+
+
+@dataclass(frozen=True)
+class RunWaiting:
+    """The time the ranks spent waiting for the last one at the collectives."""
+
+    joined: int
+    #: Summed over ranks and collectives (rank-seconds).
+    waited_s: float
+    #: That time over the ranks' time between their first and last joined collective.
+    share: float | None
+
+    def json(self) -> dict[str, object]:
+        return {
+            "joined": self.joined,
+            "waited_s": round(self.waited_s, 6),
+            "wait_share": round(self.share, 4) if self.share is not None else None,
+        }
+
+
+def waiting(per_rank: Mapping[int, Lateness]) -> RunWaiting | None:
+    """The run's waiting for the last rank; None where no collective was joined."""
+    joined = [late for late in per_rank.values() if late.joined]
+    if not joined:
+        return None
+    waited = sum(late.waited_s for late in joined)
+    span = sum(late.span_s for late in joined)
+    return RunWaiting(
+        max(late.joined for late in joined), waited, waited / span if span > 0 else None
+    )
 
 
 @dataclass(frozen=True)
