@@ -377,3 +377,22 @@ def test_the_cause_of_an_arrivals_straggler_is_its_extra_time_since_its_last_col
         assert "the delay is inside its backward" in verdict.check.summary
     # Without the step figures the cause is not told.
     assert arrival_cause(found, [])[0] == "unknown"
+
+
+def test_a_second_group_is_joined_over_its_own_ranks() -> None:
+    recs = ring_records("bal4")
+    start = max(ring[-1].enqueued_ns for ring in recs.values())
+    for rank in (0, 1):
+        recs[rank] = [
+            *recs[rank],
+            *(
+                CollectiveRecord("1", s, "all_reduce", ((4,),), start + s * 10**6 * (1 + rank))
+                for s in (1, 2)
+            ),
+        ]
+    joined = [j for j in join(recs) if j.pg == "1"]
+    assert [(j.seq, [r for r, _ in j.late_s], j.last_rank) for j in joined] == [
+        (1, [0, 1], 1),
+        (2, [0, 1], 1),
+    ]
+    assert joined[1].late_s[1][1] == pytest.approx(0.002)

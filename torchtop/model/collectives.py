@@ -159,10 +159,16 @@ def join(
     nodes: Mapping[int, str] | None = None,
     clocks_agree: bool = False,
 ) -> list[Joined]:
-    """The collectives all ranks of a clock domain (a node, or the whole run when
+    """The collectives all the group's ranks of a clock domain (a node, or the whole run when
     ``clocks_agree``) recorded, oldest first; a desync (ranks in different ops at one sequence
     id) is no arrival question and is left out."""
     nodes = nodes or {}
+    # A group's members: the ranks that recorded any of its collectives (a second group of
+    # ranks 0 and 1 is joined over those two).
+    groups: dict[str, set[int]] = {}
+    for rank, items in records.items():
+        for rec in items:
+            groups.setdefault(rec.pg, set()).add(rank)
     out: list[Joined] = []
     for (pg, seq), by_rank in _by_key(records).items():
         domains: dict[str, dict[int, CollectiveRecord]] = {}
@@ -170,7 +176,7 @@ def join(
             domain = "" if clocks_agree else nodes.get(rank, "")
             domains.setdefault(domain, {})[rank] = rec
         for domain, members in domains.items():
-            everyone = [r for r in records if clocks_agree or nodes.get(r, "") == domain]
+            everyone = [r for r in groups[pg] if clocks_agree or nodes.get(r, "") == domain]
             if len(members) < 2 or len(members) != len(everyone):
                 continue
             if len({rec.op for rec in members.values()}) != 1:
