@@ -22,6 +22,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from torchtop.model.collectives import Joined
 from torchtop.text import printable
+from torchtop.tui.widgets.collectives import lane_ranks
 
 if TYPE_CHECKING:
     from torchtop.streams.runs import RunFold
@@ -113,29 +114,16 @@ class CollectivesScreen(Screen[None]):
             return
         self._shown = key
         rows = [item for item in joined if item.pg == self.group][-MAX_ROWS:]
-        last: dict[int, int] = {}
-        for item in rows:
-            for rank, _ in item.late_s:
-                last.setdefault(rank, 0)
-            last[item.last_rank] += 1
-        ranks = sorted(last)
-        if len(ranks) > MAX_RANK_COLUMNS:
-            ranks = sorted(sorted(last, key=lambda r: (-last[r], r))[:MAX_RANK_COLUMNS])
+        ranks, left_out = lane_ranks(rows, MAX_RANK_COLUMNS)
         table: DataTable[Text] = self.query_one("#collectives", DataTable)
         table.clear(columns=True)
         for column in ("seq", "op", "sizes", *(f"r{r} ms" for r in ranks), "last"):
             table.add_column(column, key=column)
         for item in reversed(rows):
             table.add_row(*collective_row(item, ranks))
-        self.query_one("#collectives-head", Static).update(self._head(groups, rows, last, ranks))
+        self.query_one("#collectives-head", Static).update(self._head(groups, rows, left_out))
 
-    def _head(
-        self,
-        groups: list[str],
-        rows: list[Joined],
-        last: dict[int, int],
-        ranks: list[int],
-    ) -> Text:
+    def _head(self, groups: list[str], rows: list[Joined], left_out: int) -> Text:
         text = Text()
         if self.group is None:
             text.append("no collectives joined yet", "dim")
@@ -148,8 +136,8 @@ class CollectivesScreen(Screen[None]):
         if len(groups) > 1:
             text.append(f" · group {groups.index(self.group) + 1} of {len(groups)} (g: next)")
         text.append(" · lateness after the first rank of its node, ms")
-        if len(last) > len(ranks):
-            text.append(f" · the {len(ranks)} ranks last most often of {len(last)}", "dim")
+        if left_out:
+            text.append(f" · the {MAX_RANK_COLUMNS} ranks last most often; {left_out} more", "dim")
         return text
 
     def action_next_group(self) -> None:

@@ -31,8 +31,8 @@ OTHER_STYLE = "cyan"
 
 
 def lane_ranks(joined: Sequence[Joined], lanes: int) -> tuple[list[int], int]:
-    """The ranks that get a lane when only ``lanes`` fit: those that arrived last most often
-    (the ones worth seeing), in rank order; and how many ranks were left out."""
+    """The ranks that get a lane (or a column) when only ``lanes`` fit: those that arrived
+    last most often (the ones worth seeing), in rank order; and how many were left out."""
     last: dict[int, int] = {}
     for item in joined:
         for rank, _ in item.late_s:
