@@ -396,3 +396,67 @@ def test_a_second_group_is_joined_over_its_own_ranks() -> None:
         (2, [0, 1], 1),
     ]
     assert joined[1].late_s[1][1] == pytest.approx(0.002)
+
+
+def test_an_entry_sent_before_its_completion_is_sent_again_once_it_has_one() -> None:
+    # The real dump as NCCL shows it mid-flight (not retired, no completion yet), then done.
+    data = json.loads(raw(0))
+    flight = dict(data, entries=[dict(e, retired=False) for e in data["entries"]])
+    done = dict(
+        data,
+        entries=[
+            dict(e, retired=True, time_discovered_started_ns=e["time_created_ns"] + 1000,
+                 time_discovered_completed_ns=e["time_created_ns"] + 5000)
+            for e in data["entries"][:3]
+        ] + [dict(e, retired=False) for e in data["entries"][3:]],
+    )  # fmt: skip
+    now = [0.0]
+    dumps = [flight]
+    reader = CollectiveReader(dump=lambda: json.dumps(dumps[0]).encode(), clock=lambda: now[0])
+    first = reader.poll()
+    assert len(first) == 5 and all(c.completed_ns == 0 for c in first)
+    dumps[0], now[0] = done, 2.0
+    again = reader.poll()
+    assert [c.seq for c in again] == [1, 2, 3]
+    assert all(c.enqueued_ns < c.started_ns < c.completed_ns for c in again)
+    now[0] = 4.0
+    assert reader.poll() == []  # sent once more, not every time
+    # Gloo retires its entries with no completion: none is kept waiting for one.
+    gloo = CollectiveReader(dump=lambda: raw(0), clock=lambda: now[0])
+    assert len(gloo.poll()) == 5 and gloo._pending == set()
+
+
+def test_nccls_own_ring_is_read_beside_the_generic_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CUDA builds keep NCCL's collectives in ProcessGroupNCCL's own recorder: the generic dump
+    # holds none of them. Here NCCL's ring is the real gloo dump of rank 1 moved to group 7
+    # (each recorder numbers its entries from 0), beside rank 0's generic one.
+    from torch._C import _distributed_c10d as c10d
+
+    import torchtop.agent.collectives as module
+
+    data = json.loads(raw(1))
+    nccl = dict(
+        data,
+        entries=[
+            dict(e, process_group=["7", "nccl_pg"], profiling_name="nccl:all_reduce")
+            for e in data["entries"]
+        ],
+    )
+    monkeypatch.setattr(
+        c10d, "_dump_nccl_trace_json", lambda *_: json.dumps(nccl).encode(), raising=False
+    )
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", lambda *_: raw(0))
+    monkeypatch.setattr(module, "_group_ready", lambda: True)
+    assert module.recorder_missing() is None
+    frames = CollectiveMonitor().tick(1.0)
+    got = sorted((e.pg, e.seq) for f in frames for e in f.entries)
+    assert got == sorted(
+        [("7", s) for s in (1, 2, 3, 4)]
+        + [("7", 1)]
+        + [("0", s) for s in (1, 2, 3, 4)]
+        + [("1", 1)]
+    )
+    # Neither is there: no recorder, said in one line.
+    monkeypatch.delattr(c10d, "_dump_nccl_trace_json")
+    monkeypatch.delattr(c10d, "_dump_fr_trace_json")
+    assert "no flight recorder" in str(module.recorder_missing())
