@@ -460,3 +460,27 @@ def test_nccls_own_ring_is_read_beside_the_generic_one(monkeypatch: pytest.Monke
     monkeypatch.delattr(c10d, "_dump_nccl_trace_json")
     monkeypatch.delattr(c10d, "_dump_fr_trace_json")
     assert "no flight recorder" in str(module.recorder_missing())
+
+
+def test_the_text_reports_ranks_table_says_each_ranks_wait_and_the_runs() -> None:
+    import io
+
+    from rich.console import Console
+
+    from torchtop.report.run import ranks_parts
+
+    row = {"rank": 0, "pid": 1, "steps": 120, "step_time_s": 0.0376, "wait_fraction": 0.0,
+           "peak_allocated_bytes": None, "peak_rss_bytes": None, "exit_code": 0}  # fmt: skip
+    report = {
+        "ranks": [
+            {**row, "collectives": {"wait_share": 0.8251}},
+            {**row, "rank": 1, "collectives": None},
+        ],
+        "collectives": {"joined": 106, "waited_s": 10.202731, "wait_share": 0.6048},
+    }
+    out = io.StringIO()
+    Console(file=out, width=120).print(*ranks_parts(report))
+    text = out.getvalue()
+    lines = [line for line in text.splitlines() if "│" in line]
+    assert "83%" in lines[0] and "n/a" in lines[1]
+    assert "106 joined; the ranks waited 10.20 s in all" in text and "(60.5% of their time)" in text

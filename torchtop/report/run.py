@@ -161,12 +161,15 @@ def ranks_parts(report: dict[str, Any]) -> list[Any]:
         "data wait",
         "peak alloc",
         "peak RSS",
+        "waits",
         "exit",
     ):
         table.add_column(col, justify="left" if col == "exit" else "right")
     for r in report["ranks"]:
         step = r["step_time_s"]
         wait = r["wait_fraction"]
+        # The share of its time it waited at collectives for the last rank.
+        waits = (r.get("collectives") or {}).get("wait_share")
         add_text_row(
             table,
             str(r["rank"] if r["rank"] is not None else "?"),
@@ -176,6 +179,7 @@ def ranks_parts(report: dict[str, Any]) -> list[Any]:
             f"{wait:.0%}" if wait is not None else "n/a",
             format_bytes(r["peak_allocated_bytes"]),
             format_bytes(r["peak_rss_bytes"]),
+            f"{waits:.0%}" if waits is not None else "n/a",
             str(r["exit_code"]) if r["exit_code"] is not None else r["exit_reason"],
         )
     parts: list[Any] = [table]
