@@ -484,3 +484,30 @@ def test_the_text_reports_ranks_table_says_each_ranks_wait_and_the_runs() -> Non
     lines = [line for line in text.splitlines() if "│" in line]
     assert "83%" in lines[0] and "n/a" in lines[1]
     assert "106 joined; the ranks waited 10.20 s in all" in text and "(60.5% of their time)" in text
+
+
+def test_the_join_kept_between_evaluations_equals_the_whole_join() -> None:
+    from torchtop.model.collectives import JoinCache
+
+    # The real 4-rank rings arriving a few at a time, rank 3's first ones late, and a second
+    # group of ranks 0 and 1 whose rank 1 joins it only later: each step equals the whole join.
+    recs = ring_records("slow4")
+    start = max(ring[-1].enqueued_ns for ring in recs.values())
+    for rank in (0, 1):
+        recs[rank] += [
+            CollectiveRecord("1", s, "all_reduce", ((4,),), start + s * 10**6 * (1 + rank))
+            for s in (1, 2, 3)
+        ]
+    cache = JoinCache()
+    seen: dict[int, list[CollectiveRecord]] = {rank: [] for rank in recs}
+    for step in range(0, 140, 7):
+        for rank, ring in recs.items():
+            upto = step if rank != 3 else max(0, step - 30)
+            seen[rank] = ring[: upto + (3 if rank == 0 else 0)]
+        assert cache.update(seen) == join(seen), step
+    seen = dict(recs)
+    assert cache.update(seen) == join(seen)
+    assert len([j for j in join(seen) if j.pg == "1"]) == 3
+    # Other nodes: joined within each.
+    nodes = {0: "a", 1: "a", 2: "b", 3: "b"}
+    assert cache.update(seen, nodes) == join(seen, nodes)

@@ -98,15 +98,31 @@ class Joined:
     first_ns: int
     #: Each rank's lateness after the first arrival (seconds), by rank.
     late_s: tuple[tuple[int, float], ...]
+    #: The rank the others waited for (the latest enqueue; the lowest rank on a tie), its
+    #: lateness, and the latest of the others' (0 with a single rank).
+    last_rank: int = -1
+    last_s: float = 0.0
+    second_s: float = 0.0
 
-    @property
-    def last_rank(self) -> int:
-        """The rank the others waited for (the latest enqueue; the lowest rank on a tie)."""
-        return max(self.late_s, key=lambda item: (item[1], -item[0]))[0]
-
-    @property
-    def last_s(self) -> float:
-        return max(late for _, late in self.late_s)
+    @classmethod
+    def of(
+        cls,
+        pg: str,
+        seq: int,
+        op: str,
+        sizes: tuple[tuple[int, ...], ...],
+        first_ns: int,
+        late_s: tuple[tuple[int, float], ...],
+    ) -> Joined:
+        last_rank, last, second = -1, float("-inf"), 0.0
+        for rank, late in late_s:  # by rank: a tie keeps the lowest
+            if late > last:
+                if last_rank >= 0:
+                    second = last
+                last_rank, last = rank, late
+            elif late > second or last_rank < 0:
+                second = late
+        return cls(pg, seq, op, sizes, first_ns, late_s, last_rank, max(last, 0.0), second)
 
     @property
     def wait_s(self) -> float:
@@ -161,54 +177,185 @@ def join(
 ) -> list[Joined]:
     """The collectives all the group's ranks of a clock domain (a node, or the whole run when
     ``clocks_agree``) recorded, oldest first; a desync (ranks in different ops at one sequence
-    id) is no arrival question and is left out."""
+    id) is no arrival question and is left out. A group's members are the ranks that recorded
+    any of its collectives (a second group of ranks 0 and 1 is joined over those two)."""
     nodes = nodes or {}
-    # A group's members: the ranks that recorded any of its collectives (a second group of
-    # ranks 0 and 1 is joined over those two).
-    groups: dict[str, set[int]] = {}
+    domain_of = {rank: "" if clocks_agree else nodes.get(rank, "") for rank in records}
+    members: dict[tuple[str, str], set[int]] = {}
     for rank, items in records.items():
-        for rec in items:
-            groups.setdefault(rec.pg, set()).add(rank)
+        domain = domain_of[rank]
+        for pg in {rec.pg for rec in items}:
+            members.setdefault((pg, domain), set()).add(rank)
     out: list[Joined] = []
     for (pg, seq), by_rank in _by_key(records).items():
-        domains: dict[str, dict[int, CollectiveRecord]] = {}
-        for rank, rec in by_rank.items():
-            domain = "" if clocks_agree else nodes.get(rank, "")
-            domains.setdefault(domain, {})[rank] = rec
-        for domain, members in domains.items():
-            everyone = [r for r in groups[pg] if clocks_agree or nodes.get(r, "") == domain]
-            if len(members) < 2 or len(members) != len(everyone):
+        domains: dict[str, list[int]] = {}
+        for rank in by_rank:
+            domains.setdefault(domain_of[rank], []).append(rank)
+        for domain, ranks in domains.items():
+            if len(ranks) < 2 or len(ranks) != len(members[(pg, domain)]):
                 continue
-            if len({rec.op for rec in members.values()}) != 1:
-                continue
-            first = min(rec.enqueued_ns for rec in members.values())
-            example = next(iter(members.values()))
-            late = tuple(
-                (rank, (members[rank].enqueued_ns - first) / 1e9) for rank in sorted(members)
-            )
-            out.append(Joined(pg, seq, example.op, example.sizes, first, late))
-    out.sort(key=lambda j: (j.first_ns, j.pg, j.seq))
+            item = _join_one(pg, seq, {rank: by_rank[rank] for rank in ranks})
+            if item is not None:
+                out.append(item)
+    out.sort(key=_oldest_first)
     return out
+
+
+def _oldest_first(item: Joined) -> tuple[int, str, int]:
+    return (item.first_ns, item.pg, item.seq)
+
+
+def _join_one(pg: str, seq: int, by_rank: Mapping[int, CollectiveRecord]) -> Joined | None:
+    """One collective as every member of its group in one clock domain recorded it; None for
+    a desync (ranks in different ops at that sequence id: no arrival question)."""
+    ranks = sorted(by_rank)
+    recs = [by_rank[rank] for rank in ranks]
+    op = recs[0].op
+    if any(rec.op != op for rec in recs):
+        return None
+    first = min(rec.enqueued_ns for rec in recs)
+    late = tuple(
+        (rank, (rec.enqueued_ns - first) / 1e9) for rank, rec in zip(ranks, recs, strict=True)
+    )
+    return Joined.of(pg, seq, op, recs[0].sizes, first, late)
+
+
+_Key = tuple[str, int, str]
+
+
+class JoinCache:
+    """The join of one run kept from one evaluation to the next, so that each evaluation
+    joins only the collectives that arrived since (joining every rank's 4000 kept collectives
+    every second cost more than the run's other rules). It gives what :func:`join` gives on
+    the same records; a group that gains a member after some of its collectives were joined,
+    or a rank whose node changes, is joined again from the start."""
+
+    def __init__(self) -> None:
+        #: Each rank's newest record taken in (by identity: the job model keeps them).
+        self._last: dict[int, CollectiveRecord] = {}
+        self._domain_of: dict[int, str] = {}
+        self._members: dict[tuple[str, str], set[int]] = {}
+        #: Collectives not every member of their group recorded yet.
+        self._pending: dict[tuple[str, int], dict[int, CollectiveRecord]] = {}
+        #: Every collective joined (None: a desync), and the joined ones oldest first.
+        self._done: dict[_Key, Joined | None] = {}
+        self._order: list[tuple[_Key, Joined]] = []
+
+    def _reset(self) -> None:
+        self._last.clear()
+        self._members.clear()
+        self._pending.clear()
+        self._done.clear()
+        self._order = []
+
+    def update(
+        self,
+        records: Mapping[int, Sequence[CollectiveRecord]],
+        nodes: Mapping[int, str] | None = None,
+        clocks_agree: bool = False,
+    ) -> list[Joined]:
+        """The joined collectives of ``records`` (each rank's, oldest first), oldest first."""
+        nodes = nodes or {}
+        domain_of = {rank: "" if clocks_agree else nodes.get(rank, "") for rank in records}
+        if domain_of != self._domain_of:
+            self._reset()
+            self._domain_of = domain_of
+        fresh = {rank: self._fresh(rank, items) for rank, items in records.items()}
+        joined_groups = {key[0] for key in self._done}
+        for rank, items in fresh.items():
+            for pg in {rec.pg for rec in items}:
+                group = self._members.setdefault((pg, domain_of[rank]), set())
+                if rank not in group:
+                    group.add(rank)
+                    if pg in joined_groups:  # joined over fewer ranks than it has
+                        self._reset()
+                        return self.update(records, nodes, clocks_agree)
+        touched: dict[tuple[str, int], None] = {}
+        for rank, items in fresh.items():
+            domain = domain_of[rank]
+            for rec in items:
+                if (rec.pg, rec.seq, domain) in self._done:
+                    continue  # sent again (NCCL added its completion): its arrival is known
+                self._pending.setdefault((rec.pg, rec.seq), {})[rank] = rec
+                touched[(rec.pg, rec.seq)] = None
+        added: list[tuple[_Key, Joined]] = []
+        for pg, seq in touched:
+            by_rank = self._pending[(pg, seq)]
+            domains: dict[str, list[int]] = {}
+            for rank in by_rank:
+                domains.setdefault(domain_of[rank], []).append(rank)
+            for domain, ranks in domains.items():
+                if len(ranks) < 2 or len(ranks) != len(self._members[(pg, domain)]):
+                    continue
+                item = _join_one(pg, seq, {rank: by_rank.pop(rank) for rank in ranks})
+                self._done[(pg, seq, domain)] = item
+                if item is not None:
+                    added.append(((pg, seq, domain), item))
+            if not by_rank:
+                del self._pending[(pg, seq)]
+        if added:
+            added.sort(key=lambda pair: _oldest_first(pair[1]))
+            in_order = not self._order or _oldest_first(added[0][1]) >= _oldest_first(
+                self._order[-1][1]
+            )
+            self._order.extend(added)
+            if not in_order:
+                self._order.sort(key=lambda pair: _oldest_first(pair[1]))
+        self._bound()
+        return [item for _, item in self._order]
+
+    def _fresh(self, rank: int, items: Sequence[CollectiveRecord]) -> list[CollectiveRecord]:
+        """The rank's records since the last update (all of them if its newest then is gone)."""
+        last = self._last.get(rank)
+        out: list[CollectiveRecord] = []
+        for rec in reversed(items):
+            if rec is last:
+                break
+            out.append(rec)
+        if out:
+            self._last[rank] = out[0]
+        out.reverse()
+        return out
+
+    def _bound(self) -> None:
+        """At most :data:`MAX_KEPT` collectives a group joined, and as many waiting."""
+        groups = max(1, len({pg for pg, _ in self._members}))
+        limit = MAX_KEPT * groups
+        if len(self._done) > limit:
+            for key in list(self._done)[: len(self._done) - limit]:
+                del self._done[key]
+            self._order = [pair for pair in self._order if pair[0] in self._done]
+        if len(self._pending) > limit:
+            for key2 in list(self._pending)[: len(self._pending) - limit]:
+                del self._pending[key2]
 
 
 def lateness_of(joined: Sequence[Joined]) -> dict[int, Lateness]:
     """Per rank: its arrivals over the joined collectives."""
     out: dict[int, Lateness] = {}
-    spans: dict[int, tuple[int, int]] = {}
+    spans: dict[int, list[int]] = {}
     for item in joined:
-        last_rank, last = item.last_rank, item.last_s
-        end_ns = item.first_ns + int(last * 1e9)
+        last_rank, last, second = item.last_rank, item.last_s, item.second_s
+        first_ns = item.first_ns
+        end_ns = first_ns + int(last * 1e9)
         for rank, late_s in item.late_s:
-            late = out.setdefault(rank, Lateness(rank))
+            late = out.get(rank)
+            if late is None:
+                late = out[rank] = Lateness(rank)
+                spans[rank] = [first_ns, end_ns]
             late.joined += 1
             late.samples.append(late_s)
-            others = max((s for r, s in item.late_s if r != rank), default=0.0)
-            late.margins.append(late_s - others)
-            late.waited_s += last - late_s
             if rank == last_rank:
                 late.last_at += 1
-            begin, end = spans.get(rank, (item.first_ns, end_ns))
-            spans[rank] = (min(begin, item.first_ns), max(end, end_ns))
+                late.margins.append(late_s - second)
+            else:
+                late.margins.append(late_s - last)
+                late.waited_s += last - late_s
+            span = spans[rank]
+            if first_ns < span[0]:
+                span[0] = first_ns
+            if end_ns > span[1]:
+                span[1] = end_ns
     for rank, late in out.items():
         late.mean_s = statistics.fmean(late.samples)
         late.median_s = statistics.median(late.samples)

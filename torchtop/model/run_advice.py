@@ -43,6 +43,7 @@ from torchtop.model.advice import MAX_CLEARED, SEVERITY_ORDER, Check, Finding, S
 from torchtop.model.collectives import (
     ArrivalStraggler,
     CollectiveRecord,
+    JoinCache,
     Joined,
     Lateness,
     RunWaiting,
@@ -71,6 +72,9 @@ CAUSE_COVERAGE = 0.8
 COLLECTIVE_PATHS = ("/torch/distributed/", "/torch/autograd/", "/torch/_tensor.py")
 #: Rules with a finding per rank they name (the others have one per run).
 PER_RANK = frozenset({"straggler", "rank_died"})
+#: The run's latest collectives the arrivals rule, the exported lateness and the waiting read
+#: (a straggler that stopped being one clears; about 15 s of a DDP job's all-reduces).
+RULE_COLLECTIVES = 1000
 #: Frames of the standard library and installed packages: the job's own line is the innermost
 #: frame outside these.
 LIBRARY_PATHS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen")
@@ -223,14 +227,15 @@ def _collectives(jobs: Sequence[JobModel]) -> dict[int, list[CollectiveRecord]]:
     }
 
 
-def collective_join(jobs: Sequence[JobModel]) -> list[Joined]:
+def collective_join(jobs: Sequence[JobModel], cache: JoinCache | None = None) -> list[Joined]:
     """The collectives the ranks of each node all recorded, oldest first (empty where fewer
-    than two ranks sent collectives)."""
+    than two ranks sent collectives); with ``cache``, only what arrived since its last use is
+    joined."""
     records = _collectives(jobs)
     if len(records) < 2:
         return []
     nodes = {j.hello.rank: j.hello.hostname for j in jobs if j.hello and j.hello.rank is not None}
-    return join(records, nodes)
+    return cache.update(records, nodes) if cache is not None else join(records, nodes)
 
 
 def collective_lateness(jobs: Sequence[JobModel]) -> dict[int, Lateness]:
@@ -645,6 +650,7 @@ class RankAdvisor:
     #: Each run's joined collectives (oldest first) and its waiting, as of the last evaluation.
     joined: dict[str | None, list[Joined]] = field(default_factory=dict)
     waiting: dict[str | None, RunWaiting] = field(default_factory=dict)
+    _joins: dict[str | None, JoinCache] = field(default_factory=dict)
     _since: dict[_Key, float] = field(default_factory=dict)
     _shown: dict[_Key, Finding] = field(default_factory=dict)
 
@@ -669,8 +675,8 @@ class RankAdvisor:
         verdicts: list[Verdict] = []
         for run_id, ranks in runs(jobs).items():
             times = [t for t in map(rank_times, ranks) if t is not None]
-            joined = collective_join(ranks)
-            per_rank = lateness_of(joined)
+            joined = collective_join(ranks, self._joins.setdefault(run_id, JoinCache()))
+            per_rank = lateness_of(joined[-RULE_COLLECTIVES:])
             for late in per_rank.values():
                 self.lateness[(run_id, late.rank)] = late
             self.joined[run_id] = joined
