@@ -331,6 +331,13 @@ def _arrival_fix(rank: int, cause: str) -> str:
     )
 
 
+def _arrives_last(late: Lateness) -> str:
+    return (
+        f"arrives last at {100 * late.last_share:.0f}% of {late.joined} collectives, "
+        f"{_ms(late.margin_s)} after the others (median)"
+    )
+
+
 def arrival_straggler(
     per_rank: dict[int, Lateness], now: float, times: Sequence[RankTimes] = ()
 ) -> Verdict | None:
@@ -343,11 +350,7 @@ def arrival_straggler(
         return None
     late = found.late
     cause, excess, coverage = arrival_cause(found, times)
-    summary = (
-        f"rank {late.rank} arrives last at {100 * late.last_share:.0f}% of "
-        f"{late.joined} collectives, {_ms(late.margin_s)} after the latest other rank "
-        f"(median; the others arrive within {_ms(found.spread_s)} of each other)"
-    )
+    summary = f"rank {late.rank} {_arrives_last(late)} (the others' spread {_ms(found.spread_s)})"
     if cause in _ARRIVAL_CAUSE:
         summary += f"; {_ARRIVAL_CAUSE[cause]}"
     return _verdict(
@@ -382,10 +385,11 @@ def _either_straggler(
         return by_time
     if by_time is None or by_time.rank != by_arrival.rank:
         return by_arrival
+    late = per_rank[by_arrival.rank]
     check = replace(
         by_time.check,
         evidence={**by_time.check.evidence, "arrivals": by_arrival.check.evidence},
-        summary=f"{by_time.check.summary}; {by_arrival.check.summary}",
+        summary=f"{by_time.check.summary}; it {_arrives_last(late)}",
     )
     return replace(by_time, check=check)
 

@@ -67,8 +67,10 @@ CHART_WINDOW_S = 60.0
 CHART_MAX_ROWS = 4
 #: The share of the screen's height the chart takes at most (the table and log keep the rest).
 CHART_SHARE = 0.35
-#: ... and the lanes of the ranks' arrivals at the collectives.
+#: ... and the lanes of the ranks' arrivals at the collectives. Below LANES_HEIGHT rows the
+#: chart and the lanes take turns in one place (``v``), the chart first.
 LANES_SHARE = 0.25
+LANES_HEIGHT = 40
 
 
 def rank_style(rank: int) -> str:
@@ -257,6 +259,7 @@ class RunScreen(Screen[None]):
         Binding("q", "stop", "quit"),
         Binding("enter", "open_rank", "open the rank"),
         Binding("c", "collectives", "collectives"),
+        Binding("v", "swap_lanes", "lanes/chart"),
         # Textual's own: ctrl+c says how to quit (the job screen's ctrl+c is off here).
         Binding("ctrl+c", "app.help_quit", show=False, system=True),
     ]
@@ -280,8 +283,10 @@ class RunScreen(Screen[None]):
         self._columns: tuple[str, ...] = COLUMNS
         #: Each rank's step count when the chart was last drawn.
         self._charted: tuple[int, ...] = ()
-        #: The run model's evaluation the lanes were drawn from.
+        #: The run model's evaluation the lanes were drawn from; whether the lanes take the
+        #: chart's place on a short screen.
         self._laned: float | None = None
+        self._lanes_first = False
         #: The garbage collector set for drawing, while the view runs (:mod:`.heap`).
         self._heap = SettledHeap()
 
@@ -400,6 +405,23 @@ class RunScreen(Screen[None]):
         lanes = self.query_one(ArrivalLanes)
         lanes.lanes = self._lane_rows()
         lanes.set_data(joined)
+        self._place_lanes()
+
+    def _place_lanes(self) -> None:
+        """The lanes beside the chart where the screen is tall enough, else one of the two
+        (``v`` swaps them); none before a collective was joined."""
+        lanes, chart = self.query_one(ArrivalLanes), self.query_one(RankStepChart)
+        both = self.size.height >= LANES_HEIGHT
+        lanes.display = bool(lanes.joined) and (both or self._lanes_first)
+        chart.display = both or not lanes.display
+
+    def action_swap_lanes(self) -> None:
+        """Where the chart and the lanes take turns: show the other."""
+        self._lanes_first = not self._lanes_first
+        self._place_lanes()
+        if self.size.height < LANES_HEIGHT:
+            shown = "lanes of arrivals" if self._lanes_first else "step time chart"
+            self.app.notify(f"{shown} shown (v swaps)", timeout=3)
 
     def _lane_rows(self) -> int:
         """Lanes shown at most: :data:`LANES_SHARE` of the screen (one line each)."""
@@ -416,6 +438,8 @@ class RunScreen(Screen[None]):
         return max(1, min(CHART_MAX_ROWS, room // max(1, ranks)))
 
     def on_resize(self) -> None:
+        self._place_lanes()
+        self.query_one(ArrivalLanes).lanes = self._lane_rows()
         chart = self.query_one(RankStepChart)
         rows = self._chart_rows(len(self._charted))
         if rows != chart.rows:

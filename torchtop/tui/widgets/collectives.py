@@ -25,6 +25,8 @@ __all__ = ["LANE_MARKS", "ArrivalLanes", "lane_ranks", "render_lanes"]
 LANE_MARKS = "▁▂▃▄▅▆▇█"
 #: The label before each lane (``r12│``).
 LABEL_WIDTH = 6
+#: The quantile of the last arrivals' lateness the lanes' scale reaches.
+SCALE_QUANTILE = 0.9
 #: The style of the mark of the rank the others waited for, and of the others'.
 LAST_STYLE = "bold yellow"
 OTHER_STYLE = "cyan"
@@ -44,13 +46,21 @@ def lane_ranks(joined: Sequence[Joined], lanes: int) -> tuple[list[int], int]:
     return sorted(chosen), len(last) - len(chosen)
 
 
+def lane_scale(shown: Sequence[Joined]) -> float:
+    """The lanes' top: the latest arrival at :data:`SCALE_QUANTILE` of the collectives shown,
+    so that a job's first collectives (ranks ending their start-up apart, hundreds of ms)
+    do not flatten the rest; a later arrival shows as the top mark."""
+    lasts = sorted(item.last_s for item in shown)
+    return lasts[min(len(lasts) - 1, int(SCALE_QUANTILE * len(lasts)))] if lasts else 0.0
+
+
 def render_lanes(joined: Sequence[Joined], ranks: Sequence[int], width: int) -> tuple[Text, float]:
     """One line per rank of ``ranks``: its lateness at each of the last collectives that fit in
-    ``width``, on the scale of the latest arrival among them; and that scale (seconds)."""
+    ``width``, on one scale (:func:`lane_scale`); and that scale (seconds)."""
     text = Text(no_wrap=True, overflow="crop")
     cells = max(0, width - LABEL_WIDTH)
     shown = list(joined[-cells:]) if cells else []
-    scale = max((item.last_s for item in shown), default=0.0)
+    scale = lane_scale(shown)
     top = len(LANE_MARKS) - 1
     for i, rank in enumerate(ranks):
         if i:
@@ -69,8 +79,9 @@ def render_lanes(joined: Sequence[Joined], ranks: Sequence[int], width: int) -> 
 
 
 class ArrivalLanes(Widget):
-    """The lanes of :func:`render_lanes`, with a title that says the scale; hidden while no
-    collective was joined (no flight recorder, or a single rank)."""
+    """The lanes of :func:`render_lanes`, with a title that says the scale. The screen shows
+    it once a collective was joined (none without a flight recorder, or with a single
+    rank)."""
 
     DEFAULT_CSS = """
     ArrivalLanes {
@@ -83,11 +94,9 @@ class ArrivalLanes(Widget):
         self.joined: Sequence[Joined] = ()
         #: The most lanes shown (the screen sets it from its height).
         self.lanes = 4
-        self.display = False
 
     def set_data(self, joined: Sequence[Joined]) -> None:
         self.joined = joined
-        self.display = bool(joined)
         self._title()
         self.refresh(layout=True)
 
@@ -100,7 +109,7 @@ class ArrivalLanes(Widget):
     def _title(self) -> None:
         cells = self._cells()
         shown = self.joined[-cells:] if cells else ()
-        scale = max((item.last_s for item in shown), default=0.0)
+        scale = lane_scale(shown)
         self.border_title = (
             f"lateness per collective · 0 to {format_seconds_short(scale)} · bold: last "
             "to arrive · c: the table"
