@@ -383,7 +383,7 @@ def _either_straggler(
     by_arrival = arrival_straggler(per_rank, now, times)
     if by_arrival is None:
         return by_time
-    if by_time is None or by_time.rank != by_arrival.rank:
+    if by_time is None or by_arrival.rank is None or by_time.rank != by_arrival.rank:
         return by_arrival
     late = per_rank[by_arrival.rank]
     check = replace(
