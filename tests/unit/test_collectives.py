@@ -511,3 +511,26 @@ def test_the_join_kept_between_evaluations_equals_the_whole_join() -> None:
     # Other nodes: joined within each.
     nodes = {0: "a", 1: "a", 2: "b", 3: "b"}
     assert cache.update(seen, nodes) == join(seen, nodes)
+
+
+def test_where_both_rules_name_the_same_rank_one_finding_carries_both() -> None:
+    from tests.unit.test_ranks_model import T0, hello, steps
+    from torchtop.model.job import JobModel
+    from torchtop.model.run import RunModel
+
+    # Rank 2 waits 30 ms more for data (the rule on the time outside backward names it) and
+    # arrives last at the collectives of the real 4-rank rings.
+    run = RunModel(new_job=lambda: JobModel(mode="replay"))
+    for rank, ring in rings("slow4").items():
+        run.apply(str(rank), hello(rank))
+        run.apply(str(rank), CollectivesSeen(t=T0 + 0.1, entries=ring))
+    fast, slow = (0.040, 0.001, 0.032), (0.040, 0.031, 0.002)
+    for i in range(1, 17):
+        for rank in range(4):
+            step, wait, backward = slow if rank == 2 else fast
+            run.apply(str(rank), steps(T0 + i * 0.5, 10 * i, 10, step, wait, backward))
+    (finding,) = [f for f in run.advisor.findings if f.name == "straggler"]
+    assert finding.rank == 2 and finding.evidence["cause"] == "data"
+    assert finding.evidence["arrivals"]["source"] == "arrivals"
+    assert finding.evidence["arrivals"]["cause"] == "data"
+    assert "; it arrives last at 98% of 125 collectives" in finding.summary
