@@ -19,6 +19,14 @@ has held :data:`STRAGGLER_HOLD_S`. The gap is then attributed: the culprit's ext
 its extra time outside backward and data (forward, optimizer, the rest), each as a share of the
 gap; a share of :data:`CAUSE_COVERAGE` names the cause.
 
+**Stragglers from arrivals.** Where the ranks' agents send the collectives their flight
+recorders saw, the rank the others wait for at them is named from its arrivals
+(:func:`torchtop.model.collectives.straggler`: a clear margin over the other ranks' spread,
+over the run's latest :data:`RULE_COLLECTIVES` joined collectives), with its cause from the
+step figures (:func:`arrival_cause`); where both rules name the same rank, one finding carries
+both evidences. The run's waiting for the last rank (:func:`~torchtop.model.collectives.waiting`)
+is kept for the report and the exporter.
+
 **Hangs.** When no rank has finished a step (or taken a batch) for
 ``hang_threshold(median step)`` seconds (:data:`~torchtop.protocol.HANG_STEPS` median
 steps, at least the agents' ``hang_after_s``: 30 s by default), the run is stuck. Each stuck
@@ -183,21 +191,9 @@ def straggler(times: Sequence[RankTimes], now: float) -> Verdict | None:
     )
     if cause == "data":
         summary += f"; its data wait is {_ms(excess['data'])} longer"
-        fix = (
-            f"Make rank {r}'s batches as quick as the others': its DataLoader waits longer "
-            "(more workers, a faster shard or storage on its node, the same per-rank work)."
-        )
     elif cause == "compute":
         summary += f"; its work outside backward is {_ms(excess['compute'])} longer"
-        fix = (
-            f"Find the extra work on rank {r} outside backward: its forward, logging or "
-            "evaluation run only there, uneven inputs, or a slower or busier device or host."
-        )
-    else:
-        fix = (
-            f"Rank {r} arrives late at the all-reduce for a reason its data wait and forward "
-            "do not show: look at its host (CPU contention, throttling) and its collectives."
-        )
+    fix = _straggler_fix(r, cause)
     start = now - RECENT_WINDOW_S
     return _verdict(
         name="straggler",
@@ -304,13 +300,14 @@ _ARRIVAL_CAUSE = {
 }
 
 
-def _arrival_fix(rank: int, cause: str) -> str:
+def _straggler_fix(rank: int, cause: str) -> str:
+    """What to do about a straggler, by its cause (either rule's)."""
     if cause == "data":
         return (
             f"Make rank {rank}'s batches as quick as the others': its DataLoader waits longer "
             "(more workers, a faster shard or storage on its node, the same per-rank work)."
         )
-    if cause == "forward":
+    if cause in ("forward", "compute"):
         return (
             f"Find the extra work on rank {rank} outside backward: its forward, logging or "
             "evaluation run only there, uneven inputs, or a slower or busier device or host."
@@ -324,6 +321,11 @@ def _arrival_fix(rank: int, cause: str) -> str:
         return (
             f"Rank {rank} is slow inside its backward before the gradients are all-reduced: "
             "look at hooks on its gradients or activations, uneven inputs, or its device."
+        )
+    if cause == "unattributed":
+        return (
+            f"Rank {rank} arrives late at the all-reduce for a reason its data wait and forward "
+            "do not show: look at its host (CPU contention, throttling) and its collectives."
         )
     return (
         f"Rank {rank} enqueues its collectives last: find what it does before them that the "
@@ -370,7 +372,7 @@ def arrival_straggler(
         },
         summary=summary,
         window=(now - RECENT_WINDOW_S, now),
-        fix=_arrival_fix(late.rank, cause),
+        fix=_straggler_fix(late.rank, cause),
     )
 
 
