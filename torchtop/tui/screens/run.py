@@ -419,7 +419,9 @@ class RunScreen(Screen[None]):
         """Where the chart and the lanes take turns: show the other."""
         self._lanes_first = not self._lanes_first
         self._place_lanes()
-        if self.size.height < LANES_HEIGHT:
+        if not self.query_one(ArrivalLanes).joined:
+            self.app.notify("no collectives joined yet: no lanes to show", timeout=3)
+        elif self.size.height < LANES_HEIGHT:
             shown = "lanes of arrivals" if self._lanes_first else "step time chart"
             self.app.notify(f"{shown} shown (v swaps)", timeout=3)
 
