@@ -62,13 +62,14 @@ def render_lanes(joined: Sequence[Joined], ranks: Sequence[int], width: int) -> 
     shown = list(joined[-cells:]) if cells else []
     scale = lane_scale(shown)
     top = len(LANE_MARKS) - 1
+    arrivals = [dict(item.late_s) for item in shown]
     for i, rank in enumerate(ranks):
         if i:
             text.append("\n")
         text.append(f"{'r' + str(rank):>{LABEL_WIDTH - 1}}", "bold")
         text.append("│", "dim")
-        for item in shown:
-            late = dict(item.late_s).get(rank)
+        for item, by_rank in zip(shown, arrivals, strict=True):
+            late = by_rank.get(rank)
             if late is None:
                 text.append(" ")
                 continue
@@ -115,14 +116,19 @@ class ArrivalLanes(Widget):
             "to arrive · c: the table"
         )
 
+    def _ranks(self) -> tuple[list[int], int]:
+        """The ranks with a lane: those last most often among the collectives shown."""
+        cells = self._cells()
+        return lane_ranks(self.joined[-cells:] if cells else (), self.lanes)
+
     def get_content_height(self, container: object, viewport: object, width: int) -> int:
-        ranks, left_out = lane_ranks(self.joined, self.lanes)
+        ranks, left_out = self._ranks()
         return max(1, len(ranks) + (1 if left_out else 0))
 
     def render(self) -> Text:
         if not self.joined:
             return Text("no collectives joined yet", "dim")
-        ranks, left_out = lane_ranks(self.joined, self.lanes)
+        ranks, left_out = self._ranks()
         text, _ = render_lanes(self.joined, ranks, self.content_region.width)
         if left_out:
             text.append(f"\n{'':>{LABEL_WIDTH - 1}} {left_out} more ranks: c shows them", "dim")
