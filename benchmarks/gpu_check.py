@@ -646,6 +646,23 @@ def group_ops(s: Session) -> list[Check]:
     ]
 
 
+def group_collectives(s: Session) -> list[Check]:
+    """A one-rank NCCL process group under ``torchtop run``: the agent reads its flight
+    recorder live; its frames are held against the job's own dump of the ring."""
+    record, out = s.work / "collectives.ttr", s.work / "collectives.json"
+    env = {"TORCH_NCCL_ENABLE_TIMING": "1"}
+    step = s.torchtop("collectives", record, [str(JOBS), "collectives", str(out), "nccl"], 90, env)
+    truth = load_json(out)
+    frames = load_frames(record)
+    if truth is None:
+        return [failed("collectives: job", step)]
+    s.keep(
+        "fr_trace_nccl_h200.json",
+        {"ring": truth["ring"], "collectives_frames": cmp.of_kind(frames, "collectives")},
+    )
+    return cmp.collectives_checks(frames, truth)
+
+
 def group_demos(s: Session) -> list[Check]:
     def one(name: str) -> Check:
         if s.left() < 20:
@@ -699,6 +716,7 @@ GROUPS: list[tuple[str, Callable[[Session], list[Check]], float]] = [
     ("CPU job", group_cpu_job, 25),
     ("out of memory", group_oom, 40),
     ("op windows", group_ops, 25),
+    ("collectives", group_collectives, 20),
     ("cost", group_cost, 50),
     ("demos", group_demos, 40),
 ]

@@ -1037,6 +1037,97 @@ def history_cost(plain: Sequence[float], history: Sequence[float]) -> Check:
 
 
 # --------------------------------------------------------------------------------------------
+# collectives: the flight recorder's ring as the agent sent it, against the job's own dump
+# --------------------------------------------------------------------------------------------
+
+
+def ring_entries(ring: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The job's own dump read independently of the agent's parser: each collective's group,
+    sequence id, op, sizes and times, in record order."""
+    out = []
+    for entry in sorted(ring.get("entries") or [], key=lambda e: e.get("record_id", 0)):
+        if entry.get("is_p2p"):
+            continue
+        group = entry.get("process_group") or [str(entry.get("pg_id", ""))]
+        out.append(
+            {
+                "pg": str(group[0]),
+                "seq": entry.get("collective_seq_id"),
+                "op": str(entry.get("profiling_name", "")).rsplit(":", 1)[-1],
+                "sizes": entry.get("input_sizes"),
+                "enqueued_ns": entry.get("time_created_ns") or 0,
+                "started_ns": entry.get("time_discovered_started_ns") or 0,
+                "completed_ns": entry.get("time_discovered_completed_ns") or 0,
+            }
+        )
+    return out
+
+
+def sent_collectives(frames: Iterable[Frame]) -> list[Mapping[str, Any]]:
+    """Every collective the agent sent (``collectives`` frames), the latest sending of each
+    (pg, seq) kept: an entry is sent again once NCCL marks its completion."""
+    latest: dict[tuple[str, int], Mapping[str, Any]] = {}
+    for frame in of_kind(frames, "collectives"):
+        for entry in frame.get("entries") or []:
+            latest[(str(entry.get("pg")), int(entry.get("seq") or 0))] = entry
+    return [latest[key] for key in sorted(latest, key=lambda k: (k[0], k[1]))]
+
+
+def collectives_checks(frames: Sequence[Frame], truth: Mapping[str, Any] | None) -> list[Check]:
+    """A single-rank process group's collectives: the agent sent each one the job enqueued, in
+    order, with its op and sizes (its ring read live); they equal the job's own dump of the
+    ring; and on NCCL each has its start and completion (the common reference across nodes
+    that gloo lacks)."""
+    names = (
+        "collectives: agent read the ring",
+        "collectives: equal to the job's dump",
+        "collectives: start and completion",
+    )
+    if not truth:
+        return [check(name, "the job's list", "no result from the job", False) for name in names]
+    enqueued = list(truth.get("enqueued") or [])
+    sent = [e for e in sent_collectives(frames) if str(e.get("pg")) == "0"]
+    expected = f"seq 1..{len(enqueued)} on group 0, ops and sizes as enqueued"
+    got = [(e.get("seq"), e.get("op"), e.get("sizes")) for e in sent]
+    want = [(i + 1, c["op"], c["sizes"]) for i, c in enumerate(enqueued)]
+    wrong = sum(a != b for a, b in zip(got, want, strict=False)) + abs(len(got) - len(want))
+    rows = [check(names[0], expected, f"{len(got)} sent, {wrong} differ", wrong == 0 and bool(got))]
+    own = [e for e in ring_entries(truth.get("ring") or {}) if e["pg"] == "0"]
+    keys = ("seq", "op", "sizes", "enqueued_ns")
+    differ = sum(
+        any(a.get(k) != b.get(k) for k in keys) for a, b in zip(sent, own, strict=False)
+    ) + abs(len(sent) - len(own))
+    rows.append(
+        check(
+            names[1],
+            f"the same {', '.join(keys)} ({truth.get('dumper')})",
+            f"{len(own)} in the job's dump, {differ} differ",
+            differ == 0 and bool(own),
+        )
+    )
+    if truth.get("backend") != "nccl":
+        rows.append(
+            check(names[2], "every entry", f"skipped: {truth.get('backend')} records none", None)
+        )
+        return rows
+    timed = [
+        e
+        for e in sent
+        if 0 < e.get("enqueued_ns", 0) <= e.get("started_ns", 0) <= e.get("completed_ns", 0)
+    ]
+    completed = sum(1 for e in sent if e.get("completed_ns", 0) > 0)
+    rows.append(
+        check(
+            names[2],
+            "every entry: enqueued <= started <= completed (TORCH_NCCL_ENABLE_TIMING=1)",
+            f"{len(timed)} of {len(sent)} in order; {completed} with a completion",
+            bool(sent) and len(timed) == len(sent),
+        )
+    )
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
 # the table
 # --------------------------------------------------------------------------------------------
 

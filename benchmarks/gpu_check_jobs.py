@@ -831,6 +831,64 @@ def job_history(out: str, arm: str) -> None:
     _write(out, {"arm": arm, "per_alloc_s": statistics.median(medians)})
 
 
+# --------------------------------------------------------------------------------------------
+# collectives
+# --------------------------------------------------------------------------------------------
+
+#: All-reduces the collectives job enqueues (then one broadcast), and their lengths in turn.
+NCCL_ALL_REDUCES = 12
+NCCL_LENGTHS = (1024, 4096, 65536)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def job_collectives(out: str, backend: str = "nccl") -> None:
+    """A process group of one rank (``nccl`` on the GPU; ``gloo`` on the CPU for the tests):
+    :data:`NCCL_ALL_REDUCES` all-reduces of known lengths and one broadcast, then long enough
+    for the agent's reader (once a second) to read them. It writes what it enqueued and its
+    own dump of the flight recorder's ring (the NCCL dump where torch has it)."""
+    import torch
+    import torch.distributed as dist
+    from torch._C import _distributed_c10d as c10d
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    dist.init_process_group(backend, rank=0, world_size=1)
+    enqueued = []
+    for i in range(NCCL_ALL_REDUCES):
+        length = NCCL_LENGTHS[i % len(NCCL_LENGTHS)]
+        dist.all_reduce(torch.ones(length, device=device))
+        enqueued.append({"op": "all_reduce", "sizes": [[length]]})
+    dist.broadcast(torch.ones(8, device=device), 0)
+    enqueued.append({"op": "broadcast", "sizes": [[8]]})
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    time.sleep(3.0)  # NCCL's watchdog marks the completions; the agent reads once a second
+    name = "_dump_nccl_trace_json" if hasattr(c10d, "_dump_nccl_trace_json") else None
+    name = name or "_dump_fr_trace_json"
+    ring = json.loads(bytes(getattr(c10d, name)(True, False)))
+    _write(
+        out,
+        {
+            "backend": backend,
+            "enqueued": enqueued,
+            "dumper": name,
+            "ring": ring,
+            "buffer": os.environ.get("TORCH_FR_BUFFER_SIZE"),
+            "timing": os.environ.get("TORCH_NCCL_ENABLE_TIMING"),
+            "torch": torch.__version__,
+        },
+    )
+    dist.destroy_process_group()
+
+
 JOBS = {
     "allocator": lambda a: job_allocator(a[0]),
     "cpu": lambda a: job_cpu(a[0], *(float(v) for v in a[1:])),
@@ -846,6 +904,7 @@ JOBS = {
     "ops": lambda a: job_ops(a[0], *a[1:]),
     "overhead": lambda a: job_overhead(a[0], *a[1:]),
     "history": lambda a: job_history(a[0], a[1]),
+    "collectives": lambda a: job_collectives(a[0], *a[1:]),
 }
 
 

@@ -21,6 +21,13 @@ ratios come from one invocation on one machine state.
     python -m benchmarks.rank_overhead                 # 2 ranks, both launchers, ~6 minutes
     python -m benchmarks.rank_overhead --quick         # a smoke run
     python -m benchmarks.rank_overhead --ranks 2 --model tiny-ops --rounds 60
+    python -m benchmarks.rank_overhead --launcher torchrun --recorder both
+
+``--recorder both`` runs the torchrun ranks twice, side by side: torch's flight recorder off
+(``TORCH_FR_BUFFER_SIZE=0``: nothing recorded, nothing read) and on at the size ``torchtop run``
+sets (each rank's agent reads its ring once a second in the "on" blocks). The step time of the
+"off" blocks of each is torch's own cost of recording; the ratios, the agent's with and without
+its reader.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from benchmarks.agent_overhead import (
     summarize,
 )
 from torchtop.agent import core
+from torchtop.agent.collectives import BUFFER_ENV
 from torchtop.agent.rank_start import job_environment, rank_environment
 
 REPO = Path(__file__).resolve().parent.parent
@@ -145,6 +153,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="length of a block (default 1.0)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--launcher", choices=("torchrun", "spawn", "both"), default="both")
+    parser.add_argument(
+        "--recorder",
+        choices=("on", "off", "both"),
+        default="on",
+        help="torch's flight recorder in the torchrun ranks (both: off, then on)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON at the end")
     parser.add_argument("--worker", choices=("rank", "single", "spawn"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -162,7 +176,16 @@ def main() -> None:
         return
     common = ["--model", args.model, "--rounds", str(rounds), "--seconds", str(seconds)]
     options = {"linger_s": 0.0, "capture_output": False}
-    launchers = ("torchrun", "spawn") if args.launcher == "both" else (args.launcher,)
+    launchers: tuple[str, ...] = (
+        ("torchrun", "spawn") if args.launcher == "both" else (args.launcher,)
+    )
+    if args.recorder != "on" and "torchrun" in launchers:
+        arms = ("off", "on") if args.recorder == "both" else ("off",)
+        launchers = tuple(
+            name for launcher in launchers
+            for name in ([f"torchrun-fr-{arm}" for arm in arms] if launcher == "torchrun"
+                         else [launcher])
+        )  # fmt: skip
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
         single_out = Path(folder, "single.json")
@@ -173,11 +196,13 @@ def main() -> None:
         for launcher in launchers:
             out = Path(folder, f"{launcher}.json")
             print(f"{args.ranks} ranks (DDP, gloo) by {launcher}, {args.model}:", flush=True)
-            if launcher == "torchrun":
+            if launcher.startswith("torchrun"):
                 target = ["-m", "torch.distributed.run", "--standalone",
                           f"--nproc_per_node={args.ranks}", "-m", "benchmarks.rank_overhead",
                           "--worker", "rank", "--out", str(out), *common]  # fmt: skip
                 env = rank_environment(os.environ, options, target)
+                if launcher.endswith("-fr-off"):
+                    env[BUFFER_ENV] = "0"
             else:
                 target = ["-m", "benchmarks.rank_overhead", "--worker", "spawn", "--ranks",
                           str(args.ranks), "--out", str(out), *common]  # fmt: skip
@@ -192,13 +217,15 @@ def main() -> None:
         ranks = results[launcher]
         for rank, result in enumerate(ranks):
             print(
-                f"  {launcher:8} rank {rank}  {result['ratio']:.4f}"
+                f"  {launcher:16} rank {rank}  {result['ratio']:.4f}"
                 f"  (mean {result['mean_ratio']:.4f})"
             )
         print(
-            f"  {launcher:8} median  {statistics.median(r['ratio'] for r in ranks):.4f}"
+            f"  {launcher:16} median  {statistics.median(r['ratio'] for r in ranks):.4f}"
             f"  (step {statistics.median(r['median_step_off_ms'] for r in ranks):.2f} ms off;"
-            f" single {single['median_step_off_ms']:.2f} ms)"
+            f" single {single['median_step_off_ms']:.2f} ms; agent's threads"
+            f" {100 * statistics.median(r['self_measured_share'] for r in ranks):.2f}% of a"
+            " core in the on blocks)"
         )
     if args.json:
         print(json.dumps(results, indent=2))

@@ -932,3 +932,45 @@ def test_the_clock_starts_before_the_preflight(
     out = capsys.readouterr().out
     assert "these groups did not start: long" in out
     assert "1 passed, 0 failed, 1 skipped" in out
+
+
+@pytest.mark.slow
+def test_the_collectives_rows_on_a_one_rank_group(tmp_path: Path) -> None:
+    """The collectives job under ``torchtop run``, on gloo (the CPU; the check runs it on
+    NCCL): the agent's frames hold every collective the job enqueued, equal to the job's own
+    dump; gloo has no completion, so that row skips. Then each row on damaged data fails."""
+    (tmp_path / "work").mkdir()
+    session = gpu_check.Session(tmp_path / "work")
+    record, out = tmp_path / "c.ttr", tmp_path / "c.json"
+    step = session.torchtop(
+        "collectives", record, [str(gpu_check.JOBS), "collectives", str(out), "gloo"], 120
+    )
+    assert step.rc == 0, step.stderr
+    truth = json.loads(out.read_text())
+    frames = gpu_check.load_frames(record)
+    rows = cmp.collectives_checks(frames, truth)
+    assert statuses(rows) == [cmp.PASS, cmp.PASS, cmp.SKIP], rows
+    assert rows[0].measured == "13 sent, 0 differ"
+    assert truth["buffer"] == "2000"  # torchtop run turned the recorder on
+
+    def edited(change: Any) -> list[dict[str, Any]]:
+        out = []
+        for frame in frames:
+            if frame.get("kind") == "collectives":
+                frame = {**frame, "entries": [change(dict(e)) for e in frame["entries"]]}
+                frame["entries"] = [e for e in frame["entries"] if e is not None]
+            out.append(frame)
+        return out
+
+    missing = edited(lambda e: None if e["seq"] == 5 else e)
+    assert statuses(cmp.collectives_checks(missing, truth))[:2] == [cmp.FAIL, cmp.FAIL]
+    moved = edited(lambda e: {**e, "enqueued_ns": e["enqueued_ns"] + 1})
+    assert statuses(cmp.collectives_checks(moved, truth))[:2] == [cmp.PASS, cmp.FAIL]
+    # On NCCL: every entry needs its start and completion, in order after its enqueue.
+    nccl = {**truth, "backend": "nccl"}
+    timed = edited(
+        lambda e: {**e, "started_ns": e["enqueued_ns"] + 10, "completed_ns": e["enqueued_ns"] + 99}
+    )
+    assert cmp.collectives_checks(timed, nccl)[2].status == cmp.PASS
+    assert cmp.collectives_checks(frames, nccl)[2].status == cmp.FAIL
+    assert statuses(cmp.collectives_checks([], None)) == [cmp.FAIL] * 3

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from tests.conftest import SCRIPTS, report_json
 from torchtop.agent.collectives import DEFAULT_RING
@@ -21,14 +22,16 @@ from torchtop.model.collectives import CollectiveRecord, lateness
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[dict, dict]:
-    """``torchtop run`` on 4 ranks: the report, and each rank's own file."""
+def run(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, nproc: int = 4
+) -> tuple[dict, dict]:
+    """``torchtop run`` on ``nproc`` ranks: the report, and each rank's own file."""
     out, record = tmp_path / "out", tmp_path / "r.ttr"
     out.mkdir()
     job = subprocess.Popen(
         [sys.executable, "-m", "torchtop", "run", "--headless", "--record", str(record),
          "--no-ops", "--hang-after", "2", sys.executable, "-m", "torch.distributed.run",
-         "--standalone", "--nproc_per_node=4", str(SCRIPTS / "collectives_job.py"),
+         "--standalone", f"--nproc_per_node={nproc}", str(SCRIPTS / "collectives_job.py"),
          "--out", str(out), *args],
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -43,7 +46,7 @@ def run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[
             job.kill()
             job.wait()
     assert job.returncode == 0, err
-    ranks = {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)}
+    ranks = {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)}
     return dict(report_json(record)), ranks
 
 
@@ -60,6 +63,9 @@ def test_the_rank_slow_inside_backward_is_named_by_its_arrivals(tmp_path: Path) 
     per_rank = {r["rank"]: r for r in evidence["ranks"]}
     assert per_rank[2]["last_share"] >= 0.9
     assert 0.020 <= per_rank[2]["median_late_s"] <= 0.040
+    # Its data wait, forward and optimizer match the others': the delay is inside backward.
+    assert evidence["cause"] == "backward"
+    assert "the delay is inside its backward" in finding["summary"]
     # Each all-reduce, from what the ranks' readers saw: rank 2 late by 30 +- 10 ms at >= 90%.
     records = {
         r: [
@@ -73,6 +79,10 @@ def test_the_rank_slow_inside_backward_is_named_by_its_arrivals(tmp_path: Path) 
     assert late.joined == 120
     assert sum(0.020 <= s <= 0.040 for s in late.samples) >= 0.9 * late.joined
     assert report["ranks"][2]["collectives"]["last_share"] >= 0.9
+    # The three others spend most of their time waiting for rank 2; the run's share of it.
+    waits = {r["rank"]: r["collectives"]["wait_share"] for r in report["ranks"]}
+    assert waits[2] < 0.2 and all(waits[r] > 0.4 for r in (0, 1, 3))
+    assert 0.3 < report["collectives"]["wait_share"] < 1
     # torchtop run turned the recorder on at its size.
     assert {d["buffer"] for d in ranks.values()} == {str(DEFAULT_RING)}
 
@@ -103,3 +113,31 @@ def test_a_blocked_rank_is_named_never_entered_with_its_stack_and_groups_join_ap
     assert second[0] == [1, 2, 3] == second[1]
     # The user's ring size was kept.
     assert {d["buffer"] for d in ranks.values()} == {"300"}
+
+
+@pytest.mark.parametrize(
+    ("how", "why"),
+    [
+        ({"args": ("--hide-recorder",)}, "this torch has no flight recorder"),
+        ({"env": {"TORCH_FR_BUFFER_SIZE": "0"}}, "turned torch's flight recorder off"),
+    ],
+    ids=["no-recorder", "size-0"],
+)
+def test_without_a_recorder_the_rule_outside_backward_decides_and_one_line_says_why(
+    tmp_path: Path, how: dict[str, Any], why: str
+) -> None:
+    # Rank 1 sleeps 30 ms in its forward: the time outside backward names it.
+    report, ranks = run(
+        tmp_path, "--slow-rank", "1", "--slow-in", "forward", "--steps", "150",
+        *how.get("args", ()), env=how.get("env"), nproc=2,
+    )  # fmt: skip
+    (finding,) = named(report, "straggler")
+    assert finding["rank"] == 1
+    assert "source" not in finding["evidence"] and "arrivals" not in finding["evidence"]
+    assert finding["evidence"]["cause"] == "compute"
+    # No collectives reached the run model, and the rank's agent said why, once.
+    assert all(r["collectives"] is None for r in report["ranks"])
+    assert report["collectives"] is None
+    (line,) = [v for k, v in report["probes_unavailable"].items() if k == "collectives"]
+    assert why in line and "stragglers are told from the time outside backward" in line
+    assert all(d["collectives"] == [] for d in ranks.values())

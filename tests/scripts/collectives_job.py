@@ -6,7 +6,10 @@ Each rank trains ``--steps`` steps of a small model under DDP, reads its recorde
 (``buffer``: the ``TORCH_FR_BUFFER_SIZE`` the rank ran with).
 
 ``--slow-rank R --slow-ms MS``: rank R sleeps MS inside its backward (a hook on an activation's
-gradient), so every rank's backward takes as long and only the arrivals tell them apart.
+gradient), so every rank's backward takes as long and only the arrivals tell them apart; with
+``--slow-in forward`` it sleeps in its forward instead (the time outside backward tells it).
+``--hide-recorder``: the job removes ``_dump_fr_trace_json`` from torch before its process
+group exists, as a torch without the flight recorder would be.
 ``--block-rank R --block-at N``: rank R blocks before its Nth step's backward; after
 ``--hang-s`` seconds every rank writes its file and exits. ``--second-group``: a second process
 group (ranks 0 and 1) all-reduces once per step too.
@@ -48,14 +51,17 @@ def write(out: Path, rank: int, reader: CollectiveReader, stack: str | None) -> 
 
 
 class SlowGrad(nn.Module):
-    """Passes its input on; in backward, sleeps ``ms`` milliseconds on its gradient."""
+    """Passes its input on; in backward (or in forward), sleeps ``ms`` milliseconds."""
 
-    def __init__(self, ms: float) -> None:
+    def __init__(self, ms: float, where: str = "backward") -> None:
         super().__init__()
         self.ms = ms
+        self.where = where
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ms > 0 and x.requires_grad:
+        if self.ms > 0 and self.where == "forward":
+            time.sleep(self.ms / 1000)
+        elif self.ms > 0 and x.requires_grad:
             x.register_hook(lambda g: (time.sleep(self.ms / 1000), g)[1])
         return x
 
@@ -71,17 +77,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-ms", type=float, default=30.0)
+    parser.add_argument("--slow-in", choices=("backward", "forward"), default="backward")
+    parser.add_argument("--hide-recorder", action="store_true")
     parser.add_argument("--block-rank", type=int, default=-1)
     parser.add_argument("--block-at", type=int, default=3)
     parser.add_argument("--hang-s", type=float, default=2.0)
     parser.add_argument("--second-group", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.hide_recorder:
+        del torch._C._distributed_c10d._dump_fr_trace_json
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     second = dist.new_group([0, 1]) if args.second_group else None
     torch.manual_seed(0)
-    slow = SlowGrad(args.slow_ms if rank == args.slow_rank else 0.0)
+    slow = SlowGrad(args.slow_ms if rank == args.slow_rank else 0.0, args.slow_in)
     model = DistributedDataParallel(
         nn.Sequential(nn.Linear(16, 16), slow, nn.ReLU(), nn.Linear(16, 1))
     )

@@ -205,8 +205,18 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         JOB_LABELS,
         "1",
     )
+    wait_share = Family(
+        "torchtop_collective_wait_ratio",
+        "gauge",
+        "Share of this rank's time spent waiting at collectives for the last rank to arrive "
+        "(the run's waiting share is the mean over its ranks).",
+        JOB_LABELS,
+        "1",
+    )
     for snap in figures:
         labels = job_labels(snap)
+        if snap.collective_wait_share is not None:
+            wait_share.points.append(Point(labels, snap.collective_wait_share))
         if snap.collective_late_s is not None:
             lateness.points.append(Point(labels, snap.collective_late_s))
         if snap.collective_last_share is not None:
@@ -257,6 +267,7 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         agent_measured,
         lateness,
         last_share,
+        wait_share,
     ]
 
 

@@ -85,6 +85,8 @@ class JobFigures:
     #: recorder), and the share of them it was last at; ``None`` without a recorder.
     collective_late_s: float | None = None
     collective_last_share: float | None = None
+    #: The share of its time spent waiting for the last rank at the collectives.
+    collective_wait_share: float | None = None
 
 
 def figures_of(
@@ -142,6 +144,7 @@ def figures_of(
         ),
         collective_late_s=late.mean_s if late is not None and late.joined else None,
         collective_last_share=late.last_share if late is not None and late.joined else None,
+        collective_wait_share=late.wait_share if late is not None and late.joined else None,
         findings=tuple(
             (f.name, f.severity)
             for f in [

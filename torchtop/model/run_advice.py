@@ -19,6 +19,14 @@ has held :data:`STRAGGLER_HOLD_S`. The gap is then attributed: the culprit's ext
 its extra time outside backward and data (forward, optimizer, the rest), each as a share of the
 gap; a share of :data:`CAUSE_COVERAGE` names the cause.
 
+**Stragglers from arrivals.** Where the ranks' agents send the collectives their flight
+recorders saw, the rank the others wait for at them is named from its arrivals
+(:func:`torchtop.model.collectives.straggler`: a clear margin over the other ranks' spread,
+over the run's latest :data:`RULE_COLLECTIVES` joined collectives), with its cause from the
+step figures (:func:`arrival_cause`); where both rules name the same rank, one finding carries
+both evidences. The run's waiting for the last rank (:func:`~torchtop.model.collectives.waiting`)
+is kept for the report and the exporter.
+
 **Hangs.** When no rank has finished a step (or taken a batch) for
 ``hang_threshold(median step)`` seconds (:data:`~torchtop.protocol.HANG_STEPS` median
 steps, at least the agents' ``hang_after_s``: 30 s by default), the run is stuck. Each stuck
@@ -40,7 +48,18 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from torchtop.model.advice import MAX_CLEARED, SEVERITY_ORDER, Check, Finding, Severity
-from torchtop.model.collectives import CollectiveRecord, Lateness, hang_triage, lateness
+from torchtop.model.collectives import (
+    ArrivalStraggler,
+    CollectiveRecord,
+    JoinCache,
+    Joined,
+    Lateness,
+    RunWaiting,
+    hang_triage,
+    join,
+    lateness_of,
+    waiting,
+)
 from torchtop.model.collectives import straggler as last_to_arrive
 from torchtop.model.training import MIN_RECENT_STEPS, RECENT_WINDOW_S
 from torchtop.protocol import HANG_AFTER_S, StackFrame, StackSampled, hang_threshold
@@ -61,6 +80,9 @@ CAUSE_COVERAGE = 0.8
 COLLECTIVE_PATHS = ("/torch/distributed/", "/torch/autograd/", "/torch/_tensor.py")
 #: Rules with a finding per rank they name (the others have one per run).
 PER_RANK = frozenset({"straggler", "rank_died"})
+#: The run's latest collectives the arrivals rule, the exported lateness and the waiting read
+#: (a straggler that stopped being one clears; about 15 s of a DDP job's all-reduces).
+RULE_COLLECTIVES = 1000
 #: Frames of the standard library and installed packages: the job's own line is the innermost
 #: frame outside these.
 LIBRARY_PATHS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen")
@@ -79,6 +101,8 @@ class RankTimes:
     backward_s: float
     #: Everything else: forward, optimizer, first batches, the rest of the loop.
     own_s: float
+    #: Inside ``optimizer.step()`` (part of ``own_s``).
+    optimizer_s: float = 0.0
 
     def json(self) -> dict[str, Any]:
         return {
@@ -88,6 +112,7 @@ class RankTimes:
             "wait_s": round(self.wait_s, 6),
             "backward_s": round(self.backward_s, 6),
             "own_s": round(self.own_s, 6),
+            "optimizer_s": round(self.optimizer_s, 6),
         }
 
 
@@ -102,7 +127,8 @@ def rank_times(job: JobModel) -> RankTimes | None:
         return None
     n = recent.steps
     step, wait, backward = recent.time_s / n, recent.wait_s / n, recent.backward_s / n
-    return RankTimes(hello.rank, n, step, wait, backward, max(0.0, step - wait - backward))
+    own = max(0.0, step - wait - backward)
+    return RankTimes(hello.rank, n, step, wait, backward, own, min(own, recent.optimizer_s / n))
 
 
 @dataclass(frozen=True)
@@ -165,21 +191,9 @@ def straggler(times: Sequence[RankTimes], now: float) -> Verdict | None:
     )
     if cause == "data":
         summary += f"; its data wait is {_ms(excess['data'])} longer"
-        fix = (
-            f"Make rank {r}'s batches as quick as the others': its DataLoader waits longer "
-            "(more workers, a faster shard or storage on its node, the same per-rank work)."
-        )
     elif cause == "compute":
         summary += f"; its work outside backward is {_ms(excess['compute'])} longer"
-        fix = (
-            f"Find the extra work on rank {r} outside backward: its forward, logging or "
-            "evaluation run only there, uneven inputs, or a slower or busier device or host."
-        )
-    else:
-        fix = (
-            f"Rank {r} arrives late at the all-reduce for a reason its data wait and forward "
-            "do not show: look at its host (CPU contention, throttling) and its collectives."
-        )
+    fix = _straggler_fix(r, cause)
     start = now - RECENT_WINDOW_S
     return _verdict(
         name="straggler",
@@ -209,37 +223,138 @@ def _collectives(jobs: Sequence[JobModel]) -> dict[int, list[CollectiveRecord]]:
     }
 
 
+def collective_join(jobs: Sequence[JobModel], cache: JoinCache | None = None) -> list[Joined]:
+    """The collectives the ranks of each node all recorded, oldest first (empty where fewer
+    than two ranks sent collectives); with ``cache``, only what arrived since its last use is
+    joined."""
+    records = _collectives(jobs)
+    if len(records) < 2:
+        return []
+    nodes = {j.hello.rank: j.hello.hostname for j in jobs if j.hello and j.hello.rank is not None}
+    return cache.update(records, nodes) if cache is not None else join(records, nodes)
+
+
 def collective_lateness(jobs: Sequence[JobModel]) -> dict[int, Lateness]:
     """Each rank's lateness at the collectives the ranks of its node all recorded (empty
     where fewer than two ranks sent collectives)."""
-    records = _collectives(jobs)
-    if len(records) < 2:
-        return {}
-    nodes = {j.hello.rank: j.hello.hostname for j in jobs if j.hello and j.hello.rank is not None}
-    return lateness(records, nodes)
+    return lateness_of(collective_join(jobs))
 
 
 def lateness_json(late: Lateness) -> dict[str, Any]:
+    share = late.wait_share
     return {
         "rank": late.rank,
         "joined": late.joined,
         "last_share": round(late.last_share, 3),
         "mean_late_s": round(late.mean_s, 6),
         "median_late_s": round(late.median_s, 6),
+        "median_margin_s": round(late.margin_s, 6),
+        "waited_s": round(late.waited_s, 6),
+        "wait_share": round(share, 4) if share is not None else None,
     }
 
 
-def arrival_straggler(per_rank: dict[int, Lateness], now: float) -> Verdict | None:
-    """The rank last at most collectives, from the flight recorder's enqueue times (each
-    compared only with the ranks of its node: they share a clock). None where no rank sent
-    collectives: the rule on the time outside backward decides then."""
-    late = last_to_arrive(per_rank)
-    if late is None:
-        return None
-    summary = (
-        f"rank {late.rank} arrives last at {100 * late.last_share:.0f}% of "
-        f"{late.joined} collectives, {_ms(late.median_s)} after the first rank (median)"
+def _median_of(values: Iterable[float]) -> float:
+    listed = list(values)
+    return statistics.median(listed) if listed else 0.0
+
+
+def arrival_cause(
+    found: ArrivalStraggler, times: Sequence[RankTimes]
+) -> tuple[str, dict[str, float], dict[str, float]]:
+    """What the straggler does longer than the others in the time since its previous
+    collective, from the per-rank step figures: ``data`` (its data wait), ``forward`` (its
+    time outside backward, data and the optimizer: forward and the rest of the loop),
+    ``optimizer``; each excess over the other ranks' median as a share of its lateness. One
+    that explains :data:`CAUSE_COVERAGE` of it is the cause; where together they explain
+    less than the rest, the delay is inside its ``backward`` before the collective (DDP
+    enqueues its all-reduces there); ``unattributed`` otherwise, and ``unknown`` without the
+    step figures (no steps timed, or no backward measured)."""
+    own = next((t for t in times if t.rank == found.rank), None)
+    others = [t for t in times if t.rank != found.rank]
+    if own is None or not others or found.late.margin_s <= 0:
+        return "unknown", {}, {}
+
+    def forward(t: RankTimes) -> float:
+        return max(0.0, t.own_s - t.optimizer_s)
+
+    excess = {
+        "data": own.wait_s - _median_of(t.wait_s for t in others),
+        "forward": forward(own) - _median_of(forward(t) for t in others),
+        "optimizer": own.optimizer_s - _median_of(t.optimizer_s for t in others),
+    }
+    late = found.late.margin_s
+    coverage = {k: round(min(1.0, max(0.0, v) / late), 3) for k, v in excess.items()}
+    cause = max(coverage, key=lambda k: coverage[k])
+    if coverage[cause] < CAUSE_COVERAGE:
+        cause = "backward" if sum(coverage.values()) < 1 - CAUSE_COVERAGE else "unattributed"
+    return cause, {k: round(v, 6) for k, v in excess.items()}, coverage
+
+
+_ARRIVAL_CAUSE = {
+    "data": "its data wait is longer",
+    "forward": "its forward (and the rest of its loop outside backward) is longer",
+    "optimizer": "its optimizer step is longer",
+    "backward": "its data wait, forward and optimizer match the others': the delay is inside "
+    "its backward, before the collective",
+}
+
+
+def _straggler_fix(rank: int, cause: str) -> str:
+    """What to do about a straggler, by its cause (either rule's)."""
+    if cause == "data":
+        return (
+            f"Make rank {rank}'s batches as quick as the others': its DataLoader waits longer "
+            "(more workers, a faster shard or storage on its node, the same per-rank work)."
+        )
+    if cause in ("forward", "compute"):
+        return (
+            f"Find the extra work on rank {rank} outside backward: its forward, logging or "
+            "evaluation run only there, uneven inputs, or a slower or busier device or host."
+        )
+    if cause == "optimizer":
+        return (
+            f"Rank {rank}'s optimizer step takes longer than the others': look for work done "
+            "there only (an extra parameter group, clipping or logging on that rank)."
+        )
+    if cause == "backward":
+        return (
+            f"Rank {rank} is slow inside its backward before the gradients are all-reduced: "
+            "look at hooks on its gradients or activations, uneven inputs, or its device."
+        )
+    if cause == "unattributed":
+        return (
+            f"Rank {rank} arrives late at the all-reduce for a reason its data wait and forward "
+            "do not show: look at its host (CPU contention, throttling) and its collectives."
+        )
+    return (
+        f"Rank {rank} enqueues its collectives last: find what it does before them that the "
+        "others do not (its data, its forward, hooks or logging in its backward, a busier host)."
     )
+
+
+def _arrives_last(late: Lateness) -> str:
+    return (
+        f"arrives last at {100 * late.last_share:.0f}% of {late.joined} collectives, "
+        f"{_ms(late.margin_s)} after the others (median)"
+    )
+
+
+def arrival_straggler(
+    per_rank: dict[int, Lateness], now: float, times: Sequence[RankTimes] = ()
+) -> Verdict | None:
+    """The rank last at most collectives, from the flight recorder's enqueue times (each
+    compared only with the ranks of its node: they share a clock), with its cause where the
+    step figures tell it. None where no rank sent collectives or the margin is not clear:
+    the rule on the time outside backward decides then."""
+    found = last_to_arrive(per_rank)
+    if found is None:
+        return None
+    late = found.late
+    cause, excess, coverage = arrival_cause(found, times)
+    summary = f"rank {late.rank} {_arrives_last(late)} (the others' spread {_ms(found.spread_s)})"
+    if cause in _ARRIVAL_CAUSE:
+        summary += f"; {_ARRIVAL_CAUSE[cause]}"
     return _verdict(
         name="straggler",
         rank=late.rank,
@@ -248,15 +363,16 @@ def arrival_straggler(per_rank: dict[int, Lateness], now: float) -> Verdict | No
         evidence={
             "source": "arrivals",
             "clock": "enqueue times compared within each node",
+            "median_margin_s": round(late.margin_s, 6),
+            "spread_s": round(found.spread_s, 6),
+            "cause": cause,
+            "excess_s": excess,
+            "coverage": coverage,
             "ranks": [lateness_json(r) for r in sorted(per_rank.values(), key=lambda r: r.rank)],
         },
         summary=summary,
         window=(now - RECENT_WINDOW_S, now),
-        fix=(
-            f"Rank {late.rank} enqueues its collectives last: find what it does before them "
-            "that the others do not (its data, its forward, hooks or logging in its backward, "
-            "a busier host)."
-        ),
+        fix=_straggler_fix(late.rank, cause),
     )
 
 
@@ -266,15 +382,16 @@ def _either_straggler(
     """The arrivals' straggler where the ranks sent collectives, else the rule on the time
     outside backward; where both name the same rank, one finding with both evidences."""
     by_time = straggler(times, now)
-    by_arrival = arrival_straggler(per_rank, now)
+    by_arrival = arrival_straggler(per_rank, now, times)
     if by_arrival is None:
         return by_time
-    if by_time is None or by_time.rank != by_arrival.rank:
+    if by_time is None or by_arrival.rank is None or by_time.rank != by_arrival.rank:
         return by_arrival
+    late = per_rank[by_arrival.rank]
     check = replace(
         by_time.check,
         evidence={**by_time.check.evidence, "arrivals": by_arrival.check.evidence},
-        summary=f"{by_time.check.summary}; {by_arrival.check.summary}",
+        summary=f"{by_time.check.summary}; it {_arrives_last(late)}",
     )
     return replace(by_time, check=check)
 
@@ -536,6 +653,10 @@ class RankAdvisor:
     last_eval: float | None = None
     #: Each rank's arrivals at the collectives, by (run id, rank), as of the last evaluation.
     lateness: dict[tuple[str | None, int], Lateness] = field(default_factory=dict)
+    #: Each run's joined collectives (oldest first) and its waiting, as of the last evaluation.
+    joined: dict[str | None, list[Joined]] = field(default_factory=dict)
+    waiting: dict[str | None, RunWaiting] = field(default_factory=dict)
+    _joins: dict[str | None, JoinCache] = field(default_factory=dict)
     _since: dict[_Key, float] = field(default_factory=dict)
     _shown: dict[_Key, Finding] = field(default_factory=dict)
 
@@ -560,9 +681,14 @@ class RankAdvisor:
         verdicts: list[Verdict] = []
         for run_id, ranks in runs(jobs).items():
             times = [t for t in map(rank_times, ranks) if t is not None]
-            per_rank = collective_lateness(ranks)
+            joined = collective_join(ranks, self._joins.setdefault(run_id, JoinCache()))
+            per_rank = lateness_of(joined[-RULE_COLLECTIVES:])
             for late in per_rank.values():
                 self.lateness[(run_id, late.rank)] = late
+            self.joined[run_id] = joined
+            waited = waiting(per_rank)
+            if waited is not None:
+                self.waiting[run_id] = waited
             found = [_either_straggler(per_rank, times, now), hang(ranks, now)]
             found.extend(dead_ranks(ranks, now, self.launcher_exits))
             verdicts.extend(replace(v, run_id=run_id) for v in found if v is not None)

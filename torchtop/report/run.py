@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchtop.model import JobModel
+from torchtop.model.collectives import waiting
 from torchtop.model.run import RunModel
 from torchtop.model.run_advice import (
     collective_lateness,
@@ -130,6 +131,8 @@ def summarize_ranks(messages: Sequence[Message], sources: Sequence[str | None]) 
     for row in report["ranks"]:
         found = late.get(row["rank"])
         row["collectives"] = lateness_json(found) if found is not None else None
+    waited = waiting(late)
+    report["collectives"] = waited.json() if waited is not None else None
     start = ranks[0].first_t if ranks else None
     ranked = []
     for finding in run.advisor.all_findings:
@@ -145,6 +148,7 @@ def ranks_parts(report: dict[str, Any]) -> list[Any]:
     if not report.get("ranks"):
         return []
     from rich.table import Table
+    from rich.text import Text
 
     from torchtop.sizes import format_bytes
 
@@ -157,12 +161,15 @@ def ranks_parts(report: dict[str, Any]) -> list[Any]:
         "data wait",
         "peak alloc",
         "peak RSS",
+        "waits",
         "exit",
     ):
         table.add_column(col, justify="left" if col == "exit" else "right")
     for r in report["ranks"]:
         step = r["step_time_s"]
         wait = r["wait_fraction"]
+        # The share of its time it waited at collectives for the last rank.
+        waits = (r.get("collectives") or {}).get("wait_share")
         add_text_row(
             table,
             str(r["rank"] if r["rank"] is not None else "?"),
@@ -172,6 +179,17 @@ def ranks_parts(report: dict[str, Any]) -> list[Any]:
             f"{wait:.0%}" if wait is not None else "n/a",
             format_bytes(r["peak_allocated_bytes"]),
             format_bytes(r["peak_rss_bytes"]),
+            f"{waits:.0%}" if waits is not None else "n/a",
             str(r["exit_code"]) if r["exit_code"] is not None else r["exit_reason"],
         )
-    return [table]
+    parts: list[Any] = [table]
+    waited = report.get("collectives")
+    if waited and waited.get("wait_share") is not None:
+        parts.append(
+            Text(
+                f"collectives: {waited['joined']} joined; the ranks waited "
+                f"{waited['waited_s']:.2f} s in all for the last rank to arrive "
+                f"({waited['wait_share']:.1%} of their time)"
+            )
+        )
+    return parts

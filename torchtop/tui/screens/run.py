@@ -4,7 +4,9 @@ One table of ranks (step, recent step time, steps/s, data wait, time in backward
 seen, state, and a trend: the last steps' times as bars on one scale for every rank; a node
 column once ranks of more than one node are shown, ``torchtop attach --node``), the run's
 findings (straggler, hang, dead ranks: :mod:`torchtop.model.run_advice`), a chart of each rank's
-step time over the last minute (:class:`RankStepChart`) and the job's output, each rank's lines
+step time over the last minute (:class:`RankStepChart`), a lane per rank with its lateness at
+each collective (:class:`~torchtop.tui.widgets.collectives.ArrivalLanes`; ``c`` opens the table
+of the collectives) and the job's output, each rank's lines
 behind its rank's prefix (``[rank2]:``, as ``torchrun --tee`` shows them). It reads the
 :class:`~torchtop.model.run.RunModel` that :class:`~torchtop.streams.runs.RunFold` folds, four
 times a second, and redraws only when something arrived. ``enter`` on a rank's row opens that rank's
@@ -34,8 +36,10 @@ from torchtop.sizes import format_bytes
 from torchtop.text import printable
 from torchtop.tui.format import format_seconds_short, format_span
 from torchtop.tui.heap import SettledHeap
+from torchtop.tui.screens.collectives import CollectivesScreen
 from torchtop.tui.screens.job import JobScreen
 from torchtop.tui.widgets.chart import AXIS_WIDTH, ChartSeries, render_chart
+from torchtop.tui.widgets.collectives import ArrivalLanes
 from torchtop.tui.widgets.steps import series_top
 
 if TYPE_CHECKING:
@@ -63,6 +67,10 @@ CHART_WINDOW_S = 60.0
 CHART_MAX_ROWS = 4
 #: The share of the screen's height the chart takes at most (the table and log keep the rest).
 CHART_SHARE = 0.35
+#: ... and the lanes of the ranks' arrivals at the collectives. Below LANES_HEIGHT rows the
+#: chart and the lanes take turns in one place (``v``), the chart first.
+LANES_SHARE = 0.25
+LANES_HEIGHT = 40
 
 
 def rank_style(rank: int) -> str:
@@ -250,6 +258,8 @@ class RunScreen(Screen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("q", "stop", "quit"),
         Binding("enter", "open_rank", "open the rank"),
+        Binding("c", "collectives", "collectives"),
+        Binding("v", "swap_lanes", "lanes/chart"),
         # Textual's own: ctrl+c says how to quit (the job screen's ctrl+c is off here).
         Binding("ctrl+c", "app.help_quit", show=False, system=True),
     ]
@@ -273,6 +283,10 @@ class RunScreen(Screen[None]):
         self._columns: tuple[str, ...] = COLUMNS
         #: Each rank's step count when the chart was last drawn.
         self._charted: tuple[int, ...] = ()
+        #: The run model's evaluation the lanes were drawn from; whether the lanes take the
+        #: chart's place on a short screen.
+        self._laned: float | None = None
+        self._lanes_first = False
         #: The garbage collector set for drawing, while the view runs (:mod:`.heap`).
         self._heap = SettledHeap()
 
@@ -281,6 +295,7 @@ class RunScreen(Screen[None]):
         yield DataTable[Text](id="ranks", cursor_type="row", zebra_stripes=True)
         yield Static("", id="run-findings")
         yield RankStepChart(id="run-chart")
+        yield ArrivalLanes(id="run-lanes")
         yield RichLog(id="run-log", max_lines=2000, wrap=False)
         yield Footer()
 
@@ -378,6 +393,45 @@ class RunScreen(Screen[None]):
             chart = self.query_one(RankStepChart)
             chart.rows = self._chart_rows(len(jobs))
             chart.set_data(list(jobs.values()))
+        self._draw_lanes()
+
+    def _draw_lanes(self) -> None:
+        """The ranks' arrivals at the collectives, when the run model joined them anew."""
+        advisor = self.run_.model.advisor
+        if advisor.last_eval == self._laned:
+            return
+        self._laned = advisor.last_eval
+        joined = [item for one in advisor.joined.values() for item in one]
+        lanes = self.query_one(ArrivalLanes)
+        lanes.lanes = self._lane_rows()
+        lanes.set_data(joined)
+        self._place_lanes()
+
+    def _place_lanes(self) -> None:
+        """The lanes beside the chart where the screen is tall enough, else one of the two
+        (``v`` swaps them); none before a collective was joined."""
+        lanes, chart = self.query_one(ArrivalLanes), self.query_one(RankStepChart)
+        both = self.size.height >= LANES_HEIGHT
+        lanes.display = bool(lanes.joined) and (both or self._lanes_first)
+        chart.display = both or not lanes.display
+
+    def action_swap_lanes(self) -> None:
+        """Where the chart and the lanes take turns: show the other."""
+        self._lanes_first = not self._lanes_first
+        self._place_lanes()
+        if not self.query_one(ArrivalLanes).joined:
+            self.app.notify("no collectives joined yet: no lanes to show", timeout=3)
+        elif self.size.height < LANES_HEIGHT:
+            shown = "lanes of arrivals" if self._lanes_first else "step time chart"
+            self.app.notify(f"{shown} shown (v swaps)", timeout=3)
+
+    def _lane_rows(self) -> int:
+        """Lanes shown at most: :data:`LANES_SHARE` of the screen (one line each)."""
+        return max(1, int(self.size.height * LANES_SHARE) - 1)
+
+    def action_collectives(self) -> None:
+        """The table of the run's collectives, over this view (its escape comes back)."""
+        self.app.push_screen(CollectivesScreen(self.run_))
 
     def _chart_rows(self, ranks: int) -> int:
         """Lines per rank's strip: as many as :data:`CHART_SHARE` of the screen holds (the
@@ -386,6 +440,8 @@ class RunScreen(Screen[None]):
         return max(1, min(CHART_MAX_ROWS, room // max(1, ranks)))
 
     def on_resize(self) -> None:
+        self._place_lanes()
+        self.query_one(ArrivalLanes).lanes = self._lane_rows()
         chart = self.query_one(RankStepChart)
         rows = self._chart_rows(len(self._charted))
         if rows != chart.rows:
