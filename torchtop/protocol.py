@@ -188,6 +188,12 @@ class GpuStats:
     #: For a MIG instance, the NVML index of its parent GPU (``index`` is then the instance's
     #: index on that parent).
     mig_parent: int | None = None
+    #: NVML's total energy counter: millijoules since the driver was loaded (updated about
+    #: every 100 ms). ``None`` where it could not be read.
+    energy_mj: int | None = None
+    #: ``False`` where NVML says the GPU has no energy counter (older than Volta, a MIG
+    #: instance), ``True`` once read, ``None`` while unknown (or from an older agent).
+    energy_supported: bool | None = None
 
 
 @dataclass(frozen=True)

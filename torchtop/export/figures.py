@@ -84,6 +84,9 @@ class JobFigures:
     #: recorder), and the share of them it was last at; ``None`` without a recorder.
     collective_late_s: float | None = None
     collective_last_share: float | None = None
+    #: Joules each GPU of the job used since its first energy reading: (device, UUID, joules);
+    #: GPUs without NVML's energy counter are left out.
+    gpu_energy: tuple[tuple[str, str | None, float], ...] = ()
 
 
 def figures_of(
@@ -138,6 +141,9 @@ def figures_of(
         agent_step_share=model.agent_stats.step_share if model.agent_stats is not None else None,
         collective_late_s=late.mean_s if late is not None and late.joined else None,
         collective_last_share=late.last_share if late is not None and late.joined else None,
+        gpu_energy=tuple(
+            (e.name, e.uuid, e.joules) for e in model.energy.values() if e.joules is not None
+        ),
         findings=tuple(
             (f.name, f.severity)
             for f in [
