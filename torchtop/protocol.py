@@ -611,6 +611,12 @@ class LoaderStats:
     workers: list[WorkerStats] = field(default_factory=list)
     #: Batches fetched while autograd was on (``torch.is_grad_enabled()`` in ``__next__``).
     grad_batches: int = 0
+    #: What the dataset keeps its data in, from its attributes' types: ``"python"`` (a big
+    #: list/dict of Python objects, which forked workers copy page by page), ``"arrays"``
+    #: (NumPy, tensors, Arrow, a memory map), ``None`` where not known; and in words
+    #: (``"list of 1,200,000 dict in .rows"``).
+    dataset_storage: str | None = None
+    dataset_detail: str | None = None
 
 
 @dataclass(frozen=True)

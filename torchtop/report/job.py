@@ -187,6 +187,8 @@ def _loader_json(state: LoaderState) -> dict[str, Any]:
         "peak_workers_rss_bytes": state.peak_workers_rss or None,
         #: The workers' private memory summed (USS, read from outside on the job's host).
         "peak_workers_uss_bytes": state.peak_workers_uss or None,
+        "dataset_storage": x.dataset_storage,
+        "dataset_holds": x.dataset_detail,
     }
 
 
