@@ -679,7 +679,8 @@ def _end_of_step(samples: Sequence[StepSample], ends: Sequence[float], index: in
     return None
 
 
-def _samples_with_ends(training: TrainingState) -> tuple[list[StepSample], list[float]]:
+def samples_with_ends(training: TrainingState) -> tuple[list[StepSample], list[float]]:
+    """The timed steps (:func:`step_samples`) and each one's end, in the same order."""
     samples = step_samples(training)
     ends = [p.t for p in training.points if p.duration is not None]
     return samples, ends
@@ -695,8 +696,8 @@ def compare_jobs(
 ) -> JobComparison:
     """Job (or rank) A against B: steps aligned after the warm-up (``skip`` steps when
     given), memory, ops, counts and findings. :class:`CompareError` when one has no steps."""
-    samples_a, ends_a = _samples_with_ends(a.training)
-    samples_b, ends_b = _samples_with_ends(b.training)
+    samples_a, ends_a = samples_with_ends(a.training)
+    samples_b, ends_b = samples_with_ends(b.training)
     if alignment is None:
         alignment, kept_a, kept_b = align(samples_a, samples_b, skip)
     else:

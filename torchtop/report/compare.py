@@ -209,7 +209,8 @@ def _interval_text(lo: float, hi: float, unit: str) -> str:
     return f"{lo * scale:+.1f} to {hi * scale:+.1f}{suffix}"
 
 
-def _change_cells(c: dict[str, Any]) -> list[Any]:
+def change_cells(c: dict[str, Any]) -> list[Any]:
+    """A figure as the table shows it: A, B, the change, its interval, the verdict (styled)."""
     from rich.text import Text
 
     unit = c["unit"]
@@ -244,7 +245,7 @@ def _table(title: str, rows: list[tuple[str, dict[str, Any]]]) -> Any:
     for col in ("A", "B", "change", f"{CONFIDENCE:.0%} interval", "verdict"):
         table.add_column(col, justify="right" if col in ("A", "B", "change") else "left")
     for label, c in rows:
-        add_text_row(table, Text(label, no_wrap=True, overflow="ellipsis"), *_change_cells(c))
+        add_text_row(table, Text(label, no_wrap=True, overflow="ellipsis"), *change_cells(c))
     return table
 
 
