@@ -76,7 +76,7 @@ async def test_replay_against_draws_b_by_step_and_the_verdict_beside_the_chart()
         a_times = [t for ends in a_ends for t in ends][1:]  # A's timed steps' ends
         assert [t for t, _ in series["B step"].points] == a_times
         assert [v for _, v in series["B step"].points] == b_durations[1:]
-        assert "B step" in str(app.job.query_one("#steps").border_title)
+        assert text.splitlines()[1] == "step chart: B step B wait"
 
 
 @pilot_test

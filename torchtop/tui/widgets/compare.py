@@ -32,6 +32,8 @@ from torchtop.tui.widgets.quiet import update_if_changed
 #: B's series on the step chart: step time and data wait, in colours A's do not use.
 B_STEP_STYLE = "magenta"
 B_WAIT_STYLE = "red"
+#: Cells for a figure's verdict ("within noise" and a space).
+VERDICT_WIDTH = 13
 
 
 @dataclass
@@ -112,15 +114,21 @@ def compare_text(b: Against) -> Text:
         text.append("changed: " + ", ".join(changed), "bold yellow")
     else:
         text.append("no difference beyond noise", "bold green")
+    # Which lines of the step chart are B's (its legend: the chart has none).
+    text.append("\nstep chart: ", "dim")
+    text.append("B step", B_STEP_STYLE)
+    text.append(" ")
+    text.append("B wait", B_WAIT_STYLE)
     figures = sorted(report["step_figures"], key=lambda c: not c["changed"])
     energy = [e["energy_per_step_j"] for e in report.get("energy", [])]
     for c in [*figures, *energy]:
+        # The verdict first: a narrow panel cuts the end of the line, never the verdict.
         _a, _b, change, _interval, verdict = change_cells(c)
+        verdict.pad_right(VERDICT_WIDTH - len(verdict))
         text.append("\n")
-        text.append(f"{c['label']} ", "dim")
-        text.append(change or "n/a")
-        text.append(" ")
         text.append_text(verdict)
+        text.append(f"{c['label']} ")
+        text.append(change or "n/a", "dim")
     return text
 
 

@@ -29,7 +29,7 @@ from torchtop.tui.widgets.chart import (
     ChartSpan,
     TimeSeriesChart,
 )
-from torchtop.tui.widgets.compare import B_STEP_STYLE, B_WAIT_STYLE, Against, against_series
+from torchtop.tui.widgets.compare import Against, against_series
 from torchtop.tui.widgets.quiet import set_titles, update_if_changed
 
 WAIT_STYLE = "yellow"
@@ -333,10 +333,7 @@ class StepPanel(Vertical):
 
     def show_state(self, state: JobModel, *, charts: bool = True) -> None:
         """Redraw the figures from ``state``, and the bars and chart too when ``charts``."""
-        title = step_title(state)
-        if self.against is not None:  # B's lines, by colour
-            title += f"· [{B_STEP_STYLE}]B step[/] [{B_WAIT_STYLE}]B wait[/] "
-        set_titles(self, title)
+        set_titles(self, step_title(state))
         update_if_changed(self.query_one("#step-figures", Static), step_figures(state))
         self._state = state
         if charts:
