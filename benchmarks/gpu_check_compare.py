@@ -319,7 +319,7 @@ def hello_uuid(
 # --------------------------------------------------------------------------------------------
 
 #: The agent's mean power over a plateau within this share of the job's (or ENERGY_TOLERANCE_W):
-#: the agent reads once a second inside the plateau, the job at its edges.
+#: the agent reads a few times a second inside the plateau, the job at its edges.
 ENERGY_TOLERANCE = 0.25
 ENERGY_TOLERANCE_W = 30.0
 

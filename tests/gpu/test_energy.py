@@ -6,6 +6,7 @@ frames are folded in the agent's order (a tick's GPU reading before its steps)."
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from torchtop.tui.widgets.device import device_text
 
 T0 = 1_700_000_000.0
 TICK_S = 0.1
-NVML_EVERY = 10  # ticks: one NVML read a second, as the agent does
+NVML_EVERY = 10  # ticks: one NVML read a second
 
 
 def hello() -> Hello:
@@ -187,3 +188,43 @@ def test_compare_says_which_run_has_no_counter() -> None:
     (gpu1,) = [e for e in compare_jobs(a, b).energy if e.device == "gpu1"]
     assert gpu1.note == "not supported in B" and gpu1.per_step.b is None
     assert gpu1.per_step.verdict == "n/a"
+
+
+def test_compare_json_and_text_carry_energy_per_step() -> None:
+    from rich.console import Console
+
+    from torchtop.report.compare import Side, compare, render_text
+
+    a, _ = run(FakeNvmlBackend.two_h200(), seconds=30.0, step_s=0.25)
+    lower = FakeNvmlBackend.two_h200()
+    lower.gpus[0].power_w = 400.0
+    b, _ = run(lower, seconds=30.0, step_s=0.25)
+    report = compare(Side("a.ttr", False, [a]), Side("b.ttr", False, [b]))
+    (gpu0,) = [e for e in report["energy"] if e["device"] == "gpu0"]
+    per_step = gpu0["energy_per_step_j"]
+    assert per_step["unit"] == "J" and per_step["verdict"] == "lower" and per_step["ci"][1] < 0
+    assert "energy per step gpu0" in report["changed"]
+    console = Console(width=100, record=True)
+    console.print(render_text(report))
+    text = console.export_text()
+    assert "GPU energy per step" in text
+    (row,) = [line for line in text.splitlines() if "gpu0" in line and " J" in line]
+    assert "153.10 J" in row and "100.00 J" in row and "lower" in row, row
+
+
+def test_the_runs_figure_starts_at_the_first_reading_once_the_kept_ones_let_it_go() -> None:
+    from collections import deque
+
+    from torchtop.model.energy import GpuEnergy, fold_gpu_energy
+
+    model, _ = run(FakeNvmlBackend.two_h200(), seconds=10.0, step_s=0.25)
+    full = next(e for e in model.energy.values() if e.name == "gpu0")
+    bounded = GpuEnergy("gpu0", readings=deque(maxlen=3))
+    energy = {(None, 0): bounded}
+    for t, mj in full.readings:
+        gpu = FakeNvmlBackend.two_h200().gpus[0]
+        stats = NvmlProbe(FakeNvmlBackend([gpu])).read()[0]
+        fold_gpu_energy(energy, t, [dataclasses.replace(stats, energy_mj=mj)])
+    assert len(bounded.readings) == 3 and bounded.first == full.readings[0]
+    assert bounded.span(model.training) == full.span(model.training)
+    assert bounded.joules == full.joules

@@ -7,6 +7,7 @@ truth is what the GPU check's jobs write (benchmarks/gpu_check_jobs.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -945,7 +946,7 @@ def energy_run(
             scaled = FakeGpu().energy_mj_at_zero + round(
                 (first.energy_mj - FakeGpu().energy_mj_at_zero) * agent_scale  # type: ignore[operator]
             )
-            stats = [type(first)(**{**first.__dict__, "energy_mj": scaled})]
+            stats = [dataclasses.replace(first, energy_mj=scaled)]
         messages.append(GpuSample(t=second - 0.5, gpus=stats))
         ends = [second - 1 + 0.25 * k + 0.1 for k in range(4)]
         total += 4

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from torchtop.model.training import TrainingState
 from torchtop.protocol import GpuStats
 
-#: Readings kept per GPU for spans and intervals (an hour at the agent's 1 Hz NVML reads).
+#: Readings kept per GPU for recent spans and compare's intervals (half an hour at the agent's 2 Hz
+#: NVML reads); the run's total and joules per step start from the first reading whatever.
 ENERGY_READINGS_KEPT = 3600
 #: Seconds of readings the recent figure (the viewer's) covers.
 RECENT_ENERGY_S = 10.0
@@ -104,9 +105,12 @@ class GpuEnergy:
     def span(
         self, training: TrainingState, start: float | None = None, end: float | None = None
     ) -> EnergySpan | None:
-        """The energy between the first and the last reading in ``[start, end]`` (the readings
-        kept), over the steps that ended between them; ``None`` with fewer than two."""
+        """The energy between the first and the last reading in ``[start, end]``, over the
+        steps that ended between them; ``None`` with fewer than two. Open at the start, it
+        begins at the job's first reading, even once the bounded readings have let it go."""
         kept = [r for r in self.readings if _within(r[0], start, end)]
+        if start is None and self.first is not None and kept and kept[0] != self.first:
+            kept.insert(0, self.first)
         if len(kept) < 2:
             return None
         (t0, e0), (t1, e1) = kept[0], kept[-1]
