@@ -90,3 +90,21 @@ def test_the_loaders_frame_carries_it() -> None:
         "python",
         "list of 3,000 dict in .rows",
     )
+
+
+def test_a_containers_own_methods_are_never_run() -> None:
+    class Lazy(list):  # type: ignore[type-arg]
+        """A list whose items load on access: the job's code, not to be run by the agent."""
+
+        calls = 0
+
+        def __getitem__(self, i: Any) -> Any:
+            Lazy.calls += 1
+            return super().__getitem__(i)
+
+        def __len__(self) -> int:
+            Lazy.calls += 1
+            return super().__len__()
+
+    assert dataset_storage(Rows(Lazy(range(5000)))) is None
+    assert Lazy.calls == 0

@@ -17,6 +17,7 @@ DataLoader iterator is covered whatever its subclass:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 import weakref
 from collections.abc import Mapping
@@ -162,7 +163,8 @@ def _array_kind(value: Any) -> tuple[str, str] | None:
 def _container_kind(value: Any) -> tuple[str, str] | None:
     """A big Python container: ``("python", "list of 1,200,000 dict")`` unless its items are
     arrays (a list of arrays keeps their data in shared buffers); ``None`` for a small one."""
-    if not isinstance(value, _CONTAINERS) or len(value) < BIG_CONTAINER:
+    # Exact types only: a subclass's __len__ or __getitem__ is the job's code, never run here.
+    if type(value) not in _CONTAINERS or len(value) < BIG_CONTAINER:
         return None
     items: list[Any]
     if isinstance(value, dict):
@@ -191,7 +193,7 @@ def dataset_storage(dataset: Any, depth: int = 0) -> tuple[str, str] | None:
         if not isinstance(attributes, dict):
             return None
         arrays: tuple[str, str] | None = None
-        for name, value in list(attributes.items())[:MAX_ATTRIBUTES]:
+        for name, value in list(itertools.islice(attributes.items(), MAX_ATTRIBUTES)):
             found = _array_kind(value) or _container_kind(value)
             if found is None and depth < MAX_DEPTH and hasattr(type(value), "__getitem__"):
                 inner = dataset_storage(value, depth + 1)  # Subset.dataset and the like
