@@ -155,7 +155,7 @@ def test_the_exported_counter_and_the_gpu_line_carry_the_models_figures() -> Non
     assert by_device["gpu0"].labels[5] == backend_uuid(0)
     # The recent figure: the last 10 s of readings (2 .. 12 s), 40 steps.
     line = device_text(model).plain.splitlines()[0]
-    assert f"{612.4 * 10 / 40:.1f} J/step" in line
+    assert f"612 W  {612.4 * 10 / 40:.0f} J/step  1980 MHz" in line
 
 
 def backend_uuid(index: int) -> str:
