@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 from test_compare import T0, hello, step_frames
 from test_tui_app import SIZE, drained, pilot_test
 from test_viewer_idioms import palette_choose
@@ -126,3 +127,15 @@ def test_a_recording_without_steps_is_shown_with_why_it_cannot_be_compared(
     b = load_against(idle, fold_messages(SLOW))
     assert b.report is None and b.error == "recording B has no timed steps to compare"
     assert compare_text(b).plain == "cannot compare: recording B has no timed steps to compare"
+
+
+def test_replay_against_a_missing_recording_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchtop.commands import main
+
+    a = write(tmp_path / "a.ttr", SLOW)
+    assert main(["replay", str(a), "--against", str(tmp_path / "b.ttr")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("torchtop: no recording at") and str(tmp_path / "b.ttr") in err
+    assert "\n" not in err
