@@ -183,7 +183,9 @@ class TorchtopApp(App[int]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """The job screen's keys act on the job screen shown, and are off where none is."""
         if action in JOB_ACTIONS:
-            if isinstance(self.focused, Input):  # typing a path: the letters are the path's
+            if action != "request_quit" and isinstance(self.focused, Input):
+                # Typing (a path, an op filter): "-" and "+" are the text's, not the speed
+                # keys'. ctrl+c still quits.
                 return False
             job = self.shown_job
             return False if job is None else job.check_action(action, parameters)
