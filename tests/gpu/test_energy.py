@@ -228,3 +228,20 @@ def test_the_runs_figure_starts_at_the_first_reading_once_the_kept_ones_let_it_g
     assert len(bounded.readings) == 3 and bounded.first == full.readings[0]
     assert bounded.span(model.training) == full.span(model.training)
     assert bounded.joules == full.joules
+
+
+def test_each_phase_has_its_own_joules_per_step() -> None:
+    from torchtop.protocol import PhaseBegan, PhaseEnded
+
+    backend = FakeNvmlBackend.two_h200()
+    model, readings = run(backend, seconds=10.0, step_s=0.25)
+    model.apply(PhaseBegan(T0 + 2.5, "warm", 1))
+    model.apply(PhaseEnded(T0 + 6.5, "warm", 1))
+    (phase,) = report_json(model)["phases"]
+    energy = phase["energy"]["gpu0"]
+    # Readings at 3, 4, 5, 6 s inside the phase; steps end in (3, 6]: 12 of them.
+    inside = [mj for t, mj in readings if T0 + 2.5 <= t <= T0 + 6.5]
+    joules = (inside[-1][0] - inside[0][0]) / 1000  # type: ignore[operator]
+    assert energy["steps"] == 12 and energy["joules"] == round(joules, 3)
+    assert energy["joules_per_step"] == round(joules / 12, 4)
+    assert energy["mean_power_w"] == pytest.approx(612.4)

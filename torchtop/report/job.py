@@ -68,6 +68,7 @@ def report_json(model: JobModel) -> dict[str, Any]:
             "peak_rss_bytes": p.peak_rss,
             "steps": training.steps_between(p.start, p.end),
             "median_step_time_s": _r(training.step_time(0.5, p.start, p.end)),
+            "energy": energy_json(model, p.start, p.end),
         }
         for p in model.phases
         if p.start is not None  # ended, but began before the recording
@@ -113,20 +114,25 @@ def report_json(model: JobModel) -> dict[str, Any]:
     }
 
 
-def energy_json(model: JobModel) -> dict[str, Any]:
-    """Per GPU the job used: joules from its first reading to its last, mean power, and joules
-    per step over the steps between them; a GPU without the counter says so."""
+def energy_json(
+    model: JobModel, start: float | None = None, end: float | None = None
+) -> dict[str, Any]:
+    """Per GPU the job used: joules from its first reading to its last (in ``[start, end]``,
+    a phase's, when given), mean power, and joules per step over the steps between them; a GPU
+    without the counter says so."""
     out: dict[str, Any] = {}
     for entry in model.energy.values():
         if entry.supported is False:
             out[entry.name] = {"supported": False, "detail": NOT_SUPPORTED}
             continue
-        span = entry.span(model.training)
+        span = entry.span(model.training, start, end)
         per_step = span.per_step if span is not None else None
         power = span.mean_power_w if span is not None else None
+        whole = start is None and end is None
+        joules = entry.joules if whole else span.joules if span is not None else None
         out[entry.name] = {
             "supported": True,
-            "joules": round(entry.joules, 3) if entry.joules is not None else None,
+            "joules": round(joules, 3) if joules is not None else None,
             "steps": span.steps if span is not None else None,
             "joules_per_step": round(per_step, 4) if per_step is not None else None,
             "mean_power_w": round(power, 2) if power is not None else None,
