@@ -108,8 +108,8 @@ def block(step: Callable[[], None], seconds: float) -> list[float]:
 def attach_viewer(address: str) -> subprocess.Popen[bytes]:
     """A separate process that reads everything the agent sends, as the viewer does."""
     code = (
-        "from torchtop.transport import AgentConnection\n"
-        f"for m in AgentConnection({address!r}).messages(): pass\n"
+        "from torchtop.streams.feed import AgentFeed\n"
+        f"AgentFeed(address={address!r}).start().join()\n"
     )
     return subprocess.Popen([sys.executable, "-c", code])
 
@@ -213,7 +213,9 @@ def measure(
     step = make_step(*build())
     block(step, 1.0)  # warm up
     # One agent and one viewer for the whole run.
-    agent = core.start(ops=ops)
+    # The agent's own pauses (its measured cost) would fall in the "on" blocks: off here, and
+    # measured on their own in :func:`self_measured`.
+    agent = core.start(ops=ops, measure_cost=False)
     viewer = attach_viewer(agent.info.address)
     time.sleep(1.0)  # the viewer connects and takes the history replay
     try:
@@ -222,7 +224,35 @@ def measure(
         viewer.kill()
         viewer.wait()
         torchtop.stop()
-    return summarize(name, agent, off, on, pair_ratios, rounds * seconds)
+    result = summarize(name, agent, off, on, pair_ratios, rounds * seconds)
+    result.update(self_measured(step, rounds * seconds, ops))
+    return result
+
+
+def self_measured(step: Callable[[], None], seconds: float, ops: bool) -> dict[str, float]:
+    """The agent's own measure of its cost on the steps (it pauses its sampler now and then and
+    compares the steps in the pauses with those around them), over ``seconds`` of steps with
+    the agent on throughout: what the viewer's header and the report say, beside the
+    benchmark's ratio."""
+    agent = core.start(ops=ops, measure_cost=True, cost_pause_every_s=6.0)
+    viewer = attach_viewer(agent.info.address)
+    try:
+        block(step, max(seconds, 8 * 6.0))
+        time.sleep(1.5)  # the sampler compares the last pause's after-block
+        paused = agent.paused_steps
+        measured = paused.measured() if paused is not None else None
+    finally:
+        viewer.kill()
+        viewer.wait()
+        torchtop.stop()
+    share = measured.step_share if measured is not None else float("nan")
+    pairs = measured.pairs if measured is not None else 0
+    print(
+        f"{'':10s} the agent measured itself at {share:.2%} of step time over {pairs} pauses"
+        " (paused against around)",
+        flush=True,
+    )
+    return {"self_measured_step_share": share, "self_measured_pairs": pairs}
 
 
 def _median_ms(values: list[float]) -> float:

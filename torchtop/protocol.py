@@ -66,6 +66,23 @@ class ClientHello(Message):
     protocol: int
     client: str = "viewer"
     token: str | None = None
+    #: What this viewer reads of the job from outside it (``/proc``, NVML): names from
+    #: :data:`OUTSIDE_READS`. While every viewer reads a figure from outside, the agent leaves it
+    #: to them and sends only what the job alone can read (see ``torchtop.streams.outside``).
+    outside: list[str] = field(default_factory=list)
+    #: Above 0: this viewer wants the job's samples at its pace, not the agent's (a viewer of
+    #: many ranks, an exporter): one ``sample`` a second (:data:`PACED_SAMPLE_S`); every other
+    #: frame as usual. 0: every sample.
+    pace_s: float = 0.0
+
+
+#: The pace of ``sample`` frames for a viewer that asks for its own pace (``pace_s``).
+PACED_SAMPLE_S = 1.0
+
+#: The figures a viewer on the job's machine can read from outside it: the process's CPU,
+#: threads, children and the machine's memory (``host``; the agent still sends the RSS, one
+#: ``pread``), and the GPUs as NVML sees them (``nvml``).
+OUTSIDE_READS = ("host", "nvml")
 
 
 @dataclass(frozen=True)
@@ -284,6 +301,12 @@ class AgentStats(Message):
     #: above the budget it samples less often than its configured interval.
     cost_budget: float | None = None
     interval_s: float | None = None
+    #: The agent's cost on the steps as measured by pausing it now and then and comparing the
+    #: steps in the pauses with those around them (``measured_pairs`` comparisons; their
+    #: median, less one). Includes the time a step waits for the GIL while the agent's threads
+    #: hold it, which ``step_share`` cannot see. ``None`` until measured.
+    measured_step_share: float | None = None
+    measured_pairs: int | None = None
 
 
 @dataclass(frozen=True)

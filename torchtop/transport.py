@@ -19,7 +19,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -143,12 +143,27 @@ def prune_runtime_dir(directory: Path, cap_bytes: int = ENDED_JOBS_CAP_BYTES) ->
 
 def peer_uid(sock: socket.socket) -> int | None:
     """The uid of the process at the other end of a Unix socket (Linux), or None if unknown."""
+    creds = _peer_creds(sock)
+    return None if creds is None else creds[1]
+
+
+def peer_pid(sock: socket.socket) -> int | None:
+    """The pid of the process at the other end of a Unix socket as this process's pid namespace
+    numbers it (Linux), or None if unknown or not visible from here."""
+    creds = _peer_creds(sock)
+    return creds[0] if creds is not None and creds[0] > 0 else None
+
+
+def _peer_creds(sock: socket.socket) -> tuple[int, int, int] | None:
     opt = getattr(socket, "SO_PEERCRED", None)
     if opt is None:
         return None
-    creds = sock.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, opt, struct.calcsize("3i"))
+    except OSError:
+        return None
+    pid, uid, gid = struct.unpack("3i", creds)
+    return int(pid), int(uid), int(gid)
 
 
 @dataclass(frozen=True)
@@ -396,14 +411,29 @@ class AgentConnection:
     agent closes the connection, and raises :class:`ProtocolError` for a malformed frame.
     """
 
-    def __init__(self, address: str, client: str = "viewer", timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        client: str = "viewer",
+        timeout: float = 5.0,
+        outside: Sequence[str] | Callable[[int | None], Sequence[str]] = (),
+        pace_s: float = 0.0,
+    ) -> None:
+        """``outside``: what this viewer reads of the job from outside it (see
+        :data:`~torchtop.protocol.OUTSIDE_READS`), or a function of the agent's pid (from the
+        socket, ``None`` where unknown) that says it. ``pace_s`` above 0: samples at this
+        viewer's pace (one a second), for a viewer of many ranks or an exporter."""
         if not address.startswith("unix:"):
             raise TransportError(f"unsupported address {address!r}; expected unix:/path")
         path = address.removeprefix("unix:")
         self.address = address
         self.sock = _connect(path, timeout)
         try:
-            self.sock.sendall(encode(ClientHello(protocol=PROTOCOL_VERSION, client=client)))
+            reads = outside(peer_pid(self.sock)) if callable(outside) else outside
+            hello = ClientHello(
+                protocol=PROTOCOL_VERSION, client=client, outside=list(reads), pace_s=pace_s
+            )
+            self.sock.sendall(encode(hello))
         except OSError as exc:
             self.sock.close()
             raise TransportError(

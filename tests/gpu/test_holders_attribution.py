@@ -11,6 +11,7 @@ from typing import Any
 from tests.gpu.test_oom_snapshot import load
 from torchtop.agent.holders import DeviceHolders, Holders
 from torchtop.agent.oom.capture import analyse_snapshot
+from torchtop.protocol import MemoryCapture
 
 
 def _holders(data: dict[str, Any]) -> Holders:
@@ -21,12 +22,10 @@ def _holders(data: dict[str, Any]) -> Holders:
     return holders
 
 
-def test_blocks_are_attributed_by_address_and_the_split_sums_to_allocated() -> None:
-    data = load("holders")
-    snap = data["snapshot"]
-    blocks = [s["blocks"] for s in snap["segments"]]
+def attributed_capture(data: dict[str, Any]) -> MemoryCapture:
+    """The fixture's OOM analysed as the agent does, its blocks attributed by address."""
     allocated = data["memory_stats"]["allocated_bytes.all.current"]
-    capture = analyse_snapshot(
+    return analyse_snapshot(
         7,
         device="cuda:0",
         index=0,
@@ -35,11 +34,18 @@ def test_blocks_are_attributed_by_address_and_the_split_sums_to_allocated() -> N
         stream=0,
         free=data["observer"]["device_free"],
         total=data["observer"]["device_total"],
-        snap=snap,
+        snap=data["snapshot"],
         error="",
         figures=lambda _s: (allocated, data["memory_stats"]["reserved_bytes.all.current"]),
         holders=_holders(data),
     )
+
+
+def test_blocks_are_attributed_by_address_and_the_split_sums_to_allocated() -> None:
+    data = load("holders")
+    blocks = [s["blocks"] for s in data["snapshot"]["segments"]]
+    allocated = data["memory_stats"]["allocated_bytes.all.current"]
+    capture = attributed_capture(data)
     split = {c.category: c.bytes for c in capture.by_category}
     # Two parameter blocks; a gradient pointer inside its block (a view's storage offset);
     # a pointer into an inactive block and one on another device count nowhere.

@@ -96,6 +96,7 @@ ALL_TOPICS = (
     "dataloader",
     "profiling",
     "oom",
+    "holders",
 )
 
 #: demo name -> (the start of its conclusion line, the checks on its measured values)
@@ -125,7 +126,7 @@ def test_the_demos_are_listed_with_short_descriptions() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     listed = {demo["name"]: demo["description"] for demo in json.loads(proc.stdout)}
-    # The twelve topics, each with a one-line description.
+    # The thirteen topics, each with a one-line description.
     assert sorted(listed) == sorted(ALL_TOPICS), listed
     for name in DEMOS:
         assert name in listed, listed

@@ -275,6 +275,7 @@ def test_optimizer_state_dominant_names_sharded_or_8bit_states_with_the_bytes_fi
         suggestions[0].evidence
     )
     assert "free about 30.0 GiB" in suggestions[0].evidence
+    assert suggestions[0].demo_command == "torchtop demo holders"  # SGD's state against Adam's
 
 
 def test_activations_dominant_put_checkpointing_first() -> None:

@@ -154,8 +154,8 @@ def test_ps_shows_another_jobs_command_escaped(runtime_dir: Path) -> None:
 
 def _viewer_keys() -> list[list[str]]:
     # The main screen, then each screen that shows the job's text: the OOM screen, advice,
-    # help, the log alone, the ops panel alone.
-    return [[], ["o"], ["a"], ["question_mark"], ["l"], ["t"]]
+    # help, the log alone, the ops panel alone, what holds memory.
+    return [[], ["o"], ["a"], ["question_mark"], ["l"], ["t"], ["h"]]
 
 
 @pytest.mark.parametrize("keys", _viewer_keys(), ids=lambda keys: "+".join(keys) or "main")

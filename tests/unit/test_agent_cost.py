@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
+from dataclasses import replace
 
 import pytest
 
 from tests.fakes.cost import agent_stats
-from torchtop.agent.cost import OVER_BUDGET_S, Cost, CostMeter
+from torchtop.agent.cost import OVER_BUDGET_S, Cost, CostMeter, PausedSteps
 from torchtop.agent.threads import agent_cpu_s, agent_thread
 from torchtop.export.families import families
 from torchtop.export.figures import figures_of
 from torchtop.model.job import JobModel, agent_cost_summary
 from torchtop.protocol import AgentStats, Hello, decode, encode
 from torchtop.report.job import agent_cost_line, report_json
+from torchtop.tui.widgets.header import agent_cost
 
 
 class Clock:
@@ -83,20 +87,21 @@ def test_the_op_windows_reading_is_shown_but_left_to_its_own_budget() -> None:
 
 
 def test_agent_threads_cpu_is_measured() -> None:
-    done = []
+    spun, release = threading.Event(), threading.Event()
 
     def spin() -> None:
         end = time.thread_time() + 0.05
         while time.thread_time() < end:
             pass
-        time.sleep(0.3)
-        done.append(True)
+        spun.set()
+        release.wait(30)  # alive while measured: an ended thread's CPU leaves /proc
 
     thread = agent_thread(spin, "torchtop-test")
     before = agent_cpu_s() or 0.0
     thread.start()
-    time.sleep(0.2)
+    assert spun.wait(30)
     after = agent_cpu_s()
+    release.set()
     thread.join()
     assert after is not None and after - before >= 0.04
 
@@ -151,3 +156,76 @@ def test_older_agents_stats_still_decode_and_fold() -> None:
     model.apply(old)
     assert agent_cost_summary(model) is None
     assert report_json(model)["agent_cost"] is None
+
+
+class StepClock:
+    """perf_counter for :class:`PausedSteps`, and the steps a job took meanwhile."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.ends: list[tuple[float, float]] = []
+
+    def run(self, seconds: float, step_s: float) -> None:
+        end = self.now + seconds
+        while self.now + step_s <= end:
+            self.now += step_s
+            self.ends.append((self.now, step_s))
+        self.now = end
+
+
+def test_pauses_measure_the_steps_against_those_around_them() -> None:
+    clock = StepClock()
+    paused = PausedSteps(clock=lambda: clock.now, every_s=10.0, pause_s=2.0)
+    for _ in range(5):
+        while not paused.due(usual_step_s=0.010):
+            clock.run(0.5, 0.010)  # steps of 10 ms with the agent on
+            paused.add(clock.ends)
+        began = clock.now
+        clock.run(2.0, 0.008)  # 8 ms in the pause: the agent cost a quarter
+        paused.paused(began, clock.now)
+        assert paused.measured() is None or paused.measured().pairs < 5
+    clock.run(2.5, 0.010)
+    paused.add(clock.ends)
+    measured = paused.measured()
+    assert measured is not None and measured.pairs == 5
+    assert measured.step_share == pytest.approx(0.25)
+    assert paused.pauses == 5
+
+
+def test_no_pause_for_slow_steps_or_while_a_window_is_open() -> None:
+    clock = StepClock()
+    paused = PausedSteps(clock=lambda: clock.now, every_s=10.0, pause_s=2.0)
+    clock.run(6.0, 0.5)
+    assert not paused.due(usual_step_s=0.5)  # 4 steps a pause: too few to compare
+    assert not paused.due(usual_step_s=None)
+    clock.run(3.0, 0.01)
+    assert not paused.due(usual_step_s=0.01, busy=True)  # then a little later
+    clock.run(2.6, 0.01)
+    assert paused.due(usual_step_s=0.01)
+
+
+def test_a_pause_with_too_few_steps_on_a_side_is_not_counted() -> None:
+    clock = StepClock()
+    paused = PausedSteps(clock=lambda: clock.now, every_s=10.0, pause_s=2.0)
+    clock.run(6.0, 0.010)
+    began = clock.now
+    clock.run(2.0, 0.5)  # the job stalled in the pause
+    paused.paused(began, clock.now)
+    clock.run(2.5, 0.010)
+    paused.add(clock.ends)
+    assert paused.measured() is None and paused._ratios == deque()
+
+
+def test_the_measured_cost_is_shown_reported_and_exported() -> None:
+    model = JobModel()
+    model.apply(hello())
+    model.apply(replace(stats(1001.0, 0.004, 0.004), measured_step_share=0.031, measured_pairs=4))
+    summary = agent_cost_summary(model)
+    assert summary is not None
+    assert summary["measured_step_share"] == 0.031 and summary["measured_pairs"] == 4
+    assert "3.1% of step time measured over 4 pauses" in agent_cost_line(summary)
+    assert agent_cost(model) == "torchtop 3.1% of step"
+    figures = figures_of(model)
+    assert figures is not None
+    exported = {f.name: f.points for f in families([figures])}
+    assert exported["torchtop_agent_measured_step_time_ratio"][0].value == pytest.approx(0.031)

@@ -42,6 +42,21 @@ def test_heap_in_use_is_arena_chunks_plus_mapped_chunks() -> None:
     assert stats.active_bytes is None and stats.num_ooms is None and stats.total_bytes is None
 
 
+def test_the_heap_every_nth_read_and_the_rss_every_read() -> None:
+    mallinfo = FakeMallinfo(uordblks=30 * MIB, hblkhd=0)
+    probe = CpuMemoryProbe(mallinfo, heap_every=5)
+    seen = []
+    for i in range(11):
+        mallinfo.uordblks = (30 + i) * MIB
+        stats = probe.read(rss_bytes=(400 + i) * MIB)
+        seen.append((stats.allocated_bytes, stats.reserved_bytes))
+    assert mallinfo.calls == 3  # reads 0, 5 and 10
+    assert [a for a, _ in seen] == [30 * MIB] * 5 + [35 * MIB] * 5 + [40 * MIB]
+    assert [r for _, r in seen] == [(400 + i) * MIB for i in range(11)]
+    with pytest.raises(ValueError):
+        CpuMemoryProbe(mallinfo, heap_every=0)
+
+
 def test_without_mallinfo2_allocated_is_the_rss() -> None:
     probe = CpuMemoryProbe(mallinfo=None)
     stats = probe.read(rss_bytes=400 * MIB)

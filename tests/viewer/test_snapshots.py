@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("pytest_textual_snapshot")  # the dev extra
 
 from fakes.source import FakeSource
+from test_held_tui import _split_capture, held_job
 from test_oom_tui import captured  # noqa: F401 (the fixture)
 from test_ops_tui import ops_job, window
 from test_steps_tui import training_job
@@ -114,3 +115,14 @@ def test_oom_screen(
 ) -> None:
     named = dataclasses.replace(captured, snapshot_path="/tmp/torchtop/4242-oom-1.pickle")
     assert snap_compare(app_of([*cuda_job(), named]), terminal_size=size, run_before=settled)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_what_holds_memory(snap_compare: SnapCompare, size: tuple[int, int]) -> None:
+    app = app_of(held_job())
+    assert snap_compare(app, terminal_size=size, run_before=keys_then_settled("h"))
+
+
+def test_oom_screen_with_the_split(snap_compare: SnapCompare) -> None:
+    app = app_of([*cuda_job(), _split_capture()])
+    assert snap_compare(app, terminal_size=(80, 24), run_before=settled)

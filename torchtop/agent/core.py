@@ -14,6 +14,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from torchtop.agent.collectives import CollectiveMonitor
-from torchtop.agent.cost import MAX_INTERVAL_S, CostMeter
+from torchtop.agent.cost import MAX_INTERVAL_S, CostMeter, Measured, PausedSteps
 from torchtop.agent.identity import rank_identity
 from torchtop.agent.oom import OomController
 from torchtop.agent.ops import PROBE as OPS_PROBE
@@ -33,6 +34,7 @@ from torchtop.agent.stall import StallWatch
 from torchtop.agent.threads import agent_thread
 from torchtop.agent.training import TrainingMonitor
 from torchtop.protocol import (
+    PACED_SAMPLE_S,
     PROTOCOL_VERSION,
     REQUEST_PROFILE,
     REQUEST_SNAPSHOT,
@@ -107,6 +109,10 @@ class AgentConfig:
     #: The share of the job's step time the agent's threads may use (``--cost-budget``); above
     #: it the sampler samples less often. 0: no budget.
     cost_budget: float = 0.01
+    #: Measure the agent's cost on the steps by pausing its sampler for 2 s a minute
+    #: (:class:`~torchtop.agent.cost.PausedSteps`).
+    measure_cost: bool = True
+    cost_pause_every_s: float = 60.0
 
     # -- out of memory (torchtop.agent.oom) --------------------------------------------------
     #: Record CUDA allocator history and capture out-of-memory failures (``--no-oom-capture``).
@@ -181,6 +187,8 @@ class Agent:
         #: Goes up when the identity changes: a hello built before is stale.
         self._identity_version = 0
         self.pid = os.getpid()
+        #: When the next sample goes to the viewers that take one a second.
+        self._next_paced_sample = 0.0
         self.started_at = time.time()
         self.finished = False
         self._finish_lock = threading.Lock()
@@ -247,7 +255,10 @@ class Agent:
         self.sampler = Sampler(
             self.publish,
             host=self._host,
-            cpu_memory=self.oom.cpu_probe(CpuMemoryProbe()),
+            # The C heap twice a second (mallinfo2 takes the allocator's locks), the RSS each tick.
+            cpu_memory=self.oom.cpu_probe(
+                CpuMemoryProbe(heap_every=max(1, round(0.5 / config.interval_s)))
+            ),
             cuda_memory=self._cuda,
             nvml=nvml,
             interval_s=config.interval_s,
@@ -258,8 +269,14 @@ class Agent:
             agent_stats=self._agent_stats,
             training=self.training,
             collectives=CollectiveMonitor(),
+            # What every viewer reads from outside the job (/proc, NVML) the agent leaves to it.
+            outside=self.server.read_outside,
         )
         ops = self.ops
+        #: The cost on the steps, measured by pausing the sampler now and then.
+        self.paused_steps = (
+            PausedSteps(every_s=config.cost_pause_every_s) if config.measure_cost else None
+        )
         self.cost = CostMeter(
             config.cost_budget,
             lambda: self.training.steps.total,
@@ -383,6 +400,7 @@ class Agent:
                 self.publish(
                     ProbeStatus(t=time.time(), probe=COST_PROBE, available=True, detail=detail)
                 )
+        measured = self._measure_cost()
         return AgentStats(
             t=time.time(),
             clients=self.server.client_count,
@@ -397,7 +415,24 @@ class Agent:
             step_share=cost.step_share,
             cost_budget=self.cost.budget,
             interval_s=self.sampler.interval_s,
+            measured_step_share=round(measured.step_share, 5) if measured else None,
+            measured_pairs=measured.pairs if measured else None,
         )
+
+    def _measure_cost(self) -> Measured | None:
+        """In the sampler thread, once a second: compare the last pause's steps with those
+        around it, and pause again when one is due (not while an op window is under way)."""
+        paused = self.paused_steps
+        if paused is None:
+            return None
+        steps = self.training.steps
+        paused.add(steps.ends)
+        usual = statistics.median(steps.recent) if steps.recent else None
+        busy = self.ops is not None and not self.ops.idle
+        if paused.due(usual, busy=busy):
+            began, ended = self.sampler.pause_for(paused.pause_s)
+            paused.paused(began, ended)
+        return paused.measured()
 
     def publish(self, message: Message) -> None:
         try:
@@ -405,9 +440,14 @@ class Agent:
         except Exception:
             return
         aged = None
-        if isinstance(
-            message, (Sample, GpuSample, AgentStats, StepStats, LoaderInfo, CollectivesSeen)
-        ):
+        detail_only = False
+        if isinstance(message, Sample):
+            ring = SAMPLES
+            # Viewers at their own pace get one a second.
+            detail_only = message.t < self._next_paced_sample
+            if not detail_only:
+                self._next_paced_sample = message.t + PACED_SAMPLE_S
+        elif isinstance(message, (GpuSample, AgentStats, StepStats, LoaderInfo, CollectivesSeen)):
             ring = SAMPLES
         elif isinstance(message, LogLine):
             ring = LOGS
@@ -421,7 +461,7 @@ class Agent:
             ring = ANSWERS
         else:
             ring = EVENTS  # rare and important: phases, marks, statuses, OOMs, the exit
-        self.server.publish(frame, ring, aged)
+        self.server.publish(frame, ring, aged, detail_only)
 
     def start(self) -> None:
         self.server.start()

@@ -5,12 +5,18 @@ the last time: as a share of one core, and, while the job takes steps, of its tr
 job whose step holds the GIL loses about that much of each step to the agent). Above the budget
 for :data:`OVER_BUDGET_S` seconds in a row, the sampler's interval doubles, up to
 :data:`MAX_INTERVAL_S`; the first slowdown is said once, in the job's stderr and to viewers.
+
+CPU time does not show what a step that holds the GIL loses waiting for the agent's threads to
+let go of it. :class:`PausedSteps` measures that too, as the benchmark does: it pauses the
+agent now and then and compares the steps in the pause with those around it.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torchtop.agent.threads import agent_cpu_s
@@ -90,3 +96,107 @@ class CostMeter:
         self._over = 0
         self.slowdowns += 1
         return True
+
+
+# --------------------------------------------------------------------------------------------
+# The cost on the steps, measured: pauses of the agent compared with the time around them
+# --------------------------------------------------------------------------------------------
+
+#: How often the agent pauses to measure what it costs the steps, and for how long. A pause
+#: stops the sampler (and so the server's sending) but not the hooks: no step is lost, the
+#: viewer sees samples stop for two seconds (it calls an agent silent after three).
+PAUSE_EVERY_S = 60.0
+PAUSE_S = 2.0
+#: Steps needed on each side of a comparison: a job slower than this many steps a pause is not
+#: measured this way (its shown cost stays the agent's CPU share).
+MIN_BLOCK_STEPS = 8
+#: The comparisons kept; their median is the measured cost.
+KEEP_PAIRS = 15
+#: Comparisons needed before the measured cost is said.
+MIN_PAIRS = 3
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The agent's cost on the job's steps, measured by pausing it: the median over ``pairs``
+    comparisons of (median step time around a pause / median step time in it) - 1."""
+
+    step_share: float
+    pairs: int
+
+
+class PausedSteps:
+    """Measures what the agent costs the steps the way a benchmark does, in the job itself.
+
+    Every :data:`PAUSE_EVERY_S` the sampler stops for :data:`PAUSE_S` (:meth:`due`, then
+    :meth:`paused` with when the pause began and ended, ``perf_counter``). The steps that ran
+    wholly inside the pause ran without the agent's threads; those in the same length of time
+    just before and just after ran with them. The ratio of their medians, less one, is one
+    comparison; :meth:`measured` is the median of the last :data:`KEEP_PAIRS`. Unlike the
+    agent's CPU share, it includes what a Python-bound step loses waiting for the GIL while the
+    agent's threads hold it. The step hooks stay in: their cost is not in it.
+    """
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        every_s: float = PAUSE_EVERY_S,
+        pause_s: float = PAUSE_S,
+    ) -> None:
+        self._clock = clock
+        self.every_s = every_s
+        self.pause_s = pause_s
+        self._next = clock() + every_s / 2
+        self._open: deque[tuple[float, float]] = deque(maxlen=4)
+        self._ratios: deque[float] = deque(maxlen=KEEP_PAIRS)
+        self.pauses = 0
+
+    def due(self, usual_step_s: float | None, busy: bool = False) -> bool:
+        """Whether to pause now: the job steps fast enough to measure (``usual_step_s``, its
+        median step) and nothing else of the agent is under way (``busy``: an op window)."""
+        now = self._clock()
+        if now < self._next:
+            return False
+        if busy or usual_step_s is None or usual_step_s * MIN_BLOCK_STEPS > self.pause_s:
+            self._next = now + self.every_s / 4  # look again a little later
+            return False
+        return True
+
+    def paused(self, began: float, ended: float) -> None:
+        self.pauses += 1
+        self._next = ended + self.every_s
+        self._open.append((began, ended))
+
+    def add(self, ends: Iterable[tuple[float, float]]) -> None:
+        """Compare the pauses whose after-block has passed, with the steps so far (``ends``:
+        each step's end and duration, ``perf_counter``)."""
+        now = self._clock()
+        steps = None
+        while self._open and self._open[0][1] + self.pause_s <= now:
+            began, ended = self._open.popleft()
+            if steps is None:
+                steps = list(ends)
+            ratio = _ratio(steps, began, ended, self.pause_s)
+            if ratio is not None:
+                self._ratios.append(ratio)
+
+    def measured(self) -> Measured | None:
+        if len(self._ratios) < MIN_PAIRS:
+            return None
+        return Measured(statistics.median(self._ratios) - 1.0, len(self._ratios))
+
+
+def _ratio(
+    steps: list[tuple[float, float]], began: float, ended: float, span: float
+) -> float | None:
+    """Median step time with the agent (the ``span`` before ``began`` and after ``ended``) over
+    the median without it (steps wholly inside the pause)."""
+    off = [d for e, d in steps if e - d >= began and e <= ended]
+    on = [d for e, d in steps if began - span <= e - d and e <= began]
+    on += [d for e, d in steps if e - d >= ended and e <= ended + span]
+    if len(off) < MIN_BLOCK_STEPS or len(on) < MIN_BLOCK_STEPS:
+        return None
+    off_median = statistics.median(off)
+    if off_median <= 0:
+        return None
+    return statistics.median(on) / off_median

@@ -98,7 +98,11 @@ class Sampler:
         agent_stats: Callable[[SamplerStats], Message | None] | None = None,
         training: Any | None = None,
         collectives: Any | None = None,
+        outside: Callable[[str], bool] | None = None,
     ) -> None:
+        #: ``outside(name)``: True while the viewers read ``name`` (``host``, ``nvml``) from
+        #: outside the job; the sampler then reads the RSS alone, and no NVML.
+        self._outside = outside
         self._agent_stats = agent_stats
         #: Steps and DataLoaders (:class:`torchtop.agent.training.TrainingMonitor`): its
         #: ``tick(now)`` drains the training thread's hooks and returns frames to publish.
@@ -145,6 +149,15 @@ class Sampler:
 
     def start(self) -> None:
         self._thread.start()
+
+    def pause_for(self, seconds: float) -> tuple[float, float]:
+        """From the sampler thread itself: do nothing for ``seconds`` (less if stopped), then
+        sample on a schedule that starts again; when the pause began and ended
+        (``perf_counter``)."""
+        began = time.perf_counter()
+        self._stop.wait(seconds)
+        self._rescheduled = True
+        return began, time.perf_counter()
 
     def pause(self) -> None:
         """Stop sampling until :meth:`resume` (the thread stays, idle)."""
@@ -219,7 +232,9 @@ class Sampler:
     def tick(self) -> None:
         self.drain_events()
         now = time.time()
-        host = self._guards["host"].call(self._host.read)
+        outside = self._outside
+        host_outside = outside is not None and outside("host")
+        host = self._guards["host"].call(self._host.read_rss if host_outside else self._host.read)
         rss = host.rss_bytes if host is not None else None
         memory: list[MemoryStats] = []
         cpu = self._guards["cpu_memory"].call(self._cpu_memory.read, rss)
@@ -243,7 +258,11 @@ class Sampler:
         if self._cuda_memory is not None and self._torch_seen:
             memory.extend(self._guards["cuda_memory"].call(self._cuda_memory.read) or [])
         self._publish(Sample(t=now, host=host, memory=memory))
-        if self._nvml is not None and time.monotonic() >= self._next_nvml:
+        if (
+            self._nvml is not None
+            and time.monotonic() >= self._next_nvml
+            and not (outside is not None and outside("nvml"))
+        ):
             self._next_nvml = time.monotonic() + self.nvml_interval_s
             gpus = self._guards["nvml"].call(self._nvml.read)
             if gpus is not None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from torchtop.agent.threads import agent_thread
 from torchtop.protocol import (
+    OUTSIDE_READS,
     PROTOCOL_VERSION,
     ClientHello,
     Dropped,
@@ -154,6 +155,11 @@ class _Client:
     reported_dropped: int = 0
     outbuf: bytearray = field(default_factory=bytearray)
     want_write: bool = False
+    #: What the viewer reads of the job from outside it (its hello's ``outside``).
+    outside: frozenset[str] = frozenset()
+    #: Wants samples at its own pace (its hello's ``pace_s``): frames published as
+    #: ``detail_only`` are not queued for it.
+    paced: bool = False
 
 
 class AgentServer:
@@ -208,11 +214,18 @@ class AgentServer:
 
     # -- producers ----------------------------------------------------------------------------
 
-    def publish(self, frame: bytes, ring: str = SAMPLES, aged: bytes | None = None) -> None:
+    def publish(
+        self,
+        frame: bytes,
+        ring: str = SAMPLES,
+        aged: bytes | None = None,
+        detail_only: bool = False,
+    ) -> None:
         """Queue an encoded frame for every client and keep it in the history ring.
 
         ``aged``: a summary of this frame that replaces it in the history once the ring gets
-        its next frame (op windows keep only the latest in full).
+        its next frame (op windows keep only the latest in full). ``detail_only``: not for the
+        clients that take frames at their own pace (it is in the history all the same).
         """
         size = len(frame)
         with self._lock:
@@ -221,7 +234,7 @@ class AgentServer:
             if not self._clients:
                 return
             for client in self._clients.values():
-                if not client.greeted:
+                if not client.greeted or (detail_only and client.paced):
                     continue
                 client.queue.append(frame)
                 client.queued_bytes += size
@@ -236,6 +249,14 @@ class AgentServer:
                     self._queued_bytes -= old
                     client.dropped += 1
         self._wake()
+
+    def read_outside(self, name: str) -> bool:
+        """True while every viewer that said hello reads ``name`` (one of
+        :data:`~torchtop.protocol.OUTSIDE_READS`) from outside the job, and while none has:
+        the agent then leaves that figure to them. One viewer that does not (an older one, one
+        on another machine) is enough for the agent to read it again."""
+        with self._lock:
+            return all(name in c.outside for c in self._clients.values() if c.greeted or c.waiting)
 
     @property
     def client_count(self) -> int:
@@ -417,6 +438,10 @@ class AgentServer:
                         raise ProtocolError("the first frame must be a client hello")
                     if message.protocol != PROTOCOL_VERSION:
                         raise ProtocolError(f"unsupported protocol version {message.protocol}")
+                    client.outside = frozenset(
+                        name for name in message.outside[:8] if name in OUTSIDE_READS
+                    )
+                    client.paced = message.pace_s > 0
                     client.waiting = True
                     self._waiting.append(client)
                 elif isinstance(message, Request) and self._allow_request(message.action):

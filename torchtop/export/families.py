@@ -181,6 +181,15 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         JOB_LABELS,
         "1",
     )
+    agent_measured = Family(
+        "torchtop_agent_measured_step_time_ratio",
+        "gauge",
+        "torchtop's agent's cost on the job's steps as measured by pausing it now and then: the "
+        "median step time around its pauses over the median in them, less one (includes the "
+        "time a step waits for the GIL; 0.01 is 1%).",
+        JOB_LABELS,
+        "1",
+    )
     lateness = Family(
         "torchtop_collective_lateness_seconds",
         "gauge",
@@ -217,6 +226,8 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
             agent_cpu.points.append(Point(labels, snap.agent_cpu_s))
         if snap.agent_step_share is not None:
             agent_share.points.append(Point(labels, snap.agent_step_share))
+        if snap.agent_measured_share is not None:
+            agent_measured.points.append(Point(labels, snap.agent_measured_share))
         for name, severity in snap.findings:
             findings.points.append(Point((*labels, name, severity), 1))
         steps.points.append(Point(labels, snap.steps_total))
@@ -254,6 +265,7 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         findings,
         agent_cpu,
         agent_share,
+        agent_measured,
         lateness,
         last_share,
         energy,

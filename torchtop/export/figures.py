@@ -80,6 +80,7 @@ class JobFigures:
     #: job's step time (``None`` while the job takes no step, or from an older agent).
     agent_cpu_s: float | None = None
     agent_step_share: float | None = None
+    agent_measured_share: float | None = None
     #: Its mean lateness at the collectives against the first rank of its node (flight
     #: recorder), and the share of them it was last at; ``None`` without a recorder.
     collective_late_s: float | None = None
@@ -139,6 +140,9 @@ def figures_of(
         exited=model.job_ended,
         agent_cpu_s=model.agent_stats.cpu_s if model.agent_stats is not None else None,
         agent_step_share=model.agent_stats.step_share if model.agent_stats is not None else None,
+        agent_measured_share=(
+            model.agent_stats.measured_step_share if model.agent_stats is not None else None
+        ),
         collective_late_s=late.mean_s if late is not None and late.joined else None,
         collective_last_share=late.last_share if late is not None and late.joined else None,
         gpu_energy=tuple(

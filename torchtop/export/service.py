@@ -206,6 +206,7 @@ class Exporter:
         feed = AgentFeed(
             address=address,
             client="exporter",
+            paced=True,  # scraped every few seconds: a sample a second is plenty
             on_message=lambda m: self.jobs.apply(address, m),
             on_end=lambda _reason: self._ended(address),
         )

@@ -25,7 +25,7 @@ from torchtop.model.connection import (
     SourceStatus,
 )
 from torchtop.model.energy import GpuEnergy, fold_gpu_energy
-from torchtop.model.memory import DeviceMemory, MemoryPoint
+from torchtop.model.memory import DeviceMemory, MemoryPoint, ModuleMemory
 from torchtop.model.oom_advice import Evidence, phase_at, step_floors
 from torchtop.model.ops import OpTimings
 from torchtop.model.training import TrainingState
@@ -195,6 +195,10 @@ class JobModel:
     memory: dict[str, DeviceMemory] = field(default_factory=dict)
     #: The latest read of what holds each device's memory (``holders`` frames), by device.
     holders: dict[str, DeviceHolding] = field(default_factory=dict)
+    #: The latest memory window's top modules by activation memory at the step's peak, largest
+    #: first (``None``: the job has sent no memory window yet); the view of what holds memory
+    #: shows them.
+    top_modules: list[ModuleMemory] | None = None
     host: HostStats | None = None
     peak_rss: int | None = None
     rss_series: deque[tuple[float, int | None]] = field(init=False)
@@ -425,7 +429,13 @@ class JobModel:
                 self.memory[stats.device] = device
             device.latest = stats
             device.series.append(
-                MemoryPoint(message.t, stats.allocated_bytes, stats.reserved_bytes)
+                MemoryPoint(
+                    message.t,
+                    stats.allocated_bytes,
+                    stats.reserved_bytes,
+                    device.holding,
+                    stats.inactive_split_bytes,
+                )
             )
             device.peak_allocated = _max(
                 _max(device.peak_allocated, stats.peak_allocated_bytes), stats.allocated_bytes
@@ -651,6 +661,8 @@ def agent_cost_summary(model: JobModel) -> dict[str, float | None] | None:
         "mean_step_share": round(model.agent_step_share_sum / count, 5) if count else None,
         "budget": stats.cost_budget,
         "interval_s": stats.interval_s,
+        "measured_step_share": stats.measured_step_share,
+        "measured_pairs": stats.measured_pairs,
     }
 
 
@@ -658,4 +670,9 @@ def _cost_key(stats: AgentStats) -> tuple[object, ...]:
     def tenth(share: float | None) -> int | None:
         return None if share is None else round(share * 1000)
 
-    return (tenth(stats.step_share), tenth(stats.cpu_share), stats.interval_s)
+    return (
+        tenth(stats.step_share),
+        tenth(stats.cpu_share),
+        stats.interval_s,
+        tenth(stats.measured_step_share),
+    )

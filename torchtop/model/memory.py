@@ -20,15 +20,81 @@ CATEGORIES = (
     "cache",
     "fragmentation",
 )
+#: Allocated memory whose holders are not read yet (before the job's first optimizer step, or
+#: in a job that steps none): :attr:`MemoryPoint.held`.
+UNSPLIT = "unsplit"
+_NONE_HELD = DeviceHolding("", 0, 0, 0)
+_SHOWN = ("other_allocated", "cache", "fragmentation")
+
+
+@dataclass(frozen=True)
+class ModuleMemory:
+    """One row of a memory window's module table: a module's path (made printable), the
+    bytes of activations it held at the step's peak, and their share of that peak."""
+
+    path: str
+    bytes: int
+    share: float
 
 
 @dataclass(slots=True)
 class MemoryPoint:
-    """One sample of a device's memory on the time axis."""
+    """One sample of a device's memory on the time axis, with what held it: the latest
+    holders read at the time of the sample (``None``: not read yet) and the fragmented
+    bytes."""
 
     t: float
     allocated: int | None
     reserved: int | None
+    holding: DeviceHolding | None = None
+    fragmented: int | None = None
+
+    @property
+    def by_category(self) -> dict[str, int] | None:
+        """What held this sample's memory (:func:`split_memory`)."""
+        return split_memory(self.holding, self.allocated, self.reserved, self.fragmented)
+
+    @property
+    def held(self) -> dict[str, int] | None:
+        """:attr:`by_category`, or before the holders are known, allocated as one
+        :data:`UNSPLIT` part beside the cache and fragmentation; ``None``: allocated unread."""
+        if self.holding is not None:
+            return self.by_category
+        split = split_memory(_NONE_HELD, self.allocated, self.reserved, self.fragmented)
+        if split is None:
+            return None
+        return {
+            UNSPLIT if c == "other_allocated" else c: v for c, v in split.items() if c in _SHOWN
+        }
+
+
+def split_memory(
+    holding: DeviceHolding | None,
+    allocated: int | None,
+    reserved: int | None,
+    fragmented: int | None,
+) -> dict[str, int] | None:
+    """What holds a device's memory, in :data:`CATEGORIES`' order: parameters, gradients and
+    optimizer state (read from the job's optimizers), everything else allocated (activations,
+    temporaries, buffers, inputs, parameters under no optimizer), the cache (reserved less
+    allocated less fragmentation) and fragmentation. The first four sum to allocated, all six
+    to reserved (the last two only where reserved is known). ``None`` until both the holders
+    and allocated are known."""
+    if holding is None or allocated is None:
+        return None
+    held = holding.parameters + holding.gradients + holding.optimizer_state
+    split = {
+        "parameters": holding.parameters,
+        "gradients": holding.gradients,
+        "optimizer_state": holding.optimizer_state,
+        # The holders are read a little apart from allocated: never below zero.
+        "other_allocated": max(0, allocated - held),
+    }
+    if reserved is not None:
+        fragmented = min(fragmented or 0, max(0, reserved - allocated))
+        split["cache"] = max(0, reserved - allocated - fragmented)
+        split["fragmentation"] = fragmented
+    return split
 
 
 @dataclass
@@ -112,25 +178,10 @@ class DeviceMemory:
 
     @property
     def by_category(self) -> dict[str, int] | None:
-        """What holds this device's memory: parameters, gradients and optimizer state (read
-        from the job's optimizers), everything else allocated (activations, temporaries,
-        buffers, inputs, parameters under no optimizer), the cache (reserved less allocated
-        less fragmentation) and fragmentation. The first four sum to allocated, all six to
-        reserved. ``None`` until both the holders and allocated are known."""
-        holding, allocated = self.holding, self.latest.allocated_bytes
-        if holding is None or allocated is None:
-            return None
-        held = holding.parameters + holding.gradients + holding.optimizer_state
-        split = {
-            "parameters": holding.parameters,
-            "gradients": holding.gradients,
-            "optimizer_state": holding.optimizer_state,
-            # The holders are read a little apart from allocated: never below zero.
-            "other_allocated": max(0, allocated - held),
-        }
-        reserved = self.latest.reserved_bytes
-        if reserved is not None:
-            fragmented = min(self.fragmented or 0, max(0, reserved - allocated))
-            split["cache"] = max(0, reserved - allocated - fragmented)
-            split["fragmentation"] = fragmented
-        return split
+        """What holds this device's memory now (:func:`split_memory`): the first four sum to
+        allocated, all six to reserved. ``None`` until both the holders and allocated are
+        known."""
+        stats = self.latest
+        return split_memory(
+            self.holding, stats.allocated_bytes, stats.reserved_bytes, self.fragmented
+        )

@@ -130,12 +130,12 @@ def held_text(capture: MemoryCapture) -> str:
     return "Held by: " + ", ".join(parts) + "."
 
 
-def verdict_text(capture: MemoryCapture) -> str:
+def verdict_text(capture: MemoryCapture, *, held: bool = True) -> str:
     """The verdict in one short sentence: fragmented, full, or why it cannot be told; then
-    what held the memory, where known."""
-    held = held_text(capture)
+    what held the memory, where known (and ``held``: the OOM screen draws it as a bar)."""
+    held_by = held_text(capture) if held else ""
     text = _verdict(capture)
-    return f"{text} {held}" if held else text
+    return f"{text} {held_by}" if held_by else text
 
 
 def _verdict(capture: MemoryCapture) -> str:
@@ -383,7 +383,7 @@ def _by_holder(evidence: Evidence) -> list[Suggestion]:
                 how="torch.distributed.optim.ZeroRedundancyOptimizer(params, torch.optim.AdamW) "
                 "or FSDP/fully_shard; or bnb.optim.AdamW8bit(params); SGD with momentum keeps "
                 "one state tensor instead of Adam's two.",
-                demo="memory",
+                demo="holders",
             )
         ]
     if category == "gradients":

@@ -380,6 +380,9 @@ def energy_text(energy: dict[str, Any]) -> str:
 def agent_cost_line(cost: dict[str, Any]) -> str:
     """``torchtop's agent: 0.4% of step time (mean), 1.2 s of CPU (0.3% of a core); budget 1%``."""
     parts = []
+    if cost.get("measured_step_share") is not None:
+        measured = max(0.0, cost["measured_step_share"])
+        parts.append(f"{measured:.1%} of step time measured over {cost['measured_pairs']} pauses")
     if cost.get("mean_step_share") is not None:
         parts.append(f"{cost['mean_step_share']:.1%} of step time (mean)")
     cpu = f"{cost['cpu_s']:.2f} s of CPU"

@@ -1,10 +1,15 @@
-"""A background reader of one agent's stream, for viewers and recorders. Standard library only.
+"""A background reader of one agent's stream, for viewers and recorders.
 
 :class:`AgentFeed` waits for the agent to listen, connects, and hands every decoded message to a
 callback, writing each frame to a recording on the way. It ends when the agent closes the
 connection (the job exited or died), when it is closed, or on a malformed frame. An agent that
 stays connected but sends nothing for many sampling intervals is reported through
 ``on_silence(seconds)``, once a second, until it speaks again.
+
+Where the job runs on this machine, the feed reads from outside it what can be read there (its
+process from ``/proc``, the GPUs from NVML: :class:`~torchtop.streams.outside.OutsideReader`) and
+says so in its hello: the agent then leaves those reads to its viewers, and the frames it sends
+are completed here before they are handed on or recorded.
 """
 
 from __future__ import annotations
@@ -13,7 +18,19 @@ import threading
 import time
 from collections.abc import Callable
 
-from torchtop.protocol import Hello, JobExited, LoaderInfo, Message, ProtocolError, decode, encode
+from torchtop.protocol import (
+    PACED_SAMPLE_S,
+    GpuSample,
+    Hello,
+    JobExited,
+    LoaderInfo,
+    Message,
+    ProtocolError,
+    Sample,
+    decode,
+    encode,
+)
+from torchtop.streams.outside import OutsideReader
 from torchtop.streams.recording import FrameSink
 from torchtop.streams.worker_memory import with_worker_memory
 from torchtop.transport import (
@@ -34,6 +51,11 @@ LOST = "connection lost"
 LOST_PID_GRACE_S = 2.0
 
 
+def _frame(message: Message) -> bytes:
+    """A frame as a connection yields it: without its newline."""
+    return encode(message)[:-1]
+
+
 class AgentFeed:
     """Streams one agent into ``on_message``; ``on_end(reason)`` is called once at the end."""
 
@@ -50,6 +72,9 @@ class AgentFeed:
         on_end: Callable[[str], None] | None = None,
         on_silence: Callable[[float], None] | None = None,
         client: str = "viewer",
+        started_at: float | None = None,
+        outside: bool = True,
+        paced: bool = False,
     ) -> None:
         if pid is None and address is None:
             raise ValueError("give the agent's pid or address")
@@ -63,10 +88,19 @@ class AgentFeed:
         self._on_end = on_end
         self._on_silence = on_silence
         self._client = client
+        #: Read from outside the job what can be (``/proc``, NVML), so that its agent need not:
+        #: where this process can (the job's pid seen here; see :class:`OutsideReader`).
+        self._outside = outside
+        self._started_at = started_at
+        #: Samples once a second (:data:`~torchtop.protocol.PACED_SAMPLE_S`), not at the
+        #: agent's rate: for what shows or exports figures per second, never a recording.
+        self._paced = paced and writer is None
+        self.outside: OutsideReader | None = None
         #: The agent's sampling interval (from its hello) and when its last frame arrived.
         self._interval_s = 0.1
         self._last_frame = time.monotonic()
         self._job_pid: int | None = pid
+        self._peer_pid: int | None = None
         self._conn: AgentConnection | None = None
         self._closed = threading.Event()
         self.saw_exit: JobExited | None = None
@@ -137,6 +171,37 @@ class AgentFeed:
         if self._on_silence is not None and silent >= self.silence_after_s:
             self._on_silence(silent)
 
+    def _outside_reads(self, peer: int | None) -> list[str]:
+        """What this feed reads of the agent's job from outside: the job is the process at the
+        socket's other end (``peer``, numbered as this pid namespace sees it)."""
+        if not self._outside:
+            return []
+        if peer is not None:
+            self.outside = OutsideReader.for_job(peer)
+        else:
+            self.outside = OutsideReader.for_job(self._job_pid, self._started_at)
+        if self.outside is None:
+            return []
+        if peer is not None:
+            self._job_pid = self._peer_pid = peer
+        return self.outside.names()
+
+    def _deliver(self, frame: bytes, message: Message | None) -> None:
+        if self.writer is not None:
+            self.writer.write_frame(frame)
+        self.frames += 1
+        if message is None:
+            return
+        if isinstance(message, JobExited):
+            self.saw_exit = message
+        elif isinstance(message, Hello):
+            # The socket's pid is this namespace's; the hello's is the job's own.
+            self._job_pid = self._peer_pid or message.pid
+            if message.interval_s > 0:
+                self._interval_s = message.interval_s
+        if self._on_message is not None:
+            self._on_message(message)
+
     def _stream(self) -> str:
         address = self.address
         if address is None:
@@ -154,10 +219,16 @@ class AgentFeed:
                     return "the job exited before its agent started"
                 return f"no agent appeared for pid {self.pid} within {self._wait_s:.0f} s"
             address = info.address
+            self._started_at = info.started_at
         deadline = time.monotonic() + 2.0
         while True:
             try:
-                self._conn = AgentConnection(address, client=self._client)
+                self._conn = AgentConnection(
+                    address,
+                    client=self._client,
+                    outside=self._outside_reads,
+                    pace_s=PACED_SAMPLE_S if self._paced else 0.0,
+                )
                 break
             except TransportError:
                 # The socket can exist a moment before it listens; retry briefly.
@@ -172,22 +243,23 @@ class AgentFeed:
             for frame in self._conn.frames(on_idle=self._check_silence):
                 self._last_frame = time.monotonic()
                 message = decode(frame)
+                outside = self.outside
                 if isinstance(message, LoaderInfo) and self._job_pid is not None:
                     message = with_worker_memory(message, self._job_pid)
-                    frame = encode(message)
-                if self.writer is not None:
-                    self.writer.write_frame(frame)
-                self.frames += 1
-                if message is None:
-                    continue
-                if isinstance(message, JobExited):
-                    self.saw_exit = message
-                elif isinstance(message, Hello):
-                    self._job_pid = message.pid
-                    if message.interval_s > 0:
-                        self._interval_s = message.interval_s
-                if self._on_message is not None:
-                    self._on_message(message)
+                    frame = _frame(message)
+                elif isinstance(message, Sample) and outside is not None:
+                    filled = outside.sample(message)
+                    if filled is not message:
+                        message, frame = filled, _frame(filled)
+                elif isinstance(message, GpuSample) and outside is not None:
+                    outside.agent_gpu()
+                elif isinstance(message, Hello) and outside is not None:
+                    outside.hello(message)
+                self._deliver(frame, message)
+                if isinstance(message, Sample) and outside is not None:
+                    gpu = outside.gpu()
+                    if gpu is not None:
+                        self._deliver(_frame(gpu), gpu)
         except ProtocolError as exc:
             return f"the agent sent a malformed frame: {exc}"
         finally:

@@ -1,4 +1,6 @@
-"""A job watched from outside, when no agent can be started in it (see :mod:`.inject`).
+"""A job read from outside: by itself when no agent can be started in it (:class:`OutsideWatch`),
+or beside its agent, which leaves to its viewers what they can read themselves
+(:class:`OutsideReader`).
 
 What ``/proc`` and NVML tell any process of the same user: the job's RSS, CPU, threads and
 children, and each GPU with the memory every process holds on it. No steps, no allocator, no op
@@ -16,20 +18,27 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import psutil
 
+from torchtop.agent.probes.base import ProbeUnavailable
 from torchtop.agent.probes.cpu_memory import CpuMemoryProbe
 from torchtop.agent.probes.host import HostProbe
+from torchtop.agent.probes.nvml import NvmlProbe, matched
 from torchtop.agent.sampler import Sampler
 from torchtop.model.connection import SourceConnected, SourceDisconnected
 from torchtop.protocol import (
     PROTOCOL_VERSION,
     DeviceInfo,
+    GpuSample,
+    GpuStats,
     Hello,
+    HostStats,
     JobExited,
     Message,
     ProbeStatus,
+    Sample,
 )
 from torchtop.streams.recording import RecordingWriter
 from torchtop.streams.source import Sink, Source
@@ -58,8 +67,6 @@ class OutsideWatch:
         self._interval_s = interval_s
         nvml_probe = None
         if nvml:
-            from torchtop.agent.probes.nvml import NvmlProbe
-
             nvml_probe = NvmlProbe()
         self._nvml = nvml_probe
         # RSS stands for the job's memory: its heap cannot be read from outside.
@@ -173,3 +180,206 @@ class _OutsideSource(Source):
             self._watch.stop()
         if self.writer is not None:
             self.writer.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Reading for an agent: what its viewers read from outside while the agent leaves it to them
+# --------------------------------------------------------------------------------------------
+
+#: A job whose process started this much before or after its agent says is not the agent's
+#: (a pid seen from another pid namespace): nothing is read from outside for it.
+START_SLACK_S = 5.0
+#: A sample older than this (the agent's history, sent at attach) keeps what the agent sent.
+FILL_WITHIN_S = 2.0
+#: How often the process table is walked for every reader of this process together.
+CHILDREN_EVERY_S = 5.0
+
+
+class SharedNvml:
+    """One NVML reader for every feed of this process: a run view of 64 ranks on one node
+    reads NVML once per interval, not 64 times. Each reader matches the rows to its own job's
+    devices (:func:`~torchtop.agent.probes.nvml.matched`)."""
+
+    def __init__(self, probe: NvmlProbe | None = None) -> None:
+        self._probe = probe
+        self._lock = threading.Lock()
+        self._rows: list[GpuStats] | None = None
+        self._read_at = -float("inf")
+        #: Why NVML cannot be read here, once it was found so.
+        self.failure: str | None = None
+
+    def available(self) -> bool:
+        """Whether NVML answers (started on the first call)."""
+        return self.rows(max_age_s=float("inf")) is not None
+
+    def rows(self, max_age_s: float) -> list[GpuStats] | None:
+        """Every GPU's row, read at most ``max_age_s`` ago; ``None`` without NVML."""
+        with self._lock:
+            if self.failure is not None:
+                return None
+            now = time.monotonic()
+            if self._rows is not None and now - self._read_at < max_age_s:
+                return self._rows
+            if self._probe is None:
+                self._probe = NvmlProbe()
+            try:
+                self._rows = self._probe.read()
+            except ProbeUnavailable as exc:
+                self.failure = str(exc)
+                return None
+            except Exception as exc:  # a reader must never fail its feed
+                self.failure = f"NVML failed: {exc!r}"
+                return None
+            self._read_at = now
+            return self._rows
+
+
+_SHARED_NVML: SharedNvml | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_nvml() -> SharedNvml:
+    """This process's NVML reader, made on first use."""
+    global _SHARED_NVML
+    with _SHARED_LOCK:
+        if _SHARED_NVML is None:
+            _SHARED_NVML = SharedNvml()
+        return _SHARED_NVML
+
+
+class _ProcessTable:
+    """Children per process, from one walk of the process table every few seconds shared by
+    every reader (a walk reads every process's ``stat``: one per reader would cost 64 walks for
+    64 ranks)."""
+
+    def __init__(self, every_s: float = CHILDREN_EVERY_S) -> None:
+        self._every_s = every_s
+        self._lock = threading.Lock()
+        self._children: dict[int, list[int]] = {}
+        self._walked_at = -float("inf")
+
+    def descendants(self, process: psutil.Process) -> int:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._walked_at >= self._every_s:
+                children: dict[int, list[int]] = {}
+                for proc in psutil.process_iter(["ppid"]):
+                    ppid = proc.info.get("ppid")
+                    if isinstance(ppid, int):
+                        children.setdefault(ppid, []).append(proc.pid)
+                self._children, self._walked_at = children, now
+            table = self._children
+        count, todo, seen = 0, list(table.get(process.pid, ())), {process.pid}
+        while todo:
+            pid = todo.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            count += 1
+            todo.extend(table.get(pid, ()))
+        return count
+
+
+_PROCESS_TABLE = _ProcessTable()
+
+
+class OutsideReader:
+    """What a feed reads of its job from outside it, for an agent that leaves it to its viewers.
+
+    The feed says in its hello which figures it reads (:meth:`names`); while every viewer does,
+    the agent's ``sample`` carries the RSS alone and it sends no ``gpu`` frames. The feed then
+    fills the host's other fields into each ``sample`` (:meth:`sample`; psutil once a second,
+    the process table shared) and makes the ``gpu`` frames itself (:meth:`gpu`; NVML shared by
+    every feed of this process), so that the viewer, the recording and the report get the same
+    frames as before. Where the agent sent a figure itself (another viewer needs it), that one
+    is kept and nothing is added.
+    """
+
+    def __init__(
+        self,
+        process: psutil.Process,
+        *,
+        nvml: SharedNvml | None = None,
+        host_every_s: float = 1.0,
+        nvml_every_s: float = 0.5,
+    ) -> None:
+        self._process = process
+        self._host = HostProbe(process, children_every=1, count_children=_PROCESS_TABLE.descendants)
+        self._host_every_s = host_every_s
+        self._host_at = -float("inf")
+        self._host_last: HostStats | None = None
+        self._nvml = nvml
+        self._nvml_every_s = nvml_every_s
+        self._nvml_at = -float("inf")
+        self._agent_gpu_at = -float("inf")
+        self._uuids: list[str | None] | None = None
+
+    @classmethod
+    def for_job(
+        cls, pid: int | None, started_at: float | None = None, *, nvml: SharedNvml | None = None
+    ) -> OutsideReader | None:
+        """A reader for ``pid`` when this process can read it from outside (``None`` where it
+        cannot: no such process here, ``/proc`` hidden, or a pid that is not the agent's job).
+        NVML is read where it answers."""
+        if pid is None:
+            return None
+        try:
+            process = psutil.Process(pid)
+            created = process.create_time()
+            process.memory_info()
+        except (psutil.Error, OSError):
+            return None
+        if started_at is not None and abs(created - started_at) > START_SLACK_S:
+            return None
+        if nvml is None:
+            nvml = shared_nvml()
+        return cls(process, nvml=nvml if nvml.available() else None)
+
+    def names(self) -> list[str]:
+        """The figures read here, for the feed's hello."""
+        return ["host", "nvml"] if self._nvml is not None else ["host"]
+
+    def hello(self, hello: Hello) -> None:
+        """The job's CUDA devices, to match NVML's GPUs to (the agent says them again once the
+        job has initialized CUDA)."""
+        cuda = [d for d in hello.devices if d.id.startswith("cuda:")]
+        self._uuids = [d.uuid for d in cuda] if cuda else None
+
+    def sample(self, sample: Sample) -> Sample:
+        """``sample`` with the host's fields the agent left to its viewers filled in."""
+        host = sample.host
+        if host is None or host.cpu_percent is not None or host.threads is not None:
+            return sample  # the agent read them (or read nothing)
+        if abs(time.time() - sample.t) > FILL_WITHIN_S:
+            return sample  # history from before this viewer: what it was then is not known
+        now = time.monotonic()
+        if now - self._host_at >= self._host_every_s:
+            self._host_at = now
+            with contextlib.suppress(ProbeUnavailable, psutil.Error, OSError):
+                self._host_last = self._host.read()
+        last = self._host_last
+        if last is None:
+            return sample
+        filled = replace(
+            last, rss_bytes=host.rss_bytes, cpus=host.cpus, local_processes=host.local_processes
+        )
+        return replace(sample, host=filled)
+
+    def agent_gpu(self) -> None:
+        """The agent sent a ``gpu`` frame itself: none is made here for a while."""
+        self._agent_gpu_at = time.monotonic()
+
+    def gpu(self) -> GpuSample | None:
+        """A ``gpu`` frame when one is due and the agent sends none; ``None`` otherwise."""
+        if self._nvml is None:
+            return None
+        now = time.monotonic()
+        if now - self._nvml_at < self._nvml_every_s:
+            return None
+        if now - self._agent_gpu_at < 4 * self._nvml_every_s:
+            return None
+        self._nvml_at = now
+        rows = self._nvml.rows(max_age_s=self._nvml_every_s / 2)
+        if rows is None:
+            return None
+        return GpuSample(t=time.time(), gpus=matched(rows, self._uuids))

@@ -86,6 +86,7 @@ class RankFeeds:
             alive=functools.partial(pid_alive, pid),
             writer=writer,
             client=self._client,
+            paced=True,  # a rank's row needs a sample a second; a recording gets them all
             on_message=functools.partial(self._received, str(pid)),
             on_end=functools.partial(self._ended, pid, writer),
         )
@@ -342,6 +343,7 @@ class AttachedRun(RunFold):
         for info in self.agents:
             feed = AgentFeed(
                 address=info.address,
+                paced=True,  # a rank's row needs a sample a second; a recording gets them all
                 on_message=functools.partial(self.queue, str(info.pid)),
                 writer=TaggedWriter(self.writer, str(info.pid)) if self.writer else None,
             )

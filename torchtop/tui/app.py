@@ -233,6 +233,9 @@ class TorchtopApp(App[int]):
     def action_toggle_ops(self) -> None:
         self._on_job("toggle_ops")
 
+    def action_toggle_held(self) -> None:
+        self._on_job("toggle_held")
+
     def action_profile(self) -> None:
         self._on_job("profile")
 

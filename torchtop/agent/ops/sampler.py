@@ -421,6 +421,11 @@ class OpsSampler:
 
     # -- sampler thread ----------------------------------------------------------------------
 
+    @property
+    def idle(self) -> bool:
+        """No window armed or open."""
+        return self._state == IDLE
+
     def tick(self, now: float, steps: Any) -> list[Message]:
         """Schedule windows and turn closed ones into frames. ``steps`` is the
         :class:`~torchtop.agent.steps.StepCollector`."""

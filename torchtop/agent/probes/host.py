@@ -38,6 +38,7 @@ class HostProbe:
         process: psutil.Process | None = None,
         children_every: int = 10,
         full_every: int = 1,
+        count_children: Callable[[psutil.Process], int] | None = None,
     ) -> None:
         if children_every < 1:
             raise ValueError("children_every must be at least 1")
@@ -54,6 +55,9 @@ class HostProbe:
             self._statm = _open_statm(self._process.pid)
         self._page_size = _page_size()
         self._children: int | None = None
+        #: How the children are counted: a walk of the process table from this process, or a
+        #: table shared by several readers (see ``torchtop.streams.outside``).
+        self._count_children = count_children or _count_children
         # psutil's cpu_percent(interval=None) measures since its previous call; the first call
         # only starts the measurement, so its 0.0 means nothing and is reported as None.
         self._cpu_primed = False
@@ -73,6 +77,26 @@ class HostProbe:
         stats = self._read_full()
         self._last = stats
         return stats
+
+    def read_rss(self) -> HostStats:
+        """The RSS alone, from ``/proc/PID/statm`` (one ``pread`` on a file kept open), for a job
+        whose viewers read the rest from outside it: the other fields are ``None`` but the ones
+        fixed for the process's life. A full read where ``statm`` cannot be read."""
+        if self._statm is None:
+            self._statm = _open_statm(self._process.pid)
+        rss = self._statm_rss()
+        if rss is None:
+            return self.read()
+        return HostStats(
+            rss_bytes=rss,
+            cpu_percent=None,
+            threads=None,
+            children=None,
+            system_used_bytes=None,
+            system_total_bytes=None,
+            cpus=self._cpus,
+            local_processes=self._local_processes,
+        )
 
     def close(self) -> None:
         statm, self._statm = self._statm, None
@@ -100,7 +124,7 @@ class HostProbe:
                 cpu = _field(lambda: float(process.cpu_percent(interval=None)))
                 threads = _field(lambda: int(process.num_threads()))
             if self._reads % self._children_every == 0:
-                self._children = _field(lambda: len(process.children(recursive=True)))
+                self._children = _field(lambda: self._count_children(process))
         except psutil.NoSuchProcess:
             raise ProbeUnavailable(f"process {process.pid} is gone") from None
         self._reads += 1
@@ -126,6 +150,10 @@ class HostProbe:
             cpus=self._cpus,
             local_processes=self._local_processes,
         )
+
+
+def _count_children(process: psutil.Process) -> int:
+    return len(process.children(recursive=True))
 
 
 def _open_statm(pid: int) -> int | None:

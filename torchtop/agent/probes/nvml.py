@@ -371,22 +371,7 @@ class NvmlProbe:
         if self._job_uuids is not None:
             with contextlib.suppress(Exception):
                 uuids = self._job_uuids()
-        cuda_index = {uuid_key(u): i for i, u in enumerate(uuids or ()) if u}
-        if not cuda_index:
-            return rows  # no usable UUID: which GPUs are the job's is unknown
-        # A device whose UUID is unknown may be any GPU not matched, and a GPU whose UUID NVML
-        # cannot read may be any device: those stay unknown.
-        unmatched = False if uuids and all(uuids) else None
-        job: list[tuple[int, GpuStats]] = []
-        others: list[GpuStats] = []
-        for row in rows:
-            index = cuda_index.get(uuid_key(row.uuid)) if row.uuid else None
-            if index is None:
-                others.append(replace(row, in_job=unmatched if row.uuid else None))
-            else:
-                job.append((index, replace(row, in_job=True, cuda_device=f"cuda:{index}")))
-        job.sort(key=lambda pair: pair[0])
-        return [row for _, row in job] + others
+        return matched(rows, uuids)
 
     def close(self) -> None:
         """Shut NVML down if it was started. Later calls do nothing."""
@@ -507,6 +492,27 @@ class NvmlProbe:
         except Exception:
             # A backend that breaks its contract costs this field, never the sampler thread.
             return None
+
+
+def matched(rows: list[GpuStats], uuids: list[str | None] | None) -> list[GpuStats]:
+    """``rows`` with the job's GPUs first, in CUDA's order (``uuids``: its devices' UUIDs,
+    ``cuda:0`` first; ``None`` before it initialized CUDA), ``cuda_device`` and ``in_job`` set."""
+    cuda_index = {uuid_key(u): i for i, u in enumerate(uuids or ()) if u}
+    if not cuda_index:
+        return rows  # no usable UUID: which GPUs are the job's is unknown
+    # A device whose UUID is unknown may be any GPU not matched, and a GPU whose UUID NVML
+    # cannot read may be any device: those stay unknown.
+    unmatched = False if uuids and all(uuids) else None
+    job: list[tuple[int, GpuStats]] = []
+    others: list[GpuStats] = []
+    for row in rows:
+        index = cuda_index.get(uuid_key(row.uuid)) if row.uuid else None
+        if index is None:
+            others.append(replace(row, in_job=unmatched if row.uuid else None))
+        else:
+            job.append((index, replace(row, in_job=True, cuda_device=f"cuda:{index}")))
+    job.sort(key=lambda pair: pair[0])
+    return [row for _, row in job] + others
 
 
 def uuid_key(uuid: str | None) -> str:

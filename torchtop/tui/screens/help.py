@@ -44,6 +44,17 @@ HELP_PANELS = (
         "at that time (a second click or Esc takes them off).",
     ),
     (
+        "Held",
+        "h: what holds each device's memory over time, stacked from the bottom, one letter "
+        "per cell: P parameters, G gradients, O optimizer state (read from the optimizers the "
+        "job steps, each storage once), A everything else allocated (activations, "
+        "temporaries, buffers, inputs, parameters under no optimizer), C cache (reserved "
+        "less allocated), F fragmentation; · allocated, not split yet. Each category held "
+        "gets a cell at least; on the CPU the bars split the heap (RSS above it is in the "
+        "first lines). Beneath: the top modules by activation memory at a step's peak, from "
+        "the latest memory window.",
+    ),
+    (
         "Phase",
         "beside the chart, only when the job's phases carry descriptions (the demos): the "
         "running phase, what it does and why; ■ ended once it is over",

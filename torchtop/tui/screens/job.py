@@ -50,6 +50,7 @@ from torchtop.tui.widgets.chart import TimeSeriesChart
 from torchtop.tui.widgets.compare import Against, ComparePanel, RecordingError, load_against
 from torchtop.tui.widgets.device import DevicePanel
 from torchtop.tui.widgets.header import JobHeader, Playback
+from torchtop.tui.widgets.held import HeldPanel
 from torchtop.tui.widgets.host import HostPanel
 from torchtop.tui.widgets.loaders import LoaderPanel
 from torchtop.tui.widgets.log import LogPanel
@@ -147,6 +148,15 @@ JOB_BINDINGS: list[BindingType] = [
         "toggle_ops",
         "Ops",
         tooltip="the ops panel alone, full height (op timings); t again to go back",
+    ),
+    # Off the footer: a recording's footer with its OOM key fills 80 columns already.
+    Binding(
+        "h",
+        "toggle_held",
+        "Held",
+        show=False,
+        tooltip="what holds memory: parameters, gradients, optimizer state, other, cache and "
+        "fragmentation per device over time, and the top modules; h again to go back",
     ),
     Binding(
         "p",
@@ -261,6 +271,7 @@ class JobScreen(Screen[None]):
                 yield HostPanel(id="host")
             yield LogPanel(id="log")
             yield OpsPanel(id="ops")  # `t`: in place of the rest
+            yield HeldPanel(id="held")  # `h`: in place of the rest
         # ctrl+p is in the help: the footer has no room left for its hint at 80 columns.
         yield Footer(show_command_palette=False)
 
@@ -407,6 +418,8 @@ class JobScreen(Screen[None]):
             self._announce_connection()
         self._show_captures(state)
         self._show_ops(state)
+        if slow and self.query_one("#body").has_class("held-only"):
+            self.query_one(HeldPanel).show_state(state)
         offers = self._offers()
         if offers != self._shown_offers:
             self._shown_offers = offers
@@ -617,7 +630,23 @@ class JobScreen(Screen[None]):
 
     def action_toggle_log(self) -> None:
         self._set_ops_shown(False)
+        self._set_held_shown(False)
         self.query_one("#body").toggle_class("log-only")
+
+    # -- what holds memory (torchtop.tui.widgets.held) -------------------------------------------
+
+    def _set_held_shown(self, shown: bool) -> None:
+        body = self.query_one("#body")
+        body.set_class(shown, "held-only")
+        if shown:
+            self._set_ops_shown(False)  # and the ops table's focus goes with it
+            body.remove_class("log-only")
+            self.query_one(HeldPanel).show_state(self.state)
+
+    def action_toggle_held(self) -> None:
+        """What holds memory, per device over time, in place of the panels; ``h`` again to
+        go back."""
+        self._set_held_shown(not self.query_one("#body").has_class("held-only"))
 
     def action_toggle_pause(self) -> None:
         self.source.set_paused(not self.source.paused)
@@ -725,6 +754,7 @@ class JobScreen(Screen[None]):
         panel = self.query_one(OpsPanel)
         if shown:
             body.remove_class("log-only")
+            body.remove_class("held-only")
             panel.show_state(self.state)
             panel.focus_table()
         elif panel.has_focus_within:

@@ -33,7 +33,13 @@ from torchtop.model.oom_advice import Suggestion, verdict_text
 from torchtop.protocol import AllocationSite, MemoryCapture, OutOfMemory, StackFrame
 from torchtop.tui.format import MISSING, format_bytes, format_clock
 from torchtop.tui.widgets.chart import ChartMark, ChartSeries, ChartSpan, TimeSeriesChart
-from torchtop.tui.widgets.memory import ALLOCATED_STYLE, RESERVED_STYLE
+from torchtop.tui.widgets.memory import (
+    ALLOCATED_STYLE,
+    RESERVED_STYLE,
+    flow,
+    split_cells,
+    split_key,
+)
 
 #: Seconds of memory history the timeline shows before the failure (at most).
 TIMELINE_S = 120.0
@@ -45,8 +51,30 @@ def _where(frame: StackFrame | AllocationSite, full: bool = False) -> str:
     return f"{path}:{frame.line}"
 
 
-def banner_text(entry: CaptureEntry, state: JobModel, now: float | None = None) -> Text:
-    """The banner's lines: what failed, the figures, the verdict, where, the snapshot, the hold."""
+#: Cells of the bar of what held the memory at the failure, at most.
+HELD_BAR_CELLS = 32
+
+
+def held_bar(capture: MemoryCapture, width: int = 80) -> list[Text]:
+    """What held the allocated memory at the failure (the capture's split): a bar, one letter
+    per cell as the memory panel's, then each category's name, bytes and share, over two
+    lines at most of ``width`` cells; none when the split is not known."""
+    # The job's own words: each category is shown by its letter, or made printable.
+    split: dict[str, int] = {}
+    for part in capture.by_category:
+        split[part.category] = split.get(part.category, 0) + max(0, part.bytes)
+    if sum(split.values()) <= 0:
+        return []
+    bar = Text(" held ", "dim")
+    bar.append_text(split_cells(split, max(8, min(HELD_BAR_CELLS, width // 3))))
+    return flow([bar, *split_key(split, names=True, shares=True)], width, 2)
+
+
+def banner_text(
+    entry: CaptureEntry, state: JobModel, now: float | None = None, width: int = 80
+) -> Text:
+    """The banner's lines: what failed, the figures, the verdict and what held the memory,
+    where, the snapshot, the hold; fitted to ``width`` cells."""
     capture = entry.capture
     started = state.hello.started_at if state.hello is not None else None
     at = format_clock(capture.t - started) if started is not None else MISSING
@@ -78,10 +106,14 @@ def banner_text(entry: CaptureEntry, state: JobModel, now: float | None = None) 
     text.append("  allocated ", "dim")
     text.append(format_bytes(capture.allocated_bytes), ALLOCATED_STYLE)
     text.append("\n")
-    verdict = verdict_text(capture)
+    held_lines = held_bar(capture, width)
+    verdict = verdict_text(capture, held=not held_lines)
     style = {True: "bold yellow", False: "bold red"}.get(bool(capture.fragmented), "")
     text.append(f" {verdict}", style if capture.fragmented is not None else "dim")
     text.append("\n")
+    for line in held_lines:
+        text.append_text(line)
+        text.append("\n")
     parts = 0
     if capture.requested_stack:
         failed = next(
@@ -280,7 +312,7 @@ class OomScreen(Screen[None]):
         """Redraw what depends on the rest of the state: the banner, advice and timeline."""
         self.state = state
         capture = self.entry.capture
-        self.query_one("#oom-banner", Static).update(banner_text(self.entry, state))
+        self._show_banner()
         self.suggestions = self.entry.suggestions
         self.query_one("#oom-advice", Static).update(advice_text(self.suggestions))
         series, spans, marks, start, end = timeline(state, capture)
@@ -288,6 +320,11 @@ class OomScreen(Screen[None]):
             series, t_start=start, t_end=end, spans=spans, marks=marks
         )
         self.refresh_bindings()  # ``r`` only while the job is held
+
+    def _show_banner(self) -> None:
+        banner = self.query_one("#oom-banner", Static)
+        width = banner.content_region.width or self.app.size.width
+        banner.update(banner_text(self.entry, self.state, width=width))
 
     def _show_stack(self, row: int) -> None:
         capture = self.entry.capture
@@ -305,7 +342,7 @@ class OomScreen(Screen[None]):
 
     def _tick(self) -> None:
         if self.state.captures.holding is not None:
-            self.query_one("#oom-banner", Static).update(banner_text(self.entry, self.state))
+            self._show_banner()
 
     # -- actions -------------------------------------------------------------------------------
 

@@ -100,7 +100,7 @@ def _dot_level(value: float, y_max: float, dot_rows: int) -> int:
     return max(1, min(dot_rows, level))
 
 
-def _phase_row(
+def phase_row(
     spans: Sequence[ChartSpan],
     marks: Sequence[ChartMark],
     t_start: float,
@@ -152,11 +152,11 @@ def _phase_row(
             chars[col] = "◆"
             styles[col] = _MARK_STYLE
     text = Text()
-    _append_runs(text, chars, styles)
+    append_runs(text, chars, styles)
     return text
 
 
-def _append_runs(text: Text, chars: Sequence[str], styles: Sequence[str]) -> None:
+def append_runs(text: Text, chars: Sequence[str], styles: Sequence[str]) -> None:
     """Append ``chars`` to ``text``, one span per run of one style: a span per cell made the
     chart the costliest widget to render."""
     start = 0
@@ -299,12 +299,12 @@ def render_chart(
             styles[read_at] = f"{styles[read_at]} reverse".strip()
             if row == 0:
                 _overlay(chars, styles, reading, read_at)
-        _append_runs(text, chars, styles)
+        append_runs(text, chars, styles)
         text.append("\n")
     if axis_width:
         window = f"-{format_span(t_end - t_start)}" if t_end > t_start else ""
         text.append(f"{window:>{axis_width - 1}} ", "dim")
-    text.append_text(_phase_row(spans, marks, t_start, t_end, plot_width))
+    text.append_text(phase_row(spans, marks, t_start, t_end, plot_width))
     return text
 
 

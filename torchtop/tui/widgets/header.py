@@ -81,10 +81,13 @@ def devices_summary(state: JobModel) -> str:
 
 def agent_cost(state: JobModel) -> str:
     """``torchtop 0.4% of step``, or ``torchtop 0.2% of a core`` while the job takes no step;
-    empty before the agent has measured itself."""
+    empty before the agent has measured itself. The share measured by pausing the agent where
+    there is one (it sees the GIL), its threads' CPU share of the step time where not."""
     stats = state.agent_stats
     if stats is None or state.job_ended:
         return ""
+    if stats.measured_step_share is not None:
+        return f"torchtop {max(0.0, stats.measured_step_share):.1%} of step"
     if stats.step_share is not None:
         return f"torchtop {stats.step_share:.1%} of step"
     if stats.cpu_share is not None:

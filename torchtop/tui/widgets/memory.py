@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rich.text import Text
@@ -12,7 +13,8 @@ from textual.events import Resize
 from textual.widgets import Static
 
 from torchtop.model.job import JobModel
-from torchtop.model.memory import DeviceMemory
+from torchtop.model.memory import UNSPLIT, DeviceMemory
+from torchtop.text import printable
 from torchtop.tui.format import MISSING, format_bytes, format_used_total
 from torchtop.tui.widgets.chart import ChartMark, ChartSeries, ChartSpan, TimeSeriesChart
 from torchtop.tui.widgets.quiet import set_titles, update_if_changed
@@ -133,7 +135,8 @@ def memory_figures(state: JobModel, width: int | None = None) -> Text:
     return figures
 
 
-#: The split's categories: key letter, label and colour, in the order of the bar.
+#: The split's categories: key letter, label and colour, in the order of the bar. The letter
+#: makes the bar read without colour; "·" is allocated memory whose holders are not read yet.
 HOLDER_STYLES = {
     "parameters": ("P", "params", "blue"),
     "gradients": ("G", "grads", "magenta"),
@@ -141,7 +144,96 @@ HOLDER_STYLES = {
     "other_allocated": ("A", "other", "cyan"),
     "cache": ("C", "cache", "bright_black"),
     "fragmentation": ("F", "frag", "red"),
+    UNSPLIT: ("·", "not split", "dim"),
 }
+
+
+def holder_style(category: str) -> tuple[str, str, str]:
+    """A category's letter, label and colour; one the viewer does not know (a newer agent's,
+    or any text a job sent) as ``?`` and its name made printable."""
+    known = HOLDER_STYLES.get(category)
+    if known is not None:
+        return known
+    return "?", printable(category, one_line=True)[:16], ""
+
+
+def stack_cells(split: Mapping[str, int], rows: int, top: float) -> list[str]:
+    """A stacked bar's cells from its base, each the category it shows: as many as its total
+    takes on a scale of ``top`` bytes over ``rows`` cells; each category held gets one cell at
+    least (a few MiB of parameters beside GiB of activations still show), the rest go by share
+    (largest remainders). Blank cells beyond the total are not in the list."""
+    if top <= 0 or rows <= 0:
+        return []
+    unit = top / rows
+    held = [(category, value / unit) for category, value in split.items() if value > 0]
+    if len(held) > rows:  # more categories than cells: the largest ones
+        kept = sorted(held, key=lambda item: -item[1])[:rows]
+        held = [item for item in held if item in kept]
+    height = min(rows, max(len(held), round(sum(e for _, e in held))))
+    spare = height - len(held)
+    # One cell each, then the spare cells by what each holds beyond its first cell.
+    beyond = [max(0.0, e - 1) for _, e in held]
+    whole = sum(beyond)
+    quotas = [b * spare / whole if whole > 0 else 0.0 for b in beyond]
+    counts = [1 + int(q) for q in quotas]
+    order = sorted(range(len(held)), key=lambda i: -(quotas[i] - int(quotas[i])))
+    for i in order[: height - sum(counts)]:
+        counts[i] += 1
+    return [category for (category, _), n in zip(held, counts, strict=True) for _ in range(n)]
+
+
+def split_cells(split: Mapping[str, int], cells: int) -> Text:
+    """The split as a bar of ``cells`` cells (:func:`stack_cells`), each cell its category's
+    letter in reverse colour, in the split's order; empty when the total is 0."""
+    bar = Text()
+    for category in stack_cells(split, cells, sum(split.values())):
+        letter, _, style = holder_style(category)
+        bar.append(letter, f"reverse {style}".strip())
+    return bar
+
+
+#: The cache's name on the CPU, which has no caching allocator: RSS above the heap.
+CPU_CACHE_LABEL = "RSS>heap"
+
+
+def split_key(
+    split: Mapping[str, int], *, names: bool = False, cpu: bool = False, shares: bool = False
+) -> list[Text]:
+    """Each category held, as its letter and bytes (``P 512 MiB``), or with its name too
+    (``P params 512 MiB``), and its share of the whole (``25%``), in its colour; ``cpu``: the
+    cache is named as the CPU's."""
+    parts = []
+    total = sum(split.values())
+    for category, value in split.items():
+        if value <= 0:
+            continue
+        letter, label, style = holder_style(category)
+        if cpu and category == "cache":
+            label = CPU_CACHE_LABEL
+        words = f"{letter} {label} " if names else f"{letter} "
+        words += format_bytes(value)
+        if shares and total > 0:
+            words += f" {value / total:.0%}"
+        parts.append(Text(words, style))
+    return parts
+
+
+def flow(parts: Sequence[Text], width: int, max_lines: int, sep: str = "  ") -> list[Text]:
+    """``parts`` in order over at most ``max_lines`` lines of ``width`` cells, leaving out what
+    does not fit rather than cutting a part in the middle."""
+    lines: list[Text] = [Text(no_wrap=True, overflow="ellipsis")]
+    for part in parts:
+        current = lines[-1]
+        if not current.plain:
+            current.append_text(part)
+        elif current.cell_len + len(sep) + part.cell_len <= width:
+            current.append(sep)
+            current.append_text(part)
+        elif len(lines) < max_lines:
+            lines.append(Text(no_wrap=True, overflow="ellipsis").append_text(part))
+    for line in lines:
+        line.truncate(width)
+    return lines
 
 
 def holders_line(memory: DeviceMemory, width: int) -> Text | None:
@@ -150,25 +242,14 @@ def holders_line(memory: DeviceMemory, width: int) -> Text | None:
     split = memory.by_category
     if not split:
         return None
-    total = sum(split.values())
-    keys = [
-        (f"{HOLDER_STYLES[c][0]} {format_bytes(v)}", HOLDER_STYLES[c][2])
-        for c, v in split.items()
-        if v > 0
-    ]
-    key_width = sum(len(k) + 1 for k, _ in keys)
+    keys = split_key(split)
+    key_width = sum(k.cell_len + 1 for k in keys)
     cells = max(8, min(30, width - key_width - 6))
     line = Text("held ", "dim")
-    if total > 0:
-        start = 0.0
-        for category, value in split.items():
-            end = start + value * cells / total
-            letter, _, style = HOLDER_STYLES[category]
-            line.append(letter * (round(end) - round(start)), f"reverse {style}")
-            start = end
-    for text, style in keys:
+    line.append_text(split_cells(split, cells))
+    for key in keys:
         line.append(" ")
-        line.append(text, style)
+        line.append_text(key)
     line.truncate(width)
     return line
 
