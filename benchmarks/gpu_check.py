@@ -416,6 +416,14 @@ def group_allocator(s: Session) -> list[Check]:
             "nvml: job's GPU matched by UUID",
             lambda: cmp.nvml_gpu_matched_by_uuid(frames, truth["uuid"], smi_rows),
         ),
+        (
+            "nvml: energy counter = the job's own read",
+            lambda: cmp.nvml_energy_matches_job(frames, plateaus),
+        ),
+        (
+            "energy: J/step = counter difference over the steps",
+            lambda: cmp.energy_per_step_matches_counter(frames, _report_energy(record)),
+        ),
     ]
     rows = [cmp.allocator_matches_job(frames, plateaus)]
     rows += [s.needs(NVML_DEPENDENCY, name) or row() for name, row in nvml_rows]
@@ -426,6 +434,18 @@ def group_allocator(s: Session) -> list[Check]:
     if not poller.reads:
         rows.append(check("nvml: nvidia-smi read", "answers", poller.error or "no reads", False))
     return rows
+
+
+def _report_energy(record: Path) -> dict[str, Any] | None:
+    """The report's ``energy`` for a recording (``None`` from a checkout without it)."""
+    try:
+        from torchtop.report.job import summarize
+        from torchtop.streams.recording import read_recording
+
+        energy = summarize(read_recording(record).messages).get("energy")
+    except Exception:
+        return None
+    return energy if isinstance(energy, dict) else None
 
 
 def _shown(record: Path) -> list[str] | None:

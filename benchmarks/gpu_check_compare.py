@@ -315,6 +315,90 @@ def hello_uuid(
 
 
 # --------------------------------------------------------------------------------------------
+# energy: NVML's counter in the agent's frames against the job's own reads
+# --------------------------------------------------------------------------------------------
+
+#: The agent's mean power over a plateau within this share of the job's (or ENERGY_TOLERANCE_W):
+#: the agent reads a few times a second inside the plateau, the job at its edges.
+ENERGY_TOLERANCE = 0.25
+ENERGY_TOLERANCE_W = 30.0
+
+
+def job_gpu_energy(frames: Sequence[Frame], device: str = "cuda:0") -> list[tuple[float, int]]:
+    """``(t, mJ)`` of the job's GPU (the NVML GPU marked as ``device``) in the agent's frames."""
+    readings = []
+    for f in of_kind(frames, "gpu"):
+        for gpu in f.get("gpus", []):
+            if gpu.get("cuda_device") == device and gpu.get("energy_mj") is not None:
+                readings.append((float(f["t"]), int(gpu["energy_mj"])))
+    return readings
+
+
+def nvml_energy_matches_job(
+    frames: Sequence[Frame], plateaus: Sequence[Mapping[str, Any]]
+) -> Check:
+    """The agent's mean power over each plateau, from NVML's energy counter in its frames,
+    within ENERGY_TOLERANCE of the job's own counter read at the plateau's edges; a busy
+    plateau and an idle one compared, the busy one drawing more."""
+    name = "nvml: energy counter = the job's own read"
+    expected = (
+        f"mean power within {ENERGY_TOLERANCE:.0%} or {ENERGY_TOLERANCE_W:.0f} W, busy > idle"
+    )
+    readings = job_gpu_energy(frames)
+    if not readings:
+        return check(name, expected, "no energy counter for cuda:0 in the agent's frames", False)
+    compared: dict[str, list[tuple[float, float]]] = {}
+    worst = 0.0
+    for p in plateaus:
+        job_mj = p.get("energy_mj") or [None, None]
+        if job_mj[0] is None or job_mj[1] is None:
+            continue
+        inside = [r for r in readings if p["t0"] < r[0] < p["t1"]]
+        if len(inside) < 2 or inside[-1][0] - inside[0][0] <= 0:
+            continue
+        job_w = (job_mj[1] - job_mj[0]) / 1000 / (p["t1"] - p["t0"])
+        agent_w = (inside[-1][1] - inside[0][1]) / 1000 / (inside[-1][0] - inside[0][0])
+        compared.setdefault(p["kind"], []).append((job_w, agent_w))
+        gap = abs(agent_w - job_w)
+        if gap > max(ENERGY_TOLERANCE * job_w, ENERGY_TOLERANCE_W):
+            worst = max(worst, gap)
+    if not compared:
+        return check(name, expected, "the job could not read its energy counter", None)
+    mean = {k: statistics.mean(a for _, a in v) for k, v in compared.items()}
+    measured = ", ".join(
+        f"{kind} {statistics.mean(j for j, _ in v):.0f} W (job) / {mean[kind]:.0f} W (agent)"
+        for kind, v in compared.items()
+    )
+    ok = "busy" in mean and "idle" in mean and mean["busy"] > mean["idle"] and worst == 0.0
+    return check(name, expected, measured, ok)
+
+
+def energy_per_step_matches_counter(
+    frames: Sequence[Frame], report_energy: Mapping[str, Any] | None
+) -> Check:
+    """The report's joules per step for cuda:0 equals the counter's difference from the
+    agent's first reading to its last over the steps that ended between them, counted from the
+    ``steps`` frames' ends here."""
+    name = "energy: J/step = counter difference over the steps"
+    readings = job_gpu_energy(frames)
+    if len(readings) < 2:
+        return check(name, "two readings or more", f"{len(readings)} readings", False)
+    (t0, e0), (t1, e1) = readings[0], readings[-1]
+    ends = [e for f in of_kind(frames, "steps") for e in f.get("ends", [])]
+    if sum(int(f.get("count", 0)) for f in of_kind(frames, "steps")) != len(ends):
+        return check(name, "every step listed", "the agent sampled the steps", None)
+    steps = sum(1 for e in ends if t0 < e <= t1)
+    if not steps:
+        return check(name, "steps between readings", "none", False)
+    expected = (e1 - e0) / 1000 / steps
+    entry = (report_energy or {}).get("cuda:0") or {}
+    got = entry.get("joules_per_step")
+    measured = f"{'-' if got is None else f'{got:.4f}'} J/step over {entry.get('steps')} steps"
+    ok = got is not None and entry.get("steps") == steps and abs(got - expected) <= 1e-4
+    return check(name, f"{expected:.4f} J/step over {steps} steps", measured, ok)
+
+
+# --------------------------------------------------------------------------------------------
 # the devices a view shows
 # --------------------------------------------------------------------------------------------
 

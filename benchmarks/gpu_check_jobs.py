@@ -142,6 +142,27 @@ def _cap(fraction_bytes: int) -> float:
 # --------------------------------------------------------------------------------------------
 
 
+def _energy_counter(uuid: str) -> Any:
+    """The job's own read of NVML's total energy counter of its GPU (mJ since driver load), by
+    torch's UUID; a read gives ``None`` without nvidia-ml-py or the counter."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        name = uuid if uuid.upper().startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+        handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+    except Exception:
+        return lambda: None
+
+    def read() -> int | None:
+        try:
+            return int(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+        except Exception:
+            return None
+
+    return read
+
+
 def job_allocator(out: str) -> None:
     """Training steps with plateaus between them: memory still and GPU idle, and memory still
     and GPU busy (matmuls into a preallocated output). Each plateau's ``memory_stats()`` is read
@@ -155,6 +176,7 @@ def job_allocator(out: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(512, 2048, device=device)
     plateaus: list[dict[str, Any]] = []
+    energy = _energy_counter(_uuid(torch.cuda.get_device_properties(0)))
 
     def train(steps: int) -> None:
         for _ in range(steps):
@@ -167,6 +189,7 @@ def job_allocator(out: str) -> None:
         torch.cuda.synchronize()
         before = _stats()
         free, total = torch.cuda.mem_get_info(0)
+        energy_before = energy()  # gpu_check: the job's own energy counter read
         t0 = time.time()
         end = t0 + seconds
         while time.time() < end:
@@ -176,6 +199,7 @@ def job_allocator(out: str) -> None:
                 work()
         torch.cuda.synchronize()
         t1 = time.time()
+        energy_after = energy()
         plateaus.append(
             {
                 "kind": kind,
@@ -184,6 +208,7 @@ def job_allocator(out: str) -> None:
                 "before": before,
                 "after": _stats(),
                 "mem_get_info": [int(free), int(total)],
+                "energy_mj": [energy_before, energy_after],
             }
         )
 

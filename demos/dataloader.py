@@ -1,4 +1,4 @@
-"""DataLoader workers: data wait, throughput, start-up and pinned batches.
+"""DataLoader workers: data wait, start-up, pinned batches, copy-on-write.
 
 A training step can only start when its batch is ready. With ``num_workers=0`` the DataLoader
 reads and decodes every sample in the training process itself, between steps, so the model
@@ -19,6 +19,12 @@ way of loading:
 On CUDA it also runs ``pin_memory=True``, which has the workers' batches copied into
 page-locked memory so the copy to the GPU is faster and can be asynchronous.
 
+Last, the same rows held two ways, read by two forked workers: as a list of Python dicts, whose
+pages are copied into each worker as reading them writes their reference counts, so each
+worker's private memory (USS) grows through the epoch; and as one NumPy array, whose pages stay
+shared. The demo prints each worker's private memory at the start and end of an epoch, and the
+viewer's loaders panel shows it live.
+
 Run it with ``torchtop demo dataloader`` to watch the loader's wait time live, or
 ``--headless`` for the table only.
 """
@@ -31,6 +37,7 @@ import multiprocessing
 import statistics
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -318,6 +325,131 @@ def compare_workers(
     return results
 
 
+#: Rows of the copy-on-write phases read per item, and the rows in all (quick, full).
+ROWS_PER_BLOCK = 1000
+COW_BLOCKS = (100, 400)
+
+
+class Rows(Dataset[torch.Tensor]):
+    """Rows read a block at a time, held as a list of Python dicts or as one NumPy array.
+
+    Forked workers inherit the rows without a copy. Reading a dict (or a float in it) writes
+    its reference count, and the page it lives on is copied into the worker: with every page
+    of the list read, each worker ends up with its own copy. An array's rows are read from its
+    one buffer, which no reference count touches: its pages stay shared.
+    """
+
+    def __init__(self, rows: Any) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows) // ROWS_PER_BLOCK
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        block = self.rows[index * ROWS_PER_BLOCK : (index + 1) * ROWS_PER_BLOCK]
+        if isinstance(block, list):
+            return torch.tensor([(r["x"], float(r["y"]), len(r["name"])) for r in block])
+        return torch.from_numpy(block.copy())
+
+
+def make_rows(n: int, as_array: bool) -> Any:
+    """``n`` rows: ``{"x", "y", "name"}`` dicts, or the same numbers as an ``(n, 3)`` array."""
+    if as_array:
+        import numpy as np
+
+        index = np.arange(n, dtype=np.float64)
+        return np.stack([index, index % 7, np.full(n, 7.0)], axis=1)
+    return [{"x": float(i), "y": i % 7, "name": f"row {i:03d}"} for i in range(n)]
+
+
+def private_per_worker(iterator: Any) -> int | None:
+    """The mean private memory (USS, ``/proc/PID/smaps_rollup``) of an iterator's workers
+    now; ``None`` where it cannot be read (not Linux)."""
+    from torchtop.streams.worker_memory import read_workers
+
+    pids = [p.pid for p in getattr(iterator, "_workers", ()) if p.pid is not None]
+    memory = read_workers(pids)
+    if not memory.workers:
+        return None
+    return memory.uss // len(memory.workers)
+
+
+def cow_epoch(loader: DataLoader[torch.Tensor], readings: list[tuple[int, int]]) -> float:
+    """One pass over ``loader``, with the workers' private memory after the first batch and
+    after the last (before the epoch's end shuts them down) appended to ``readings``."""
+    batches = iter(loader)
+    total = 0.0
+    first: int | None = None
+    last: int | None = None
+    with torch.no_grad():  # reading the data, not training on it
+        for i, block in enumerate(batches):
+            total += float(block[:, 0].sum())
+            if i == 0:
+                first = private_per_worker(batches)
+            if i == len(loader) - 1:
+                last = private_per_worker(batches)
+    if first is not None and last is not None:
+        readings.append((first, last))
+    return total
+
+
+def compare_copy_on_write(options: harness.DemoOptions) -> list[harness.PhaseResult]:
+    """The same rows as Python dicts and as a NumPy array, read by two forked workers: the
+    workers' private memory at the start and end of each epoch."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        print("skipped: this platform cannot fork workers (copy-on-write needs fork)")
+        return []
+    rows = COW_BLOCKS[0 if options.quick else 1] * ROWS_PER_BLOCK
+    harness.section(f"copy-on-write: {rows:,} rows, two forked workers")
+    results = []
+    for name, as_array, description in (
+        (
+            "dicts, forked",
+            False,
+            "The rows are a list of Python dicts. Forked workers share the parent's pages until "
+            "Python writes a reference count: every row read copies its page into the worker, "
+            "so each worker's private memory grows to a copy of the data.",
+        ),
+        (
+            "array, forked",
+            True,
+            "The same rows as one NumPy array: a read copies numbers out of its buffer and "
+            "writes no reference count on it, so its pages stay shared and the workers' private "
+            "memory stays flat.",
+        ),
+    ):
+        dataset = Rows(make_rows(rows, as_array))
+        loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="fork")
+        readings: list[tuple[int, int]] = []
+        result = harness.measure(
+            name,
+            lambda loader=loader, readings=readings: cow_epoch(loader, readings),
+            device="cpu",
+            repeat=2 if options.quick else 3,
+            description=description,
+        )
+        if readings:
+            first = statistics.median(r[0] for r in readings)
+            last = statistics.median(r[1] for r in readings)
+            extra = {
+                "private/worker": harness.Bytes(int(last)),
+                "at start": harness.Bytes(int(first)),
+            }
+            print(
+                f"{name}: each worker's private memory (USS) went from "
+                f"{harness.format_bytes(int(first))} after its first block to "
+                f"{harness.format_bytes(int(last))} after its last"
+            )
+        else:
+            extra = {"private/worker": "n/a"}
+            print(f"{name}: the workers' private memory cannot be read here (no /proc)")
+        results.append(replace(result, extra=extra))
+        del dataset, loader
+        gc.collect()
+        harness.pause(options)
+    return results
+
+
 def check_no_workers_left(timeout: float = 10.0) -> None:
     """Wait for the workers of every DataLoader that is gone to exit, and count those left.
 
@@ -344,13 +476,25 @@ def conclusion(results: list[harness.PhaseResult]) -> str:
         f"persistent workers brought each later epoch's first batch from "
         f"{two.extra['1st batch']} to {persistent.extra['1st batch']}"
     )
-    if len(results) > 3:
-        pinned = results[3]
+    pinned = next((r for r in results if r.name == "2, pin_memory"), None)
+    if pinned is not None:
         text += (
             f"; pin_memory gave {pinned.extra['samples/s']} samples/s against "
             f"{two.extra['samples/s']}"
         )
     return text + "."
+
+
+def cow_conclusion(results: list[harness.PhaseResult]) -> str:
+    cow = {r.name: r.extra.get("private/worker") for r in results}
+    dicts, array = cow.get("dicts, forked"), cow.get("array, forked")
+    if not isinstance(dicts, harness.Bytes) or not isinstance(array, harness.Bytes):
+        return "Forked workers' private memory could not be read here (it needs Linux's /proc)."
+    return (
+        f"Forked workers reading Python dicts ended with {harness.format_bytes(dicts)} private "
+        f"each, against {harness.format_bytes(array)} reading the same rows from a NumPy array: "
+        "the dicts' pages were copied into each worker as their reference counts were written."
+    )
 
 
 def main() -> None:
@@ -360,13 +504,18 @@ def main() -> None:
     model = Classifier(options.device)
     show_the_balance(options, dataset, model)
     results = compare_workers(options, dataset, model)
+    cow = compare_copy_on_write(options)
     check_no_workers_left()
     harness.print_results(
         f"DataLoader on {options.device}: time per epoch of {len(dataset)} samples",
         results,
         conclusion(results),
     )
-    harness.emit_json_results(results)
+    if cow:
+        harness.print_results(
+            "Forked workers' private memory (USS) at the end of an epoch", cow, cow_conclusion(cow)
+        )
+    harness.emit_json_results([*results, *cow])
 
 
 if __name__ == "__main__":

@@ -70,7 +70,10 @@ GOOD_VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
         frozenset({"memory-pressure", "float32-matmuls", "low-gpu-utilization"}),
     ),
     "broadcasting": (("broadcasting", "shapes checked"), frozenset()),
-    "dataloader": (("2 workers", "2, persistent", "2, pinned"), frozenset({"input-bound"})),
+    "dataloader": (
+        ("2 workers", "2, persistent", "2, pinned", "array, forked"),
+        frozenset({"input-bound", "worker-copy-on-write"}),
+    ),
     "device": (("to() once", ".item() at the end"), frozenset({"host-syncs"})),
     # Its phases show tools, none a mistake: every one is a good variant.
     "profiling": (("no profiler", "torch.profiler", "cProfile"), frozenset()),

@@ -205,6 +205,12 @@ class GpuStats:
     #: For a MIG instance, the NVML index of its parent GPU (``index`` is then the instance's
     #: index on that parent).
     mig_parent: int | None = None
+    #: NVML's total energy counter: millijoules since the driver was loaded (updated about
+    #: every 100 ms). ``None`` where it could not be read.
+    energy_mj: int | None = None
+    #: ``False`` where NVML says the GPU has no energy counter (older than Volta, a MIG
+    #: instance), ``True`` once read, ``None`` while unknown (or from an older agent).
+    energy_supported: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -628,6 +634,12 @@ class LoaderStats:
     workers: list[WorkerStats] = field(default_factory=list)
     #: Batches fetched while autograd was on (``torch.is_grad_enabled()`` in ``__next__``).
     grad_batches: int = 0
+    #: What the dataset keeps its data in, from its attributes' types: ``"python"`` (a big
+    #: list/dict of Python objects, which forked workers copy page by page), ``"arrays"``
+    #: (NumPy, tensors, Arrow, a memory map), ``None`` where not known; and in words
+    #: (``"list of 1,200,000 dict in .rows"``).
+    dataset_storage: str | None = None
+    dataset_detail: str | None = None
 
 
 @dataclass(frozen=True)

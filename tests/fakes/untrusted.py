@@ -93,7 +93,7 @@ def job_stream() -> list[Message]:
     op = OpStat("aten::mm", 10, 0.5, 0.4, 0.3, 0.2, "[[8, 8], [8, 8]]", "train.py:12")
     loader = LoaderStats(
         0, "loader 0", "MyDataset", 32, 2, True, 2, False, "fork", 10, 320, 0.5, 1, 0.2,
-        0.1, [WorkerStats(7, True, 10.0, GiB)], 10,
+        0.1, [WorkerStats(7, True, 10.0, GiB)], 10, "python", "list of 5,000 dict in .rows",
     )  # fmt: skip
     memory = MemoryStats("cuda:0", "cuda", GiB, 2 * GiB, GiB, 0, GiB, 2 * GiB, 0, 0)
     gpu = GpuStats(

@@ -7,6 +7,7 @@ truth is what the GPU check's jobs write (benchmarks/gpu_check_jobs.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -974,3 +975,95 @@ def test_the_collectives_rows_on_a_one_rank_group(tmp_path: Path) -> None:
     assert cmp.collectives_checks(timed, nccl)[2].status == cmp.PASS
     assert cmp.collectives_checks(frames, nccl)[2].status == cmp.FAIL
     assert statuses(cmp.collectives_checks([], None)) == [cmp.FAIL] * 3
+
+
+def energy_run(
+    idle_w: float = 70.0, agent_scale: float = 1.0
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[Message]]:
+    """A busy plateau (0-4 s at 612.4 W) then an idle one (4-8 s at ``idle_w``) on the fake's
+    counter, kept continuous across the change of power. The job reads its counter at the
+    plateaus' edges; the agent once a second (its GPU matched to cuda:0), and a step ends every
+    0.25 s. ``agent_scale`` makes the agent's counter wrong by that factor."""
+    from torchtop.protocol import StepStats
+
+    backend = FakeNvmlBackend([FakeGpu()])
+    gpu = backend.gpus[0]
+    probe = NvmlProbe(backend, job_uuids=lambda: [gpu.uuid[4:]])
+    backend.init()
+
+    def at(t: float) -> None:
+        if t >= 4.0 and gpu.power_w != idle_w:
+            gpu.clock_s = 4.0
+            counter = backend.energy_mj(0)
+            gpu.power_w = idle_w
+            gpu.energy_mj_at_zero = counter - round(idle_w * 4.0 * 1000)
+        gpu.clock_s = t
+
+    plateaus = []
+    for kind, t0, t1 in (("busy", 0.0, 4.0), ("idle", 4.0, 8.0)):
+        at(t0)
+        before = backend.energy_mj(0)
+        at(t1)
+        plateaus.append(
+            {"kind": kind, "t0": t0, "t1": t1, "energy_mj": [before, backend.energy_mj(0)]}
+        )
+    gpu.power_w, gpu.energy_mj_at_zero = 612.4, FakeGpu().energy_mj_at_zero
+    messages: list[Message] = []
+    total = 0
+    for second in range(1, 8):
+        at(second - 0.5)
+        stats = probe.read()
+        if agent_scale != 1.0:
+            first = stats[0]
+            scaled = FakeGpu().energy_mj_at_zero + round(
+                (first.energy_mj - FakeGpu().energy_mj_at_zero) * agent_scale  # type: ignore[operator]
+            )
+            stats = [dataclasses.replace(first, energy_mj=scaled)]
+        messages.append(GpuSample(t=second - 0.5, gpus=stats))
+        ends = [second - 1 + 0.25 * k + 0.1 for k in range(4)]
+        total += 4
+        messages.append(
+            StepStats(
+                t=second, total=total, skipped_total=0, count=4, skipped=0, timed=4,
+                time_s=1.0, wait_s=0.0, startup_s=0.0, optimizer_s=0.0, samples=0,
+                ends=ends, durations=[0.25] * 4,
+            )
+        )  # fmt: skip
+    return [to_dict(m) for m in messages], plateaus, messages
+
+
+def test_the_agents_energy_counter_against_the_jobs_own_reads() -> None:
+    frames, plateaus, _ = energy_run()
+    row = cmp.nvml_energy_matches_job(frames, plateaus)
+    assert row.status == cmp.PASS, row
+    assert row.measured == "busy 612 W (job) / 612 W (agent), idle 70 W (job) / 70 W (agent)"
+    # An agent whose counter is half the job's fails; a job that could not read it skips.
+    wrong, _, _ = energy_run(agent_scale=0.5)
+    assert cmp.nvml_energy_matches_job(wrong, plateaus).status == cmp.FAIL
+    unread = [{**p, "energy_mj": [None, None]} for p in plateaus]
+    assert cmp.nvml_energy_matches_job(frames, unread).status == cmp.SKIP
+    # A GPU without the counter in the agent's frames fails.
+    none = [
+        {**f, "gpus": [{**g, "energy_mj": None} for g in f["gpus"]]} if f["kind"] == "gpu" else f
+        for f in frames
+    ]
+    assert cmp.nvml_energy_matches_job(none, plateaus).status == cmp.FAIL
+
+
+def test_the_reports_joules_per_step_against_the_counter_over_the_steps() -> None:
+    from torchtop.report.job import summarize
+
+    frames, _, messages = energy_run()
+    energy = summarize(messages)["energy"]
+    row = cmp.energy_per_step_matches_counter(frames, energy)
+    # Readings at 0.5 and 6.5 s; steps end at 0.6, 0.85 ... 6.35: 24 in between.
+    assert row.status == cmp.PASS, row
+    assert row.measured.endswith("over 24 steps")
+    off = {
+        "cuda:0": {
+            **energy["cuda:0"],
+            "joules_per_step": energy["cuda:0"]["joules_per_step"] * 1.01,
+        }
+    }
+    assert cmp.energy_per_step_matches_counter(frames, off).status == cmp.FAIL
+    assert cmp.energy_per_step_matches_counter(frames, None).status == cmp.FAIL

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,11 @@ def test_forked_workers_copying_python_objects_and_the_numpy_fix(tmp_path: Path)
     assert not [f for f in array["findings"] if f["name"] == "worker-copy-on-write"]
     (loader,) = objects["dataloader"]["loaders"]
     assert loader["peak_workers_uss_bytes"] >= 2 * (64 << 20)
+    # The agent read what the dataset holds: the rule's evidence names the list of dicts.
+    assert cow["evidence"]["dataset_storage"] == loader["dataset_storage"] == "python"
+    assert re.fullmatch(r"list of [\d,]+ dict in \.rows", cow["evidence"]["dataset_holds"])
+    (shared,) = array["dataloader"]["loaders"]
+    assert (shared["dataset_storage"], shared["dataset_holds"]) == (
+        "arrays",
+        "numpy.ndarray in .rows",
+    )

@@ -36,6 +36,8 @@ from torchtop.export.service import JobSet, _exported_job
 from torchtop.model.job import JobModel
 from torchtop.protocol import (
     DeviceInfo,
+    GpuSample,
+    GpuStats,
     Hello,
     HostStats,
     MemoryStats,
@@ -116,7 +118,17 @@ def job_messages(rank: int | None = 3) -> list[Message]:
         # cuDNN's workspace search failed twice and retried smaller: the job never saw those.
         Sample(T0 + 2, host, [cuda("cuda:1", 10 * MIB, ooms=2, handled=2)]),
         steps(T0 + 2, total=20, timed=10, time_s=1.1, wait_s=0.2),
+        # NVML's energy counter on cuda:0 (mJ since driver load); cuda:1 has none.
+        GpuSample(T0 + 1, [gpu(0, UUID0, 9_284_771_305), gpu(1, UUID1, None)]),
+        GpuSample(T0 + 2, [gpu(0, UUID0, 9_285_383_705), gpu(1, UUID1, None)]),
     ]
+
+
+def gpu(index: int, uuid: str, energy_mj: int | None) -> GpuStats:
+    return GpuStats(
+        index, "NVIDIA H200", uuid=uuid, cuda_device=f"cuda:{index}", in_job=True,
+        energy_mj=energy_mj, energy_supported=energy_mj is not None,
+    )  # fmt: skip
 
 
 def model_of(messages: list[Message]) -> JobModel:
@@ -162,6 +174,9 @@ def test_a_ranks_figures_under_prometheus_names_and_dcgm_labels() -> None:
     assert got[("torchtop_cuda_alloc_retries_total", gpu0)] == 2
     assert got[("torchtop_ooms_total", gpu0)] == 1
     assert got[("torchtop_ooms_total", gpu1)] == 0
+    # Joules since the first reading, under DCGM's UUID; none for a GPU without the counter.
+    assert got[("torchtop_gpu_energy_joules_total", gpu0)] == pytest.approx(612.4)
+    assert ("torchtop_gpu_energy_joules_total", gpu1) not in got
     names = {name for name, _ in got}
     # Nothing that DCGM exports, and no label per step, op or phase.
     assert not any(w in n for n in names for w in ("util", "temperature", "power"))

@@ -484,8 +484,15 @@ def test_a_finding_that_flaps_is_one_finding_with_its_periods() -> None:
     assert f"from {second_start - T0:.1f} s, still true at the end" in text
 
 
-def cow_job(uss_mb: list[int], *, start_method: str = "fork", epochs: list[int] | None = None):
-    """Two workers of loader 0, read once a second, each with ``uss_mb[s]`` MiB private."""
+def cow_job(
+    uss_mb: list[int],
+    *,
+    start_method: str = "fork",
+    epochs: list[int] | None = None,
+    storage: tuple[str, str] | None = None,
+):
+    """Two workers of loader 0, read once a second, each with ``uss_mb[s]`` MiB private;
+    ``storage``: what the agent said the dataset holds."""
     out: list[Message] = []
     for s, mb in enumerate(uss_mb):
         workers = [WorkerStats(100 + w, True, uss_bytes=mb << 20) for w in range(2)]
@@ -494,6 +501,8 @@ def cow_job(uss_mb: list[int], *, start_method: str = "fork", epochs: list[int] 
             start_method=start_method,
             epochs=epochs[s] if epochs else 1,
             workers=workers,
+            dataset_storage=storage[0] if storage else None,
+            dataset_detail=storage[1] if storage else None,
         )
         out += [steps(T0 + s, 10 * (s + 1), 10, 0.1, 0.0), LoaderInfo(T0 + s, [stats])]
     return out
@@ -513,3 +522,16 @@ def test_worker_copy_on_write_when_forked_workers_grow_private_memory() -> None:
     two = [40, 100, 160, 220, 230, 240, 250, 260, 270, 280]
     assert "worker-copy-on-write" in names(fed(cow_job(two)))
     assert "worker-copy-on-write" not in names(fed(cow_job(two, epochs=[1] * 4 + [2] * 6)))
+
+
+def test_worker_copy_on_write_rests_on_what_the_dataset_holds() -> None:
+    growing = [40 + 30 * s for s in range(10)]
+    python = ("python", "list of 1,200,000 dict in .rows")
+    model = fed(cow_job(growing, storage=python))
+    (finding,) = [f for f in model.advice.findings if f.name == "worker-copy-on-write"]
+    assert finding.evidence["dataset_storage"] == "python"
+    assert finding.evidence["dataset_holds"] == "list of 1,200,000 dict in .rows"
+    assert finding.summary.endswith("; the dataset holds a list of 1,200,000 dict in .rows")
+    # The same growth over a dataset of arrays is not copy-on-write of the dataset.
+    arrays = ("arrays", "numpy.ndarray in .rows")
+    assert "worker-copy-on-write" not in names(fed(cow_job(growing, storage=arrays)))

@@ -42,7 +42,16 @@ def job(
     listed ``per_frame`` to a ``steps`` frame, each waiting ``wait_share`` of it for data."""
     model = JobModel(mode="replay")
     model.apply(hello(rank))
-    t = T0
+    model.apply_all(step_frames(durations, wait_share, per_frame))
+    return model
+
+
+def step_frames(
+    durations: list[float], wait_share: float = 0.1, per_frame: int = 10, t0: float = T0
+) -> list[StepStats]:
+    """The ``steps`` frames of :func:`job`."""
+    frames = []
+    t = t0
     all_durations: list[float | None] = [None, *durations]
     total = 0
     for i in range(0, len(all_durations), per_frame):
@@ -53,7 +62,7 @@ def job(
             ends.append(t)
         timed = [d for d in chunk if d is not None]
         total += len(chunk)
-        model.apply(
+        frames.append(
             StepStats(
                 t=t, total=total, skipped_total=0, count=len(chunk), skipped=0,
                 timed=len(timed), time_s=sum(timed), wait_s=wait_share * sum(timed),
@@ -63,7 +72,7 @@ def job(
                 backwards=[0.3 * (d or 0.0) for d in chunk],
             )
         )  # fmt: skip
-    return model
+    return frames
 
 
 def noisy(n: int, median: float, seed: int) -> list[float]:

@@ -30,6 +30,6 @@ def test_workers_line_sums_private_memory_of_live_workers() -> None:
             WorkerStats(13, False, uss_bytes=999 * mib),
         )
     )[-1].plain
-    assert "RSS 800 MiB" in line and "private 160 MiB" in line
+    assert "RSS 800 MiB" in line and "private 160 MiB (80.0 MiB each)" in line
     unread = loader_lines(_loader(WorkerStats(11, True, rss_bytes=400 * mib)))[-1].plain
     assert "private" not in unread  # another host's job: not read, not shown

@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -305,3 +306,34 @@ def test_ctrl_c_while_a_job_stops_terminates_it(terminal: Terminal, jobs_killed:
     terminal.keys("C-c")
     screen = terminal.wait_for(lambda s: re.search(r"EXIT=\d+\n", s), timeout=30)
     assert "terminating job pid" in screen and "EXIT=143\n" in screen, screen
+
+
+def test_replay_against_a_second_recording_at_80_by_24(terminal: Terminal, tmp_path: Path) -> None:
+    """Two real recordings of a small CPU job whose dataset is slow, with no DataLoader worker
+    (A) and with four (B): ``replay A --against B`` shows ``torchtop compare``'s verdict beside
+    the memory chart (the same words: on a loaded machine the difference may be noise) and
+    B's lines on the step chart, all within 80x24."""
+    from tests.processes.test_compare_run import compared, figure, finish, record
+
+    none, four = tmp_path / "w0.ttr", tmp_path / "w4.ttr"
+    jobs = [record(none, 0), record(four, 4)]
+    for job in jobs:
+        finish(job)
+    report = compared(none, four)
+    changed = report["changed"]
+    verdict = f"changed: {changed[0]}" if changed else "no difference beyond noise"
+    median = figure(report, "step_time_median_s")["verdict"]
+    median = {"no difference beyond noise": "within noise"}.get(median, median)
+    terminal.keys(
+        f"{sys.executable} -m torchtop replay {none} --against {four}; echo EXIT=$?", "Enter"
+    )
+    terminal.wait_for(lambda s: "vs B · w4.ttr" in s)
+    terminal.keys("e")
+    screen = terminal.wait_for(lambda s: "ended · exit 0" in s and "step chart: B step" in s)
+    rows = screen.splitlines()
+    assert len(rows) <= 24 and all(len(row) <= 80 for row in rows), screen
+    panel = [row.split("│")[-1].strip() for row in rows if "│" in row]
+    assert any(row.startswith(verdict[:30]) for row in panel), (verdict, screen)
+    assert any(re.match(rf"{median} +step time median [-+]", row) for row in panel), screen
+    terminal.keys("q")
+    terminal.wait_for(lambda s: "EXIT=0" in s, timeout=15)

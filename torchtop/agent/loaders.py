@@ -17,6 +17,7 @@ DataLoader iterator is covered whatever its subclass:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 import weakref
 from collections.abc import Mapping
@@ -131,6 +132,82 @@ def settings_of(loader: Any) -> dict[str, Any]:
     }
 
 
+#: A Python container with at least this many items is taken to hold the dataset's data.
+BIG_CONTAINER = 1000
+#: Attributes of a dataset looked at, and how deep into wrapped datasets (``Subset.dataset``).
+MAX_ATTRIBUTES = 32
+MAX_DEPTH = 2
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+#: Modules whose objects hold their data outside Python objects (one buffer, shared pages).
+_ARRAY_MODULES = frozenset({"numpy", "torch", "pyarrow", "h5py", "zarr"})
+
+
+def _array_kind(value: Any) -> tuple[str, str] | None:
+    """An array of a known library: ``("python", …)`` for a NumPy array of Python objects,
+    ``("arrays", …)`` for one of numbers (or a tensor, an Arrow table, a memory map)."""
+    cls = type(value)
+    library = cls.__module__.split(".")[0]
+    if library not in _ARRAY_MODULES:
+        return None
+    dtype = getattr(value, "dtype", None)
+    if dtype is None and library != "pyarrow":  # a torch Dataset, a module: not an array
+        return None
+    if getattr(dtype, "hasobject", False):
+        return "python", f"a NumPy array of Python objects ({cls.__name__}, dtype object)"
+    what = (
+        "a memory-mapped array" if cls.__name__ == "memmap" else f"{cls.__module__}.{cls.__name__}"
+    )
+    return "arrays", what
+
+
+def _container_kind(value: Any) -> tuple[str, str] | None:
+    """A big Python container: ``("python", "list of 1,200,000 dict")`` unless its items are
+    arrays (a list of arrays keeps their data in shared buffers); ``None`` for a small one."""
+    # Exact types only: a subclass's __len__ or __getitem__ is the job's code, never run here.
+    if type(value) not in _CONTAINERS or len(value) < BIG_CONTAINER:
+        return None
+    items: list[Any]
+    if isinstance(value, dict):
+        items = [next(iter(value.values()))]
+    elif isinstance(value, (set, frozenset)):
+        items = [next(iter(value))]
+    else:
+        items = [value[0], value[len(value) // 2], value[-1]]
+    kinds = [_array_kind(item) for item in items]
+    if all(kind is not None and kind[0] == "arrays" for kind in kinds):
+        return "arrays", f"{type(value).__name__} of {len(value):,} arrays"
+    return "python", f"{type(value).__name__} of {len(value):,} {type(items[0]).__name__}"
+
+
+def dataset_storage(dataset: Any, depth: int = 0) -> tuple[str, str] | None:
+    """What a dataset keeps its data in, from its type and its attributes' types (a few
+    items sampled): ``("python", "list of 1,200,000 dict in .rows")`` where a big Python
+    container (or a NumPy array of objects) holds it, which forked workers copy page by page;
+    ``("arrays", …)`` where only arrays, tensors or memory maps do; ``None`` where nothing big
+    was found. Reads attributes as stored (no property runs) and never raises."""
+    try:
+        found = _array_kind(dataset) or _container_kind(dataset)
+        if found is not None:
+            return found[0], f"{found[1]} (the dataset itself)"
+        attributes = getattr(dataset, "__dict__", None)
+        if not isinstance(attributes, dict):
+            return None
+        arrays: tuple[str, str] | None = None
+        for name, value in list(itertools.islice(attributes.items(), MAX_ATTRIBUTES)):
+            found = _array_kind(value) or _container_kind(value)
+            if found is None and depth < MAX_DEPTH and hasattr(type(value), "__getitem__"):
+                inner = dataset_storage(value, depth + 1)  # Subset.dataset and the like
+                found = (inner[0], f"{inner[1]} of .{name}") if inner else None
+            elif found is not None:
+                found = (found[0], f"{found[1]} in .{name}")
+            if found is not None and found[0] == "python":
+                return found
+            arrays = arrays or found
+        return arrays
+    except Exception:  # a dataset changing under the read, an odd __dict__: not known
+        return None
+
+
 @dataclass
 class _Loader:
     index: int
@@ -176,6 +253,8 @@ class _Loader:
             ),
             workers=list(self.workers),
             grad_batches=self.grad_batches,
+            dataset_storage=s.get("dataset_storage"),
+            dataset_detail=s.get("dataset_detail"),
         )
 
 
@@ -273,6 +352,10 @@ class LoaderTracker:
                 self._by_id[loader_id] = old
                 return old
         entry = _Loader(self._next_index, dict(settings), loader_ref, dataset_id, settings)
+        # Once per loader, in the sampler thread: what its dataset keeps its data in.
+        storage = dataset_storage(getattr(loader, "dataset", None)) if loader is not None else None
+        if storage is not None:
+            entry.settings["dataset_storage"], entry.settings["dataset_detail"] = storage
         self._next_index += 1
         self.loaders.append(entry)
         self._by_id[loader_id] = entry

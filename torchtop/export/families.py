@@ -217,6 +217,19 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         labels = job_labels(snap)
         if snap.collective_wait_share is not None:
             wait_share.points.append(Point(labels, snap.collective_wait_share))
+    energy = Family(
+        "torchtop_gpu_energy_joules",
+        "counter",
+        "Energy each GPU of the job used since torchtop's first reading, from NVML's total "
+        "energy counter (DCGM's DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION, in joules); GPUs "
+        "without the counter (older than Volta, MIG instances) have no series.",
+        DEVICE_LABELS,
+        "J",
+    )
+    for snap in figures:
+        labels = job_labels(snap)
+        for device, uuid, joules in snap.gpu_energy:
+            energy.points.append(Point((*labels, device, uuid or ""), joules))
         if snap.collective_late_s is not None:
             lateness.points.append(Point(labels, snap.collective_late_s))
         if snap.collective_last_share is not None:
@@ -268,6 +281,7 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         lateness,
         last_share,
         wait_share,
+        energy,
     ]
 
 

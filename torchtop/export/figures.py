@@ -87,6 +87,9 @@ class JobFigures:
     collective_last_share: float | None = None
     #: The share of its time spent waiting for the last rank at the collectives.
     collective_wait_share: float | None = None
+    #: Joules each GPU of the job used since its first energy reading: (device, UUID, joules);
+    #: GPUs without NVML's energy counter are left out.
+    gpu_energy: tuple[tuple[str, str | None, float], ...] = ()
 
 
 def figures_of(
@@ -145,6 +148,9 @@ def figures_of(
         collective_late_s=late.mean_s if late is not None and late.joined else None,
         collective_last_share=late.last_share if late is not None and late.joined else None,
         collective_wait_share=late.wait_share if late is not None and late.joined else None,
+        gpu_energy=tuple(
+            (e.name, e.uuid, e.joules) for e in model.energy.values() if e.joules is not None
+        ),
         findings=tuple(
             (f.name, f.severity)
             for f in [

@@ -682,12 +682,16 @@ COW_MIN_GROWTH_FRACTION = 0.25
 
 
 def worker_copy_on_write(model: JobView, now: float, advisor: Advisor) -> Check | None:
-    """Forked DataLoader workers whose private memory (USS) grows over an epoch: the dataset's
-    Python objects are copied into each worker page by page as their reference counts are
-    written. Shared pages (a NumPy array, a memory-mapped file) do not grow USS."""
+    """Forked DataLoader workers whose private memory (USS) grows over an epoch while the
+    dataset holds Python containers (as the agent read its attributes' types; not known from an
+    older agent): the dataset's Python objects are copied into each worker page by page as
+    their reference counts are written. Shared pages (a NumPy array, a memory-mapped file) do
+    not grow USS: a dataset of arrays alone is not this, whatever else grows."""
     for state in model.training.loader_list:
         loader = state.stats
         if loader.num_workers == 0 or loader.start_method in ("spawn", "forkserver"):
+            continue
+        if loader.dataset_storage == "arrays":
             continue
         readings = list(state.worker_uss)
         if not readings:
@@ -720,11 +724,18 @@ def worker_copy_on_write(model: JobView, now: float, advisor: Advisor) -> Check 
                 "uss_last_bytes": last,
                 "growth_bytes": growth,
                 "epoch": epoch,
+                "dataset_storage": loader.dataset_storage,
+                "dataset_holds": loader.dataset_detail,
             },
             (
                 f"{loader.name} ({loader.dataset}): private memory per worker rose "
                 f"{size(first)} -> {size(last)} in {t1 - t0:.0f} s of epoch {epoch} "
                 f"(x{workers} workers)"
+                + (
+                    f"; the dataset holds a {loader.dataset_detail}"
+                    if loader.dataset_storage == "python" and loader.dataset_detail
+                    else ""
+                )
             ),
             (t0, t1),
             (

@@ -21,9 +21,11 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from torchtop.model.energy import EnergySpan
 from torchtop.model.job import JobModel
 from torchtop.model.ops import OpTimings
 from torchtop.model.training import StepPoint, TrainingState, weighted_quantile
@@ -58,6 +60,11 @@ WARMUP_WINDOW = 5
 WARMUP_TOLERANCE = 0.10
 #: The fewest steps compared for a step figure to be given.
 MIN_COMPARED_STEPS = 5
+
+#: The fewest intervals between energy readings (with steps in them) for J/step to be compared.
+MIN_ENERGY_INTERVALS = 5
+
+T = TypeVar("T")
 
 NOISE = "no difference beyond noise"
 NO_CHANGE = "no change"
@@ -189,6 +196,16 @@ class DeviceChange:
     steady_allocated: Change
 
 
+@dataclass(frozen=True)
+class EnergyChange:
+    """One GPU's energy per step in A and in B (``per_step``), or why there is none."""
+
+    device: str
+    per_step: Change
+    #: Why a run has no figure: "not supported in B", "no energy readings in A".
+    note: str | None = None
+
+
 @dataclass
 class JobComparison:
     """One job (or one rank) in A and in B."""
@@ -202,6 +219,8 @@ class JobComparison:
     counts: list[Change]
     findings: list[FindingChange]
     rank: int | None = None
+    #: Each GPU's energy per step (empty without NVML readings in either run).
+    energy: list[EnergyChange] = field(default_factory=list)
 
     @property
     def changed(self) -> list[str]:
@@ -217,6 +236,7 @@ class JobComparison:
             labels.append(self.host_peak_rss.label)
         labels += [f"{op.name} per step" for op in self.ops if op.cpu.changed]
         labels += [c.label for c in self.counts if c.changed]
+        labels += [f"{e.per_step.label} {e.device}" for e in self.energy if e.per_step.changed]
         return labels
 
 
@@ -369,22 +389,25 @@ def _block_length(n: int) -> int:
     return max(1, min(BLOCK_STEPS, n // 4))
 
 
-def _resamples(steps: Sequence[StepSample], rng: random.Random) -> list[_Figures]:
-    """A moving-block bootstrap: blocks of neighbouring steps drawn at random until as many
-    steps as the run's, each resample's figures weighed by the steps' weights."""
-    pool = _even(steps, MAX_BOOTSTRAP_STEPS)
+def _block_draws(pool: Sequence[T], rng: random.Random) -> Iterator[list[T]]:
+    """A moving-block bootstrap's resamples of ``pool``: blocks of neighbours drawn at random
+    until as many items as the pool's, :data:`BOOTSTRAP_RESAMPLES` times."""
     n = len(pool)
     length = _block_length(n)
     starts = n - length + 1
     blocks = -(-n // length)
-    resamples = []
     for _ in range(BOOTSTRAP_RESAMPLES):
-        drawn: list[StepSample] = []
+        drawn: list[T] = []
         for _ in range(blocks):
             start = rng.randrange(starts)
             drawn.extend(pool[start : start + length])
-        resamples.append(_figures(drawn[:n], weighted=True))
-    return resamples
+        yield drawn[:n]
+
+
+def _resamples(steps: Sequence[StepSample], rng: random.Random) -> list[_Figures]:
+    """The block bootstrap of the steps, each resample's figures weighed by their weights."""
+    pool = _even(steps, MAX_BOOTSTRAP_STEPS)
+    return [_figures(drawn, weighted=True) for drawn in _block_draws(pool, rng)]
 
 
 def _interval(diffs: list[float]) -> tuple[float, float] | None:
@@ -595,6 +618,57 @@ def compare_findings(a: JobModel, b: JobModel) -> list[FindingChange]:
     return sorted(changes, key=lambda c: order[c.status])
 
 
+def _energy_ratio(spans: Sequence[EnergySpan]) -> float | None:
+    steps = sum(s.steps for s in spans)
+    return sum(s.joules for s in spans) / steps if steps else None
+
+
+def _energy_note(job: JobModel, device: str, which: str) -> str | None:
+    entry = next((e for e in job.energy.values() if e.name == device), None)
+    if entry is None or entry.supported is None:
+        return f"no energy readings in {which}"
+    if entry.supported is False:
+        return f"not supported in {which}"
+    return None
+
+
+def compare_energy(
+    a: JobModel,
+    b: JobModel,
+    window_a: tuple[float | None, float | None],
+    window_b: tuple[float | None, float | None],
+) -> list[EnergyChange]:
+    """Each GPU's joules per step over the compared steps, with a block-bootstrap interval
+    over the spans between its energy readings (the same resampling as the steps')."""
+    names = [e.name for e in a.energy.values()]
+    names += [e.name for e in b.energy.values() if e.name not in names]
+    changes = []
+    for name in names:
+        spans = []
+        for job, (start, end) in ((a, window_a), (b, window_b)):
+            entry = next((e for e in job.energy.values() if e.name == name), None)
+            found = entry.intervals(job.training, start, end) if entry is not None else []
+            spans.append([s for s in found if s.steps or s.joules])
+        va, vb = _energy_ratio(spans[0]), _energy_ratio(spans[1])
+        note = _energy_note(a, name, "A") or _energy_note(b, name, "B")
+        caveat = None
+        ci = None
+        if va is not None and vb is not None:
+            if min(len(spans[0]), len(spans[1])) < MIN_ENERGY_INTERVALS:
+                caveat = "too few energy readings to tell"
+            else:
+                rng = random.Random(BOOTSTRAP_SEED)
+                ra = [_energy_ratio(d) for d in _block_draws(spans[0], rng)]
+                rb = [_energy_ratio(d) for d in _block_draws(spans[1], rng)]
+                ci = _interval([y - x for x, y in zip(ra, rb, strict=True) if x and y])
+        least = MIN_RELATIVE_CHANGE * abs(va) if va is not None else 0.0
+        change = Change(
+            "energy_per_step_j", "energy per step", "J", va, vb, ci, least, False, caveat
+        )
+        changes.append(EnergyChange(name, change, note))
+    return changes
+
+
 # -- jobs and runs -------------------------------------------------------------------------------
 
 
@@ -605,7 +679,8 @@ def _end_of_step(samples: Sequence[StepSample], ends: Sequence[float], index: in
     return None
 
 
-def _samples_with_ends(training: TrainingState) -> tuple[list[StepSample], list[float]]:
+def samples_with_ends(training: TrainingState) -> tuple[list[StepSample], list[float]]:
+    """The timed steps (:func:`step_samples`) and each one's end, in the same order."""
     samples = step_samples(training)
     ends = [p.t for p in training.points if p.duration is not None]
     return samples, ends
@@ -621,8 +696,8 @@ def compare_jobs(
 ) -> JobComparison:
     """Job (or rank) A against B: steps aligned after the warm-up (``skip`` steps when
     given), memory, ops, counts and findings. :class:`CompareError` when one has no steps."""
-    samples_a, ends_a = _samples_with_ends(a.training)
-    samples_b, ends_b = _samples_with_ends(b.training)
+    samples_a, ends_a = samples_with_ends(a.training)
+    samples_b, ends_b = samples_with_ends(b.training)
     if alignment is None:
         alignment, kept_a, kept_b = align(samples_a, samples_b, skip)
     else:
@@ -637,7 +712,10 @@ def compare_jobs(
         float(a.peak_rss) if a.peak_rss is not None else None,
         float(b.peak_rss) if b.peak_rss is not None else None,
     )
+    until_a = _end_of_step(samples_a, ends_a, alignment.end)
+    until_b = _end_of_step(samples_b, ends_b, alignment.end)
     return JobComparison(
+        energy=compare_energy(a, b, (since_a, until_a), (since_b, until_b)),
         alignment=alignment,
         steps=compare_steps(kept_a, kept_b),
         memory=compare_memory(a, b, since_a, since_b),

@@ -24,6 +24,7 @@ from torchtop.model.connection import (
     SourceSilent,
     SourceStatus,
 )
+from torchtop.model.energy import GpuEnergy, fold_gpu_energy
 from torchtop.model.memory import DeviceMemory, MemoryPoint, ModuleMemory
 from torchtop.model.oom_advice import Evidence, phase_at, step_floors
 from torchtop.model.ops import OpTimings
@@ -213,6 +214,8 @@ class JobModel:
     gpu_t: float | None = None
     #: Each GPU's highest utilization, in percent.
     gpu_peak_util: dict[int, float] = field(default_factory=dict)
+    #: Each GPU's energy counter readings (:mod:`.energy`), by (MIG parent, index).
+    energy: dict[tuple[int | None, int], GpuEnergy] = field(default_factory=dict)
     probes: dict[str, ProbeStatus] = field(default_factory=dict)
 
     phases: deque[Phase] = field(init=False)
@@ -305,6 +308,7 @@ class JobModel:
             self.gpu_rows = list(message.gpus)
             self.gpu_t = message.t
             self.gpu_samples += 1
+            fold_gpu_energy(self.energy, message.t, message.gpus)
             for gpu in message.gpus:
                 # Peaks are the job's GPUs' (all of them while the agent cannot tell).
                 if gpu.mig_parent is not None or gpu.in_job is False:

@@ -16,9 +16,10 @@ percentiles are those of an even sample. The whole run's steps are kept in
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -236,6 +237,16 @@ class StepHistory:
             for t, _, w in self._all()
             if (start is None or t >= start) and (end is None or t <= end)
         )
+
+    def ended_by(self, times: Sequence[float]) -> list[int]:
+        """For each of ``times``, the steps (weights) that ended at or before it, in one pass
+        over the history (its ends are in order: steps are listed as they end)."""
+        ends: list[float] = []
+        cumulative = [0]
+        for t, _, w in self._all():
+            ends.append(t)
+            cumulative.append(cumulative[-1] + w)
+        return [cumulative[bisect.bisect_right(ends, t)] for t in times]
 
 
 @dataclass

@@ -164,6 +164,10 @@ def job_json(job: JobComparison) -> dict[str, Any]:
         "ops_note": job.ops_note,
         "counts": [change_json(c) for c in job.counts],
         "findings": findings,
+        "energy": [
+            {"device": e.device, "energy_per_step_j": change_json(e.per_step), "note": e.note}
+            for e in job.energy
+        ],
         "changed": job.changed,
     }
 
@@ -182,6 +186,8 @@ def _value(value: float | None, unit: str) -> str:
         return f"{value:.2f}/s"
     if unit == "bytes":
         return format_bytes(int(value))
+    if unit == "J":
+        return f"{value:.2f} J"
     return f"{value:g}"
 
 
@@ -199,11 +205,12 @@ def _interval_text(lo: float, hi: float, unit: str) -> str:
     elif unit == "share":
         scale, suffix = 100.0, " pts"
     else:
-        scale, suffix = 1.0, "/s" if unit == "1/s" else ""
+        scale, suffix = 1.0, {"1/s": "/s", "J": " J"}.get(unit, "")
     return f"{lo * scale:+.1f} to {hi * scale:+.1f}{suffix}"
 
 
-def _change_cells(c: dict[str, Any]) -> list[Any]:
+def change_cells(c: dict[str, Any]) -> list[Any]:
+    """A figure as the table shows it: A, B, the change, its interval, the verdict (styled)."""
     from rich.text import Text
 
     unit = c["unit"]
@@ -221,6 +228,7 @@ def _change_cells(c: dict[str, Any]) -> list[Any]:
     short = {
         "no difference beyond noise": "within noise",
         "too few profiled steps to tell": "few steps",
+        "too few energy readings to tell": "few readings",
     }
     verdict = Text(short.get(c["verdict"], c["verdict"]), style=style if c["changed"] else "dim")
     return [_value(c["a"], unit), _value(c["b"], unit), change, interval, verdict]
@@ -237,7 +245,7 @@ def _table(title: str, rows: list[tuple[str, dict[str, Any]]]) -> Any:
     for col in ("A", "B", "change", f"{CONFIDENCE:.0%} interval", "verdict"):
         table.add_column(col, justify="right" if col in ("A", "B", "change") else "left")
     for label, c in rows:
-        add_text_row(table, Text(label, no_wrap=True, overflow="ellipsis"), *_change_cells(c))
+        add_text_row(table, Text(label, no_wrap=True, overflow="ellipsis"), *change_cells(c))
     return table
 
 
@@ -276,6 +284,12 @@ def _job_parts(job: dict[str, Any], title: str) -> list[Any]:
         parts.append(_table("top ops: self time per profiled step", rows))
     if job["ops_note"]:
         parts.append(Text(job["ops_note"], style="dim"))
+    if job["energy"]:
+        energy = [(e["device"], e["energy_per_step_j"]) for e in job["energy"]]
+        parts.append(_table("GPU energy per step (NVML's counter)", energy))
+        for e in job["energy"]:
+            if e["note"]:
+                parts.append(Text(f"{e['device']}: energy counter {e['note']}", style="dim"))
     findings = job["findings"]
     line = Text()
     line.append("findings", style="bold")

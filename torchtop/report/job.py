@@ -16,6 +16,7 @@ from typing import Any
 
 from torchtop import __version__
 from torchtop.model import CaptureEntry, JobModel, OpTimings, TrainingState
+from torchtop.model.energy import NOT_SUPPORTED
 from torchtop.model.job import agent_cost_summary
 from torchtop.model.oom_advice import verdict_text
 from torchtop.model.ops import op_avg_s
@@ -67,6 +68,7 @@ def report_json(model: JobModel) -> dict[str, Any]:
             "peak_rss_bytes": p.peak_rss,
             "steps": training.steps_between(p.start, p.end),
             "median_step_time_s": _r(training.step_time(0.5, p.start, p.end)),
+            "energy": energy_json(model, p.start, p.end),
         }
         for p in model.phases
         if p.start is not None  # ended, but began before the recording
@@ -102,6 +104,7 @@ def report_json(model: JobModel) -> dict[str, Any]:
         "gpus": [
             {"index": i, "peak_util_percent": u} for i, u in sorted(model.gpu_peak_util.items())
         ],
+        "energy": energy_json(model),
         "probes_unavailable": {name: status.detail for name, status in model.probes.items()},
         "log_lines": model.log_total,
         "events": [_capture_json(entry, start) for entry in model.captures.entries],
@@ -110,6 +113,32 @@ def report_json(model: JobModel) -> dict[str, Any]:
         "findings": [f.to_json(start) for f in model.advice.all_findings],
         "agent_cost": agent_cost_summary(model),
     }
+
+
+def energy_json(
+    model: JobModel, start: float | None = None, end: float | None = None
+) -> dict[str, Any]:
+    """Per GPU the job used: joules from its first reading to its last (in ``[start, end]``,
+    a phase's, when given), mean power, and joules per step over the steps between them; a GPU
+    without the counter says so."""
+    out: dict[str, Any] = {}
+    for entry in model.energy.values():
+        if entry.supported is False:
+            out[entry.name] = {"supported": False, "detail": NOT_SUPPORTED}
+            continue
+        span = entry.span(model.training, start, end)
+        per_step = span.per_step if span is not None else None
+        power = span.mean_power_w if span is not None else None
+        whole = start is None and end is None
+        joules = entry.joules if whole else span.joules if span is not None else None
+        out[entry.name] = {
+            "supported": True,
+            "joules": round(joules, 3) if joules is not None else None,
+            "steps": span.steps if span is not None else None,
+            "joules_per_step": round(per_step, 4) if per_step is not None else None,
+            "mean_power_w": round(power, 2) if power is not None else None,
+        }
+    return out
 
 
 def _r(seconds: float | None) -> float | None:
@@ -165,6 +194,8 @@ def _loader_json(state: LoaderState) -> dict[str, Any]:
         "peak_workers_rss_bytes": state.peak_workers_rss or None,
         #: The workers' private memory summed (USS, read from outside on the job's host).
         "peak_workers_uss_bytes": state.peak_workers_uss or None,
+        "dataset_storage": x.dataset_storage,
+        "dataset_holds": x.dataset_detail,
     }
 
 
@@ -314,6 +345,8 @@ def render_text(report: dict[str, Any]) -> Any:
         )
     parts: list[Any] = [head, devices]
     parts.append(Text(f"host peak RSS {format_bytes(report['host']['peak_rss_bytes'])}"))
+    for name, energy in report.get("energy", {}).items():
+        parts.append(Text(f"{name} energy: {energy_text(energy)}"))
     if report["phases"]:
         phases = Table(title="phases", title_justify="left")
         for col in ("phase", "start", "duration", "peak allocated", "peak RSS"):
@@ -340,6 +373,20 @@ def render_text(report: dict[str, Any]) -> Any:
         if probe != "ops":  # given with its time span above
             parts.append(Text(f"{probe}: {detail}", style="dim"))
     return Group(*parts)
+
+
+def energy_text(energy: dict[str, Any]) -> str:
+    """``1234.5 J, 41.20 J/step over 30 steps, mean 612 W``, or why there is none."""
+    if not energy["supported"]:
+        return str(energy["detail"])
+    if energy["joules"] is None:
+        return "no reading yet"
+    text = f"{energy['joules']:.1f} J"
+    if energy["joules_per_step"] is not None:
+        text += f", {energy['joules_per_step']:.2f} J/step over {energy['steps']} steps"
+    if energy["mean_power_w"] is not None:
+        text += f", mean {energy['mean_power_w']:.0f} W"
+    return text
 
 
 def agent_cost_line(cost: dict[str, Any]) -> str:

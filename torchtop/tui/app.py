@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from textual.app import App
 from textual.notifications import SeverityLevel
 from textual.theme import Theme
+from textual.widgets import Input
 
 from torchtop.streams.source import Source
 from torchtop.text import printable
@@ -30,6 +31,7 @@ from torchtop.tui.widgets.ops import OpsPanel
 if TYPE_CHECKING:
     from torchtop.streams.runs import RunFold
     from torchtop.transport import AgentInfo
+    from torchtop.tui.widgets.compare import Against
 
 #: A theme for low-vision users and washed-out screens: white on black, bright accents.
 HIGH_CONTRAST = Theme(
@@ -69,6 +71,7 @@ class TorchtopApp(App[int]):
         open_rank: RankOpener | None = None,
         pick: bool = False,
         open_agent: AgentOpener | None = None,
+        against: Against | None = None,
     ) -> None:
         super().__init__()
         #: The screen the app starts on: a job's, a run's or the picker.
@@ -82,7 +85,7 @@ class TorchtopApp(App[int]):
             self._first = self._picker = PickerScreen(open_agent)
             self.title = PickerScreen.TITLE
         elif source is not None:
-            self._first = self.JOB_SCREEN(source, title=title)
+            self._first = self.JOB_SCREEN(source, title=title, against=against)
             if title is not None:  # a job's command line, or a file's name: not ours
                 self.title = printable(title, one_line=True)
         else:
@@ -180,6 +183,10 @@ class TorchtopApp(App[int]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """The job screen's keys act on the job screen shown, and are off where none is."""
         if action in JOB_ACTIONS:
+            if action != "request_quit" and isinstance(self.focused, Input):
+                # Typing (a path, an op filter): "-" and "+" are the text's, not the speed
+                # keys'. ctrl+c still quits.
+                return False
             job = self.shown_job
             return False if job is None else job.check_action(action, parameters)
         return True

@@ -438,6 +438,10 @@ class NvmlProbe:
                 temperature_c=_float(self._call(gpu, "temperature", backend.temperature, handle)),
                 power_w=_float(self._call(gpu, "power", backend.power_w, handle)),
                 power_limit_w=_float(self._call(gpu, "power_limit", backend.power_limit_w, handle)),
+                energy_mj=(energy := _int(self._call(gpu, "energy", backend.energy_mj, handle))),
+                energy_supported=(
+                    False if "energy" in gpu.unsupported else True if energy is not None else None
+                ),
                 clock_sm_mhz=None if clocks is None else int(clocks[0]),
                 clock_memory_mhz=None if clocks is None else int(clocks[1]),
                 processes=self._processes(gpu, handle),
@@ -522,3 +526,7 @@ def uuid_key(uuid: str | None) -> str:
 
 def _float(value: float | None) -> float | None:
     return None if value is None else float(value)
+
+
+def _int(value: int | None) -> int | None:
+    return None if value is None else int(value)

@@ -43,9 +43,11 @@ from torchtop.tui.palette import Action
 from torchtop.tui.screens.advice import AdviceScreen
 from torchtop.tui.screens.help import HelpScreen
 from torchtop.tui.screens.oom import OomScreen
+from torchtop.tui.screens.path_prompt import PathPrompt
 from torchtop.tui.screens.quit import QuitScreen
 from torchtop.tui.wake import WakeFilter
 from torchtop.tui.widgets.chart import TimeSeriesChart
+from torchtop.tui.widgets.compare import Against, ComparePanel, RecordingError, load_against
 from torchtop.tui.widgets.device import DevicePanel
 from torchtop.tui.widgets.header import JobHeader, Playback
 from torchtop.tui.widgets.held import HeldPanel
@@ -194,9 +196,16 @@ class JobScreen(Screen[None]):
     quitting it goes back."""
 
     def __init__(
-        self, source: Source, *, title: str | None = None, opened_over: bool = False
+        self,
+        source: Source,
+        *,
+        title: str | None = None,
+        opened_over: bool = False,
+        against: Against | None = None,
     ) -> None:
         super().__init__()
+        #: A second recording shown against this job (``replay --against``, the palette).
+        self.against = against
         # A frame of new log lines draws the log's rows, not every panel's (:mod:`.compositor`).
         self._compositor = RowsCompositor()
         self.source = source
@@ -253,6 +262,7 @@ class JobScreen(Screen[None]):
             with Horizontal(id="memory-row"):
                 yield MemoryPanel(id="memory")
                 yield PhaseInfo(id="phase-info")
+                yield ComparePanel(id="compare")
             with Horizontal(id="training"):  # steps and DataLoaders, once the job has any
                 yield StepPanel(id="steps")
                 yield LoaderPanel(id="loaders")
@@ -266,6 +276,7 @@ class JobScreen(Screen[None]):
         yield Footer(show_command_palette=False)
 
     def on_mount(self) -> None:
+        self.query_one(StepPanel).against = self.against
         # The log has the focus at first, so the arrow keys scroll it; a click focuses a panel.
         self.query_one(LogPanel).focus()
         self._awake = True
@@ -431,9 +442,20 @@ class JobScreen(Screen[None]):
             self.query_one(LoaderPanel).show_state(state)
 
     def _show_phase_info(self, state: JobModel) -> None:
-        """The phase panel appears beside the memory chart once a phase has a description."""
-        shown = self.query_one(PhaseInfo).show_state(state)
-        self.query_one("#memory-row").set_class(shown, "has-phase-info")
+        """The phase panel appears beside the memory chart once a phase has a description;
+        the comparison's panel takes its place while a recording is compared."""
+        row = self.query_one("#memory-row")
+        comparing = self.query_one(ComparePanel).show_against(self.against)
+        row.set_class(comparing, "has-compare")
+        shown = not comparing and self.query_one(PhaseInfo).show_state(state)
+        row.set_class(shown, "has-phase-info")
+
+    def set_against(self, against: Against | None) -> None:
+        """Show ``against`` beside this job (``None``: stop comparing)."""
+        self.against = against
+        self.query_one(StepPanel).against = against
+        self._slow_shown_at = None  # the charts too, at once
+        self._show()
 
     def _announce_connection(self) -> None:
         state = self.state
@@ -512,7 +534,35 @@ class JobScreen(Screen[None]):
         if figures:
             copy = Action("", "Copy the memory figures", figures.replace("\n", " · "), "")
             commands.append((copy, partial(self._copy, figures, "the memory figures")))
+        compare = Action(
+            "",
+            "Compare with a recording",
+            "open a second recording (B): its step time and data wait over this job's, aligned "
+            "by step, and what changed beyond noise",
+            "",
+        )
+        commands.append((compare, self._ask_against))
+        if self.against is not None:
+            stop = Action("", "Stop comparing", f"take {self.against.label} off the charts", "")
+            commands.append((stop, partial(self.set_against, None)))
         return commands
+
+    def _ask_against(self) -> None:
+        self.app.push_screen(PathPrompt("Recording to compare with (B):"), self._open_against)
+
+    def _open_against(self, path: str | None) -> None:
+        """Recording ``path`` against this job as far as it has come; a file that cannot be
+        read is said in one line."""
+        if not path:
+            return
+        try:
+            against = load_against(path, self.state)
+        except RecordingError as exc:
+            self.app.notify(str(exc), severity="error", timeout=8)
+            return
+        self.set_against(against)
+        if against.error is not None:
+            self.app.notify(f"Cannot compare: {against.error}", severity="warning", timeout=8)
 
     def _run_ops_action(self, action: str) -> None:
         """An ops panel action from the palette: the panel is shown first."""

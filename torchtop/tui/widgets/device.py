@@ -7,16 +7,34 @@ from textual import on
 from textual.events import Resize
 from textual.widgets import Static
 
+from torchtop.model.energy import gpu_key
 from torchtop.model.job import JobModel
 from torchtop.protocol import GpuStats
 from torchtop.tui.format import MISSING, format_percent, format_used_total
 from torchtop.tui.widgets.quiet import update_if_changed
 
 
-def gpu_line(gpu: GpuStats) -> Text:
-    """``GPU0  98%  60.1/80.0 GiB  65°C  410 W  1980 MHz``: utilisation first; units say the
-    rest, so the line needs no column headings. Once the agent has matched GPUs to the job's
-    CUDA devices, the job's say which (``GPU2 cuda:0``) and the others ``(other)``."""
+def energy_cell(state: JobModel, gpu: GpuStats) -> Text | None:
+    """``41.2 J/step`` (``153 J/step``) over the recent readings: NVML's energy counter over
+    the steps between them; ``no energy counter`` for a GPU without one; ``None`` before two
+    readings."""
+    entry = state.energy.get(gpu_key(gpu))
+    if entry is None or gpu.lost:
+        return None
+    if entry.supported is False:
+        return Text("no energy counter", "dim")
+    span = entry.recent(state.training)
+    if span is None or span.per_step is None:
+        return None
+    joules = span.per_step
+    return Text(f"{joules:.0f} J/step" if joules >= 100 else f"{joules:.3g} J/step")
+
+
+def gpu_line(gpu: GpuStats, energy: Text | None = None) -> Text:
+    """``GPU0  98%  60.1/80.0 GiB  65°C  410 W  41.2 J/step  1980 MHz``: utilisation first;
+    units say the rest, so the line needs no column headings. Once the agent has matched GPUs
+    to the job's CUDA devices, the job's say which (``GPU2 cuda:0``) and the others
+    ``(other)``. ``energy`` (:func:`energy_cell`) follows the power."""
     line = Text(no_wrap=True, overflow="ellipsis")
     if gpu.mig_parent is not None:
         line.append(f"GPU{gpu.mig_parent}·MIG{gpu.index}", "bold")
@@ -39,6 +57,9 @@ def gpu_line(gpu: GpuStats) -> Text:
     line.append(f"  {temp:>4}", "bold red" if hot else "")
     power = MISSING if gpu.power_w is None else f"{gpu.power_w:.0f} W"
     line.append(f"  {power:>5}")
+    if energy is not None:  # beside the power, before the clock a narrow panel cuts first
+        line.append("  ")
+        line.append_text(energy)
     clock = MISSING if gpu.clock_sm_mhz is None else f"{gpu.clock_sm_mhz} MHz"
     line.append(f"  {clock:>8}", "dim")
     return line
@@ -53,7 +74,7 @@ def nvml_unavailable_line(detail: str) -> Text:
 def device_text(state: JobModel, width: int | None = None) -> Text:
     """The panel's lines: GPUs first, one row each (or one row saying there is none, and why),
     cut to ``width`` with an ellipsis; then any probe that is not available and why, whole."""
-    rows: list[Text] = [gpu_line(gpu) for gpu in state.gpu_rows]
+    rows: list[Text] = [gpu_line(gpu, energy_cell(state, gpu)) for gpu in state.gpu_rows]
     nvml = state.nvml
     if not rows:
         if nvml is not None and not nvml.available:

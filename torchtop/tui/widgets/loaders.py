@@ -67,6 +67,8 @@ def loader_lines(loader: LoaderStats) -> list[Text]:
         if uss:  # private pages: what copy-on-write of the dataset grows
             workers.append(" private ", "dim")
             workers.append(format_bytes(sum(uss)))
+            if len(uss) > 1:  # what each worker holds of its own: the copied dataset
+                workers.append(f" ({format_bytes(sum(uss) // len(uss))} each)", "dim")
         lines.append(workers)
     return lines
 

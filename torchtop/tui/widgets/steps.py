@@ -29,6 +29,7 @@ from torchtop.tui.widgets.chart import (
     ChartSpan,
     TimeSeriesChart,
 )
+from torchtop.tui.widgets.compare import Against, against_series
 from torchtop.tui.widgets.quiet import set_titles, update_if_changed
 
 WAIT_STYLE = "yellow"
@@ -246,9 +247,11 @@ class StepTimeChart(TimeSeriesChart):
 
 
 def history_data(
-    state: JobModel,
+    state: JobModel, against: Against | None = None
 ) -> tuple[list[ChartSeries], list[ChartSpan], float, float]:
-    """The step time and wait series, and the phases, over the chart's window."""
+    """The step time and wait series, and the phases, over the chart's window; with
+    ``against``, a second recording's step time and wait, aligned by step
+    (:func:`~torchtop.tui.widgets.compare.against_series`)."""
     training: TrainingState = state.training
     end = state.now if state.now is not None else 0.0
     points = training.points
@@ -276,6 +279,8 @@ def history_data(
         ChartSeries("wait", waits, WAIT_STYLE, fill=True),
         ChartSeries("step", durations, COMPUTE_STYLE),
     ]
+    if against is not None:
+        series += against_series(state, against, start, end)
     spans = [ChartSpan(p.name, p.start, p.end) for p in state.phases_between(start, end)]
     return series, spans, start, end
 
@@ -317,6 +322,8 @@ class StepPanel(Vertical):
     """
 
     _state: JobModel | None = None
+    #: A second recording drawn against this job's steps (``replay --against``).
+    against: Against | None = None
 
     def compose(self) -> ComposeResult:
         yield Static(id="step-figures").with_tooltip(STEP_FIGURES_TOOLTIP)
@@ -341,5 +348,5 @@ class StepPanel(Vertical):
             return
         bars = self.query_one(StepBars)
         bars.set_points(state.training.last_points(max(1, bars.size.width)))
-        series, spans, t_start, t_end = history_data(state)
+        series, spans, t_start, t_end = history_data(state, self.against)
         self.query_one(StepTimeChart).set_data(series, t_start=t_start, t_end=t_end, spans=spans)
