@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.fleet import Fleet
+from tests.conftest import torchtop
 from tests.processes.test_export_prometheus import Torchtop
-from tests.prometheus_server import Prometheus
-from torchtop.streams.prometheus_api import PrometheusError
-from torchtop.streams.prometheus_run import PrometheusRun, pick_run, runs_seen
+from tests.prometheus_server import Prometheus, free_port
+from torchtop.streams.prometheus_run import PrometheusRun, runs_seen
 
 pytestmark = pytest.mark.slow
 
@@ -137,14 +137,6 @@ def test_every_rank_the_straggler_and_a_lost_node(eight: Nodes, prometheus: Prom
     assert all(ranks_shown(run)[r] == before[r] for r in range(4, 8))
 
 
-def test_a_run_not_in_prometheus_lists_the_runs_seen(eight: Nodes, prometheus: Prometheus) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and "eight" not in {r.run for r in runs_seen(prometheus.url)}:
-        time.sleep(0.5)
-    with pytest.raises(PrometheusError, match=r"no series of run 'nope'.*runs seen: .*eight \("):
-        pick_run(prometheus.url, "nope")
-
-
 def test_256_ranks(fleet_recording: Path, runtime_dir: Path, prometheus: Prometheus) -> None:
     fleet = Fleet(
         fleet_recording, ranks=256, nodes=2, root=runtime_dir, run_id="wide", straggler=200
@@ -162,3 +154,34 @@ def test_256_ranks(fleet_recording: Path, runtime_dir: Path, prometheus: Prometh
         assert took < run.poll_s, took
     finally:
         nodes.close()
+
+
+def test_attach_errors_name_the_problem_and_the_fix(
+    eight: Nodes, prometheus: Prometheus, tmp_path: Path
+) -> None:
+    closed = f"http://127.0.0.1:{free_port()}"
+    out = torchtop("attach", "--prometheus", closed)
+    assert out.returncode == 1
+    assert f"cannot reach Prometheus at {closed}" in out.stderr
+    assert "check the URL" in out.stderr and "Traceback" not in out.stderr
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "eight" not in {r.run for r in runs_seen(prometheus.url)}:
+        time.sleep(0.5)
+    out = torchtop("attach", "--prometheus", prometheus.url, "--run", "nope")
+    assert out.returncode == 1
+    assert (
+        "has no series of run 'nope'" in out.stderr and "eight (8 ranks on 2 hosts)" in out.stderr
+    )
+    # The run it holds: the viewer would open (no terminal here, so it says what to use).
+    out = torchtop("attach", "--prometheus", prometheus.url, "--run", "eight")
+    assert out.returncode != 0 and "the viewer needs a terminal" in out.stderr, out.stderr
+    out = torchtop("attach", "--prometheus", prometheus.url, "123")
+    assert out.returncode != 0 and "drop the PID" in out.stderr
+    (tmp_path / "empty").mkdir()
+    empty = Prometheus(tmp_path / "empty")
+    try:
+        out = torchtop("attach", "--prometheus", empty.url)
+    finally:
+        empty.stop()
+    assert out.returncode == 1
+    assert "holds no torchtop series" in out.stderr and "torchtop export" in out.stderr
