@@ -11,7 +11,9 @@ scrapes every second with a 5 s lookback so that the staleness comes quickly.
 
 from __future__ import annotations
 
+import shutil
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from benchmarks.fleet import Fleet
 from tests.conftest import torchtop
 from tests.processes.test_export_prometheus import Torchtop
 from tests.prometheus_server import Prometheus, free_port
+from tests.viewer.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
 from torchtop.streams.prometheus_run import PrometheusRun, runs_seen
 
 pytestmark = pytest.mark.slow
@@ -185,3 +188,44 @@ def test_attach_errors_name_the_problem_and_the_fix(
         empty.stop()
     assert out.returncode == 1
     assert "holds no torchtop series" in out.stderr and "torchtop export" in out.stderr
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_the_viewer_at_80x24_names_the_straggler_and_shows_the_lost_node(
+    eight: Nodes,
+    prometheus: Prometheus,
+    terminal: Terminal,  # noqa: F811
+) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "eight" not in {r.run for r in runs_seen(prometheus.url)}:
+        time.sleep(0.5)
+    command = f"{sys.executable} -m torchtop attach --prometheus {prometheus.url} --run eight"
+    terminal.keys(f"{command}; echo EXIT=$?", "Enter")
+
+    def rows(screen: str) -> dict[int, list[str]]:
+        """The table's rows by rank: node, rank, state, steps, ..."""
+        found = {}
+        for line in screen.splitlines():
+            cells = line.split()
+            if len(cells) >= 4 and cells[0].startswith("node") and cells[1].isdigit():
+                found[int(cells[1])] = cells
+        return found
+
+    def stepping(screen: str) -> bool:
+        shown = rows(screen)
+        return sorted(shown) == list(range(8)) and all(int(r[3]) > 0 for r in shown.values())
+
+    screen = terminal.wait_for(stepping, timeout=60)
+    assert "8 live · scrape 1s" in screen and "pid" not in screen and "bwd" not in screen
+    screen = terminal.wait_for(lambda s: "rank 2 on node0 is the slowest of 8" in s, timeout=60)
+    assert all(row[2] == "running" for row in rows(screen).values())
+    eight.stop(1)
+    screen = terminal.wait_for(
+        lambda s: (
+            [rows(s).get(r, ["", "", ""])[2] for r in range(8)] == ["running"] * 4 + ["lost"] * 4
+        ),
+        timeout=30,
+    )
+    assert "4 live, 4 lost (stale series)" in screen
+    terminal.keys("q")
+    terminal.wait_for(lambda s: "EXIT=0" in s, timeout=30)

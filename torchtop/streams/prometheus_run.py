@@ -198,9 +198,10 @@ class PrometheusRun(RunFold):
     :data:`POLL_S` seconds from a background thread (``query``, ``query_samples``: the API
     client's functions, or a test's)."""
 
-    on_quit = "closes the view (nothing runs here)"
+    on_quit = "closes the view"
     rank_lines = False
     not_carried = NOT_CARRIED
+    has_output = False
 
     def __init__(
         self,
@@ -414,9 +415,8 @@ class PrometheusRun(RunFold):
             "straggler",
             "critical" if score >= STRAGGLER_CRITICAL else "warning",
             rank.rank,
-            f"rank {rank.rank}{where} is the slowest of {ranks}: score {score:.2f} (its step "
-            "time or data wait beyond the run's median, as a share of the median step; "
-            "Prometheus over the last minute)",
+            f"rank {rank.rank}{where} is the slowest of {ranks} ranks: score {score:.2f} in "
+            "Prometheus over the last minute (step or data wait beyond the median, per step)",
             f"Make rank {rank.rank} as quick as the others: compare its data wait and step time "
             f"in this table, then open it on {rank.hostname or 'its node'} (`torchtop attach`) "
             "for its time in backward and its ops, which Prometheus does not carry.",
@@ -480,9 +480,9 @@ class PrometheusRun(RunFold):
         if self.answered_at is None:
             return f"asking Prometheus at {shown}…", True
         scrape = self.scrape_interval()
-        every = f"scraped every {scrape:.0f} s" if scrape is not None else "no scrape yet"
+        every = f"scrape {scrape:.0f}s" if scrape is not None else "no scrape yet"
         lost = f", {len(self.lost)} lost (stale series)" if self.lost else ""
-        return f"Prometheus {shown}: {len(self.ranks) - len(self.lost)} live{lost} · {every}", True
+        return f"{len(self.ranks) - len(self.lost)} live{lost} · {every} · {shown}", True
 
 
 def _memory(device: str, values: dict[str, float]) -> MemoryStats:

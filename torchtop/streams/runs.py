@@ -203,6 +203,8 @@ class RunFold:
     rank_lines = True
     #: The view's columns this source has no figure for (Prometheus: no pid, no backward).
     not_carried: tuple[str, ...] = ()
+    #: Whether the run has output lines for the view's log (Prometheus carries none).
+    has_output = True
 
     def __init__(self) -> None:
         self.model = RunModel()

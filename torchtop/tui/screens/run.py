@@ -305,6 +305,8 @@ class RunScreen(Screen[None]):
         table: DataTable[Text] = self.query_one("#ranks", DataTable)
         for column in self._columns:
             table.add_column(column, key=column)
+        if not self.run_.has_output:
+            self.query_one("#run-log", RichLog).display = False
         if not self.run_.started:
             self.run_.start()
         self._refresh_timer = self.set_interval(REFRESH_S, self.refresh_run)
@@ -387,7 +389,9 @@ class RunScreen(Screen[None]):
             self._rows[stream] = row
         self._sort(table, added)
         if len(jobs) > FOLD_AFTER:
-            self._strip = heat_strip(run, max(20, self.size.width - 2))
+            fold = self.query_one("#run-fold", Static)
+            width = fold.content_region.width if fold.display else self.size.width - 2
+            self._strip = heat_strip(run, max(20, width))
             self._show_page(force=True)
         self.query_one("#run-head", Static).update(self._head(list(jobs.values())))
         if findings != self._shown_findings:
@@ -430,13 +434,16 @@ class RunScreen(Screen[None]):
         if total <= FOLD_AFTER:
             return
         first = int(table.scroll_y) + 1
-        last = min(total, first + max(1, table.size.height - 1) - 1)
+        rows = table.scrollable_content_region.height - table.header_height
+        last = min(total, first + max(1, rows) - 1)
         page = page_line(first, last, total)
         if force or self._page is None or page.plain != self._page.plain:
             self._page = page
             fold = self.query_one("#run-fold", Static)
             fold.display = True
-            fold.update(Text("\n").join([self._strip, page]))
+            both = Text("\n", no_wrap=True, overflow="crop").join([self._strip, page])
+            both.no_wrap, both.overflow = True, "crop"
+            fold.update(both)
 
     def action_page(self, pages: int) -> None:
         table: DataTable[Text] = self.query_one("#ranks", DataTable)
@@ -451,10 +458,18 @@ class RunScreen(Screen[None]):
         of the screen, else the table's first ones."""
         jobs = self.run_.model.jobs
         room = max(1, int(self.size.height * CHART_SHARE) - 2)
-        if len(jobs) > FOLD_AFTER:
-            room -= 2  # the heat strip and the page line take two lines above the table
         if len(jobs) <= room:
             return list(jobs.values())
+        if len(jobs) > FOLD_AFTER:
+            # What the other panels leave: the head, the strip and page lines, the table (at
+            # most half the screen), the findings, the log's least, the footer, the chart's
+            # border and axis.
+            width = max(20, self.size.width - 2)
+            findings = sum(-(-(9 + len(f.summary)) // width) for f in self.run_.findings)
+            log = 2 if self.run_.has_output else 0
+            table = min(len(jobs) + 1, int(self.size.height * 0.5))
+            left = self.size.height - 3 - table - min(6, max(1, findings)) - log - 1 - 2
+            room = max(1, min(room, left))
         order = self._order or list(jobs)
         return [jobs[stream] for stream in order[:room] if stream in jobs]
 
