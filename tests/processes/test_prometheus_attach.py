@@ -90,6 +90,13 @@ def ranks_shown(run: PrometheusRun) -> dict[int, int]:
     }
 
 
+def held(prometheus: Prometheus, run: str) -> None:
+    """Wait until Prometheus holds a series of ``run``."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and run not in {r.run for r in runs_seen(prometheus.url)}:
+        time.sleep(0.5)
+
+
 def all_stepping(run: PrometheusRun, ranks: int) -> Callable[[], bool]:
     """Whether the view shows ``ranks`` ranks, each with steps."""
     return lambda: len(ranks_shown(run)) == ranks and min(ranks_shown(run).values()) > 0
@@ -167,9 +174,7 @@ def test_attach_errors_name_the_problem_and_the_fix(
     assert out.returncode == 1
     assert f"cannot reach Prometheus at {closed}" in out.stderr
     assert "check the URL" in out.stderr and "Traceback" not in out.stderr
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and "eight" not in {r.run for r in runs_seen(prometheus.url)}:
-        time.sleep(0.5)
+    held(prometheus, "eight")
     out = torchtop("attach", "--prometheus", prometheus.url, "--run", "nope")
     assert out.returncode == 1
     assert (
@@ -196,9 +201,7 @@ def test_the_viewer_at_80x24_names_the_straggler_and_shows_the_lost_node(
     prometheus: Prometheus,
     terminal: Terminal,  # noqa: F811
 ) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and "eight" not in {r.run for r in runs_seen(prometheus.url)}:
-        time.sleep(0.5)
+    held(prometheus, "eight")
     command = f"{sys.executable} -m torchtop attach --prometheus {prometheus.url} --run eight"
     terminal.keys(f"{command}; echo EXIT=$?", "Enter")
 
