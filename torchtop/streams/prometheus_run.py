@@ -128,8 +128,11 @@ class RunSeen:
 
 def runs_seen(url: str, *, query: Query = prometheus_api.query) -> list[RunSeen]:
     """The runs with a torchtop series in the last :data:`RUNS_WINDOW`, most ranks first."""
+    # Each rank once, however many exporters served it (one restarted on another port).
     series = query(
-        url, f"count by (run, hostname) (last_over_time(torchtop_steps_total[{RUNS_WINDOW}]))"
+        url,
+        "count by (run, hostname) (count by (run, rank, hostname) "
+        f"(last_over_time(torchtop_steps_total[{RUNS_WINDOW}])))",
     )
     ranks: dict[str, int] = defaultdict(int)
     hosts: dict[str, int] = defaultdict(int)
@@ -181,6 +184,8 @@ class RankSeries:
     #: base of the next scrape's increase).
     last_t: float | None = None
     counters: dict[str, float] = field(default_factory=dict)
+    #: The target (scrape job, instance) its counters are read from.
+    target: tuple[str, str] = ("", "")
     #: The times of its recent scrapes (for the scrape interval).
     scrapes: list[float] = field(default_factory=list)
 
@@ -292,15 +297,28 @@ class PrometheusRun(RunFold):
         )
 
     def _fold_samples(self, samples: list[Samples]) -> None:
-        # Each rank's scrapes: time -> counter -> value (a scrape reads every counter at once).
-        scrapes: dict[str, dict[float, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+        # Each rank's scrapes by target: time -> counter -> value (a scrape reads every counter
+        # at once). A rank served by two targets in the window (its exporter restarted on
+        # another port, two exporters following it) is read from the one scraped last.
+        scrapes: dict[tuple[str, str, str], dict[float, dict[str, float]]] = defaultdict(
+            lambda: defaultdict(dict)
+        )
         for series in samples:
             name = series.labels.get("__name__", "")
             rank = self._rank(series.labels)
+            target = (rank.stream, series.labels.get("job", ""), series.labels.get("instance", ""))
             for t, value in series.values:
-                scrapes[rank.stream][t][name] = value
-        for stream, by_time in scrapes.items():
+                scrapes[target][t][name] = value
+        latest: dict[str, tuple[float, str, str]] = {}
+        for (stream, job, instance), by_time in scrapes.items():
+            latest[stream] = max(latest.get(stream, (0.0, "", "")), (max(by_time), job, instance))
+        for stream, (_, job, instance) in latest.items():
+            by_time = scrapes[(stream, job, instance)]
             rank = self.ranks[stream]
+            if rank.target != (job, instance):
+                # Another target's counters count from its own start: its first scrape is
+                # the base of the next one's increase.
+                rank.target, rank.counters = (job, instance), {}
             for t in sorted(by_time):
                 if rank.last_t is not None and t <= rank.last_t:
                     continue
