@@ -90,10 +90,16 @@ def names(families: tuple[str, ...]) -> str:
     return "|".join(families)
 
 
-def straggler_score_expr(run: str, window: str = "1m") -> str:
-    """Each rank's straggler score over ``window``: the recorded series where the rules are
-    loaded, else the rules' expression itself (the share of the run's median step a rank spends
-    beyond the run's median step time or median data wait per step)."""
+def straggler_score_expr(run: str) -> str:
+    """Each rank's straggler score over the last minute: the recorded series where the rules
+    are loaded, else the rules' expression itself (:func:`straggler_score_inline`)."""
+    return f"{SCORE_RULE}{{run={quoted(run)}}} or {straggler_score_inline(run)}"
+
+
+def straggler_score_inline(run: str, window: str = "1m") -> str:
+    """The rules' straggler score of run ``run``'s ranks, as one expression: the share of the
+    run's median step a rank spends beyond the run's median step time or median data wait per
+    step, over ``window``."""
     sel = f"run={quoted(run)}"
     step = (
         f"(rate(torchtop_step_duration_seconds_sum{{{sel}}}[{window}]) "
@@ -106,11 +112,10 @@ def straggler_score_expr(run: str, window: str = "1m") -> str:
     step_median = f"quantile by (run) (0.5, {step})"
     beyond_step = f"({step} - on (run) group_left {step_median})"
     beyond_wait = f"({wait} - on (run) group_left quantile by (run) (0.5, {wait}))"
-    inline = (
+    return (
         f"clamp_min(({beyond_step} > {beyond_wait} or {beyond_wait}) "
         f"/ on (run) group_left {step_median}, 0)"
     )
-    return f"{SCORE_RULE}{{{sel}}} or {inline}"
 
 
 @dataclass(frozen=True)
