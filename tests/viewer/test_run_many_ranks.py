@@ -10,6 +10,7 @@ import time
 
 from rich.text import Text
 from textual.widgets import DataTable, Static
+from textual.widgets.data_table import ColumnKey
 
 from torchtop.model.advice import Finding
 from torchtop.protocol import Hello, Message, StepStats
@@ -190,5 +191,31 @@ def test_the_table_refresh_at_256_ranks_costs_little() -> None:
             column = [str(c.label) for c in table.columns.values()].index("steps")
             shown = {str(table.get_row_at(i)[column]) for i in range(table.row_count)}
             assert shown == {"90"}
+
+    asyncio.run(drive())
+
+
+def test_a_column_widens_for_figures_that_come_after_the_row() -> None:
+    """A rank's row drawn from its hello alone (``-`` for its step) widens its columns once its
+    steps come: a row is not cut to the width of what it first showed."""
+    run = WideRun()
+    for rank in range(2):
+        run.feed(str(rank), hello(rank))
+
+    async def drive() -> None:
+        app = TorchtopApp.for_run(run, "run", open_rank=attach_rank)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause(1.2)
+            table: DataTable[Text] = app.run_screen.query_one("#ranks", DataTable)
+            assert table.row_count == 2
+            for rank in range(2):
+                for i in range(1, 8):
+                    run.feed(str(rank), steps(1000.0 + i, 10 * i, 0.0205))
+            await pilot.pause(1.5)
+            step = table.columns[ColumnKey("step")]
+            assert (
+                str(table.get_row_at(0)[list(table.columns).index(ColumnKey("step"))]) == "20.5ms"
+            )
+            assert step.get_render_width(table) >= len("20.5ms") + 2
 
     asyncio.run(drive())

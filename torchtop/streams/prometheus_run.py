@@ -240,6 +240,8 @@ class PrometheusRun(RunFold):
         #: Why the last round failed (None: it answered).
         self.error: str | None = None
         self.answered_at: float | None = None
+        #: Ranks, lost ranks and the scrape interval as of the last round (for the status).
+        self.counts: tuple[int, int, float | None] = (0, 0, None)
         self._last_poll: float | None = None
         self._exported: list[Finding] = []
         self._stop = threading.Event()
@@ -270,6 +272,7 @@ class PrometheusRun(RunFold):
         self._fold_samples(samples)
         self._fold_gauges(gauges)
         self._fold_scores(scores)
+        self.counts = (len(self.ranks), len(self.lost), self._scrape_interval())
 
     def _rank(self, labels: dict[str, str]) -> RankSeries:
         rank_label = labels.get("rank", "")
@@ -384,12 +387,14 @@ class PrometheusRun(RunFold):
             else:
                 device = series.labels.get("device", "")
                 memory[rank.stream][device][name] = series.value
+        # Replaced whole, not changed in place: the view's thread reads it.
+        self.lost = {
+            stream: self.lost.get(stream, rank.last_t or 0.0)
+            for stream, rank in self.ranks.items()
+            if stream not in live
+        }
         for stream, rank in self.ranks.items():
-            if stream not in live:
-                self.lost.setdefault(stream, rank.last_t or 0.0)
-                continue
-            self.lost.pop(stream, None)
-            if rank.last_t is None:
+            if stream in self.lost or rank.last_t is None:
                 continue
             devices = [_memory(device, values) for device, values in memory[stream].items()]
             rss = host.get(stream)
@@ -491,7 +496,7 @@ class PrometheusRun(RunFold):
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
 
-    def scrape_interval(self) -> float | None:
+    def _scrape_interval(self) -> float | None:
         """The median time between two scrapes of a rank, as stored."""
         gaps = [b - a for r in self.ranks.values() for a, b in itertools.pairwise(r.scrapes)]
         return statistics.median(gaps) if gaps else None
@@ -502,10 +507,11 @@ class PrometheusRun(RunFold):
             return self.error, False
         if self.answered_at is None:
             return f"asking Prometheus at {shown}…", True
-        scrape = self.scrape_interval()
+        # Figures the polling thread set whole at the end of its last round.
+        ranks, lost, scrape = self.counts
         every = f"scrape {scrape:.0f}s" if scrape is not None else "no scrape yet"
-        lost = f", {len(self.lost)} lost (stale series)" if self.lost else ""
-        return f"{len(self.ranks) - len(self.lost)} live{lost} · {every} · {shown}", True
+        gone = f", {lost} lost (stale series)" if lost else ""
+        return f"{ranks - lost} live{gone} · {every} · {shown}", True
 
 
 def _memory(device: str, values: dict[str, float]) -> MemoryStats:

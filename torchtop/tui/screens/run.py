@@ -385,7 +385,8 @@ class RunScreen(Screen[None]):
             else:
                 for column, before, after in zip(self._columns, old, row, strict=True):
                     if before != after:
-                        table.update_cell(stream, column, Text(after))
+                        # Widths follow: a row first drawn before its figures came.
+                        table.update_cell(stream, column, Text(after), update_width=True)
             self._rows[stream] = row
         self._sort(table, added)
         if len(jobs) > FOLD_AFTER:
