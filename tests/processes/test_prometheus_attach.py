@@ -46,15 +46,17 @@ class Nodes:
         self.exporters = [self.exporter(node) for node in range(fleet.nodes)]
         prometheus.scrape(*(exporter.address() for exporter in self.exporters))
 
-    def exporter(self, node: int) -> Torchtop:
+    def exporter(self, node: int, address: str = "127.0.0.1:0") -> Torchtop:
         env = {"TORCHTOP_RUNTIME_DIR": str(self.fleet.node_dir(node))}
-        return Torchtop("export", "--metrics", "127.0.0.1:0", self.fleet.run_id, env=env)
+        return Torchtop("export", "--metrics", address, self.fleet.run_id, env=env)
 
     def restart(self, node: int) -> None:
-        """A new exporter on the node (a new port, its counters from zero), scraped."""
+        """A new exporter on the node, on the port of the last (the target Prometheus
+        scrapes stays), its counters counting from its own start."""
+        address = self.exporters[node].address()
         self.stop(node)
-        self.exporters[node] = self.exporter(node)
-        self.prometheus.scrape(*(exporter.address() for exporter in self.exporters))
+        self.exporters[node] = self.exporter(node, address)
+        assert self.exporters[node].address() == address
 
     def stop(self, node: int) -> None:
         exporter = self.exporters[node]
