@@ -34,6 +34,19 @@ def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(path.parent, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def fleet_recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process's recording of a short real job, for the fleet simulator to replay
+    (``benchmarks/fleet.py``)."""
+    path = tmp_path_factory.mktemp("fleet") / "one.ttr"
+    out = torchtop(
+        "run", "--headless", "--record", str(path), "--no-ops", str(SCRIPTS / "train_mlp.py"),
+        "--steps", "20",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return path
+
+
 @pytest.fixture(autouse=True)
 def config_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """The viewer's settings (its theme) go to a folder of the test's, never the user's."""

@@ -45,7 +45,8 @@ def free_port() -> int:
 class Prometheus:
     """One Prometheus process and its HTTP API."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *args: str) -> None:
+        """``args``: more of Prometheus's flags (``--query.lookback-delta=5s``)."""
         binary = shutil.which("prometheus")
         if binary is None:
             pytest.skip(SKIP_REASON)
@@ -63,6 +64,7 @@ class Prometheus:
                 f"--storage.tsdb.path={directory / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
                 "--log.level=warn",
+                *args,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,

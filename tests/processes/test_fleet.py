@@ -10,27 +10,15 @@ from pathlib import Path
 import pytest
 
 from benchmarks.fleet import Fleet
-from tests.conftest import SCRIPTS, torchtop
 from torchtop.streams.runs import AttachedRun
 from torchtop.transport import list_agents, pid_alive
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("fleet") / "one.ttr"
-    out = torchtop(
-        "run", "--headless", "--record", str(path), "--no-ops", str(SCRIPTS / "train_mlp.py"),
-        "--steps", "20",
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    return path
-
-
 @pytest.fixture
-def fleet(recording: Path, runtime_dir: Path) -> Iterator[Fleet]:
-    simulated = Fleet(recording, ranks=6, nodes=2, root=runtime_dir, dead=4, dead_after_s=1.0)
+def fleet(fleet_recording: Path, runtime_dir: Path) -> Iterator[Fleet]:
+    simulated = Fleet(fleet_recording, ranks=6, nodes=2, root=runtime_dir, dead=4, dead_after_s=1.0)
     yield simulated.start()
     simulated.stop()
 

@@ -123,6 +123,8 @@ def run_commands(commands: list[str], tmp_path: Path, monkeypatch: pytest.Monkey
                 continue
             if "--node" in argv:
                 continue  # other nodes' ranks, in the viewer only: test_nodes.py
+            if "--prometheus" in argv:
+                continue  # a run through Prometheus: test_prometheus_attach.py
             if is_viewer(argv):
                 if argv[0] == "replay":
                     out = torchtop(*argv, cwd=tmp_path)

@@ -95,7 +95,8 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     nodes.add_argument(
         "--run",
         metavar="ID",
-        help="only the ranks of this run (TORCHELASTIC_RUN_ID), here and on every node",
+        help="only the ranks of this run (TORCHELASTIC_RUN_ID), here and on every node, or "
+        "in Prometheus (--prometheus)",
     )
     nodes.add_argument(
         "--ssh-command",
@@ -117,6 +118,18 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         type=Path,
         help="the token of the tcp:// nodes' relays (a copy of the file `torchtop relay "
         "--listen` wrote)",
+    )
+    cluster = attach.add_argument_group(
+        "a run through Prometheus",
+        "Show every rank of a run, on any number of nodes, from the Prometheus that scrapes "
+        "each node's `torchtop export`: summaries at the scrape interval, no connection to any "
+        "node. See docs/ranks.md.",
+    )
+    cluster.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="the Prometheus server (http://host:9090); with --run ID, that run, else the only "
+        "run it holds (several: they are listed)",
     )
     return attach
 
@@ -159,6 +172,8 @@ def _pick_agent(pid: int | None, interactive: bool) -> AgentInfo | _RunOfRanks |
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.prometheus is not None:
+        return _attach_prometheus(args)
     check_runtime_dir()
     if args.headless:
         if args.record is None:
@@ -284,6 +299,34 @@ def _attach_nodes(args: argparse.Namespace) -> int:
         view_run(run, title)
     finally:
         run.stop_job()  # detach: the job runs on
+    return 0
+
+
+def _attach_prometheus(args: argparse.Namespace) -> int:
+    """Every rank of a run as Prometheus holds them, in the run view; no node is reached."""
+    if args.pid is not None:
+        raise CliError("--prometheus shows every rank of a run: drop the PID (or use --run ID)")
+    if args.node:
+        raise CliError("--prometheus reads every node's ranks from Prometheus: drop --node")
+    if args.headless or args.record is not None or args.duration is not None:
+        raise CliError(
+            "--prometheus opens the viewer only (Prometheus keeps the series): drop --headless, "
+            "--record and --duration"
+        )
+    from torchtop.streams.prometheus_api import PrometheusError, base_url
+    from torchtop.streams.prometheus_run import PrometheusRun, pick_run
+
+    try:
+        url = base_url(args.prometheus)
+        run_id = pick_run(url, args.run)
+    except PrometheusError as exc:
+        raise CliError(str(exc), code=1) from None
+    require_terminal(f"curl '{url}/api/v1/query?query=torchtop_steps_total'")
+    run = PrometheusRun(url, run_id)
+    try:
+        view_run(run, f"run {run_id} through Prometheus")
+    finally:
+        run.stop_job()
     return 0
 
 

@@ -36,6 +36,15 @@ class Series:
     value: float
 
 
+@dataclass(frozen=True)
+class Samples:
+    """One series of a range selector's answer (``expr[60s]``): its labels and each sample as
+    Prometheus stored it, ``(timestamp, value)``, oldest first."""
+
+    labels: dict[str, str]
+    values: list[tuple[float, float]]
+
+
 def base_url(text: str) -> str:
     """``text`` as the base URL of a Prometheus server (``http://`` added where missing)."""
     url = text.strip().rstrip("/")
@@ -55,6 +64,26 @@ def base_url(text: str) -> str:
 
 def query(url: str, expr: str, *, timeout: float = TIMEOUT_S) -> list[Series]:
     """Every series of the instant query ``expr`` at Prometheus ``url`` (a base URL)."""
+    out = []
+    for labels, item in _result(url, expr, timeout, "vector"):
+        out.append(Series(labels, float(item["value"][1])))
+    return out
+
+
+def query_samples(url: str, expr: str, *, timeout: float = TIMEOUT_S) -> list[Samples]:
+    """Every series of ``expr``, a range selector (``metric{...}[60s]``), with the samples
+    Prometheus stored for it in that range: what each scrape read, at the scrape's time."""
+    out = []
+    for labels, item in _result(url, expr, timeout, "matrix"):
+        out.append(Samples(labels, [(float(t), float(v)) for t, v in item["values"]]))
+    return out
+
+
+def _result(
+    url: str, expr: str, timeout: float, kind: str
+) -> list[tuple[dict[str, str], dict[str, Any]]]:
+    """Each series of the answer as (printable labels, its raw item); a malformed one raises
+    the error that the URL is not Prometheus's."""
     shown = printable(url, one_line=True)
     address = f"{url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
     try:
@@ -73,10 +102,10 @@ def query(url: str, expr: str, *, timeout: float = TIMEOUT_S) -> list[Series]:
             f"cannot reach Prometheus at {shown} ({reason}): check the URL and that the "
             "server is up and reachable from here"
         ) from None
-    return _series(shown, body)
+    return _series(shown, body, kind)
 
 
-def _series(shown: str, body: bytes) -> list[Series]:
+def _series(shown: str, body: bytes, kind: str) -> list[tuple[dict[str, str], dict[str, Any]]]:
     not_prometheus = PrometheusError(
         f"{shown} did not answer as Prometheus does: check that the URL is a Prometheus "
         "server's (for example http://host:9090), not a node's exporter or another service"
@@ -90,9 +119,15 @@ def _series(shown: str, body: bytes) -> list[Series]:
     if data["status"] == "error":
         error = printable(str(data.get("error", "")), one_line=True)
         raise PrometheusError(f"Prometheus at {shown} refused the query: {error}")
-    result = data.get("data", {}).get("result") if isinstance(data.get("data"), dict) else None
+    answer: dict[str, Any] = data["data"] if isinstance(data.get("data"), dict) else {}
+    result = answer.get("result")
     if not isinstance(result, list):
         raise not_prometheus
+    if answer.get("resultType") not in (kind, None):
+        raise PrometheusError(
+            f"Prometheus at {shown} answered a {printable(str(answer.get('resultType')))} "
+            f"where a {kind} was asked for"
+        )
     out = []
     for item in result:
         try:
@@ -100,8 +135,12 @@ def _series(shown: str, body: bytes) -> list[Series]:
                 printable(str(k), one_line=True): printable(str(v), one_line=True)
                 for k, v in item["metric"].items()
             }
-            value = float(item["value"][1])
+            # The values are checked here, so that a caller reads them without a surprise.
+            if kind == "vector":
+                float(item["value"][1])
+            else:
+                [(float(t), float(v)) for t, v in item["values"]]
         except (KeyError, IndexError, TypeError, ValueError, AttributeError):
             raise not_prometheus from None
-        out.append(Series(labels, value))
+        out.append((labels, item))
     return out

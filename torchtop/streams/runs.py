@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from torchtop.job_output import rank_prefix, split_rank
 from torchtop.model import JobModel
+from torchtop.model.advice import Finding
 from torchtop.model.run import RunModel
 from torchtop.protocol import JobExited, LogLine, Message, encode
 from torchtop.streams.discovery import Agents, AgentScan
@@ -201,6 +202,10 @@ class RunFold:
     #: (False: a launcher torchtop started, whose lines carry their rank's prefix), or each
     #: rank's agent (True: what a rank's agent captured, if it captures, prefixed here).
     rank_lines = True
+    #: The view's columns this source has no figure for (Prometheus: no pid, no backward).
+    not_carried: tuple[str, ...] = ()
+    #: Whether the run has output lines for the view's log (Prometheus carries none).
+    has_output = True
 
     def __init__(self) -> None:
         self.model = RunModel()
@@ -223,6 +228,11 @@ class RunFold:
             return node
         job = self.model.jobs.get(stream)
         return job.hello.hostname if job is not None and job.hello is not None else ""
+
+    @property
+    def findings(self) -> list[Finding]:
+        """The run's findings the view shows: its advisor's over the ranks' streams."""
+        return self.model.advisor.findings
 
     def is_lost(self, stream: str) -> bool:
         """The rank's node was lost before the rank ended: its state is unknown."""

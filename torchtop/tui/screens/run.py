@@ -38,6 +38,7 @@ from torchtop.tui.format import format_seconds_short, format_span
 from torchtop.tui.heap import SettledHeap
 from torchtop.tui.screens.collectives import CollectivesScreen
 from torchtop.tui.screens.job import JobScreen
+from torchtop.tui.screens.run_order import FOLD_AFTER, heat_strip, ordered, page_line
 from torchtop.tui.widgets.chart import AXIS_WIDTH, ChartSeries, render_chart
 from torchtop.tui.widgets.collectives import ArrivalLanes
 from torchtop.tui.widgets.steps import series_top
@@ -158,6 +159,10 @@ class RankStepChart(Widget):
         self.y_max = 0.0
         #: Lines each rank's strip takes (the app sets it from the screen's height).
         self.rows = 1
+        #: What a strip is: the step outside backward, or the whole step where the source
+        #: has no time in backward (Prometheus); and how many ranks the run has in all.
+        self.whole_step = False
+        self.of_ranks = 0
 
     def set_data(self, jobs: list[JobModel]) -> None:
         """Each rank's steps over the window that ends at the latest message."""
@@ -173,9 +178,12 @@ class RankStepChart(Widget):
             series.append((rank, ChartSeries(f"rank {rank}", points, rank_style(rank), True)))
         self.series = sorted(series, key=lambda item: item[0])
         self.y_max = series_top([one for _, one in self.series])
+        what = "step time per rank" if self.whole_step else "step time per rank, outside backward"
+        if self.of_ranks > len(self.series):
+            what += f" · the table's first {len(self.series)} of {self.of_ranks}"
         self.border_title = (
-            f"step time per rank, outside backward · each row 0 to "
-            f"{format_seconds_short(self.y_max)} · last {format_span(CHART_WINDOW_S)}"
+            f"{what} · each row 0 to {format_seconds_short(self.y_max)} · "
+            f"last {format_span(CHART_WINDOW_S)}"
         )
         self.refresh(layout=True)
 
@@ -260,6 +268,8 @@ class RunScreen(Screen[None]):
         Binding("enter", "open_rank", "open the rank"),
         Binding("c", "collectives", "collectives"),
         Binding("v", "swap_lanes", "lanes/chart"),
+        Binding("pagedown", "page(1)", "more ranks", show=False),
+        Binding("pageup", "page(-1)", "previous ranks", show=False),
         # Textual's own: ctrl+c says how to quit (the job screen's ctrl+c is off here).
         Binding("ctrl+c", "app.help_quit", show=False, system=True),
     ]
@@ -279,8 +289,14 @@ class RunScreen(Screen[None]):
         self._rows: dict[str, tuple[str, ...]] = {}
         self._table_at = 0.0
         self._shown_findings: Text | None = None
-        #: The table's columns: a node column first once ranks of several nodes are shown.
-        self._columns: tuple[str, ...] = COLUMNS
+        #: The table's columns: a node column first once ranks of several nodes are shown; none
+        #: the source has no figure for.
+        self._columns: tuple[str, ...] = tuple(c for c in COLUMNS if c not in run.not_carried)
+        #: The rows' order as last sorted (by rank up to :data:`FOLD_AFTER` ranks, else by
+        #: what needs a look) and the page line as drawn.
+        self._order: list[str] = []
+        self._page: Text | None = None
+        self._strip = Text()
         #: Each rank's step count when the chart was last drawn.
         self._charted: tuple[int, ...] = ()
         #: The run model's evaluation the lanes were drawn from; whether the lanes take the
@@ -292,6 +308,7 @@ class RunScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         yield Static("starting the launcher…", id="run-head")
+        yield Static("", id="run-fold")
         yield DataTable[Text](id="ranks", cursor_type="row", zebra_stripes=True)
         yield Static("", id="run-findings")
         yield RankStepChart(id="run-chart")
@@ -301,8 +318,10 @@ class RunScreen(Screen[None]):
 
     def on_mount(self) -> None:
         table: DataTable[Text] = self.query_one("#ranks", DataTable)
-        for column in COLUMNS:
+        for column in self._columns:
             table.add_column(column, key=column)
+        if not self.run_.has_output:
+            self.query_one("#run-log", RichLog).display = False
         if not self.run_.started:
             self.run_.start()
         self._refresh_timer = self.set_interval(REFRESH_S, self.refresh_run)
@@ -333,6 +352,7 @@ class RunScreen(Screen[None]):
             for entry in logs[-min(new, len(logs)) :]:
                 log.write(log_line(entry.stream, entry.text))
             self._logged = launcher.log_total
+        self._show_page()
         version = run.model.version + launcher.version + int(run.running())
         if version == self._drawn:
             return
@@ -356,7 +376,7 @@ class RunScreen(Screen[None]):
         scale = (min(every), max(every)) if every else (0.0, 0.0)
         added = False
         if len({run.node_of(stream) for stream in jobs}) > 1 and "node" not in self._columns:
-            self._columns = ("node", *COLUMNS)
+            self._columns = ("node", *self._columns)
             table.clear(columns=True)
             for column in self._columns:
                 table.add_column(column, key=column)
@@ -365,6 +385,10 @@ class RunScreen(Screen[None]):
             row = rank_row(job, now, exits, scale)
             if run.is_lost(stream):
                 row = (*row[:2], "lost", *row[3:])
+            if run.not_carried:
+                row = tuple(
+                    v for c, v in zip(COLUMNS, row, strict=True) if c not in run.not_carried
+                )
             if "node" in self._columns:
                 row = (printable(run.node_of(stream), one_line=True), *row)
             old = self._rows.get(stream)
@@ -376,12 +400,15 @@ class RunScreen(Screen[None]):
             else:
                 for column, before, after in zip(self._columns, old, row, strict=True):
                     if before != after:
-                        table.update_cell(stream, column, Text(after))
+                        # Widths follow: a row first drawn before its figures came.
+                        table.update_cell(stream, column, Text(after), update_width=True)
             self._rows[stream] = row
-        if added:
-            table.sort(
-                "rank", key=lambda rank: int(rank.plain) if rank.plain.isdigit() else 1 << 30
-            )
+        self._sort(table, added)
+        if len(jobs) > FOLD_AFTER:
+            fold = self.query_one("#run-fold", Static)
+            width = fold.content_region.width if fold.display else self.size.width - 2
+            self._strip = heat_strip(run, max(20, width))
+            self._show_page(force=True)
         self.query_one("#run-head", Static).update(self._head(list(jobs.values())))
         if findings != self._shown_findings:
             self._shown_findings = findings
@@ -391,8 +418,11 @@ class RunScreen(Screen[None]):
         if charted != self._charted:
             self._charted = charted
             chart = self.query_one(RankStepChart)
-            chart.rows = self._chart_rows(len(jobs))
-            chart.set_data(list(jobs.values()))
+            shown = self._chart_ranks()
+            chart.rows = self._chart_rows(len(shown))
+            chart.whole_step = "bwd" in run.not_carried
+            chart.of_ranks = len(jobs)
+            chart.set_data(shown)
         self._draw_lanes()
 
     def _draw_lanes(self) -> None:
@@ -433,6 +463,72 @@ class RunScreen(Screen[None]):
         """The table of the run's collectives, over this view (its escape comes back)."""
         self.app.push_screen(CollectivesScreen(self.run_))
 
+    def _sort(self, table: DataTable[Text], added: bool) -> None:
+        """Rows by rank while they fit a screen; past :data:`FOLD_AFTER` ranks, by what needs
+        a look (:func:`~.run_order.ordered`), re-sorted when that order changes."""
+        jobs = self.run_.model.jobs
+        if len(jobs) <= FOLD_AFTER:
+            if added:
+                table.sort(
+                    "rank", key=lambda rank: int(rank.plain) if rank.plain.isdigit() else 1 << 30
+                )
+            return
+        order = ordered(self.run_)
+        if order == self._order and not added:
+            return
+        self._order = order
+        # ``DataTable.sort`` hands each row's cells: each row is known by its cells as drawn.
+        position = {self._rows[stream]: i for i, stream in enumerate(order) if stream in self._rows}
+        table.sort(key=lambda row: position.get(tuple(cell.plain for cell in row), 1 << 30))
+
+    def _show_page(self, *, force: bool = False) -> None:
+        """The heat strip and the page line, once the table holds more than
+        :data:`FOLD_AFTER` ranks (the page line follows the table's scrolling)."""
+        table: DataTable[Text] = self.query_one("#ranks", DataTable)
+        total = table.row_count
+        if total <= FOLD_AFTER:
+            return
+        first = int(table.scroll_y) + 1
+        shown = table.scrollable_content_region.height - table.scrollbar_size_horizontal
+        rows = shown - table.header_height
+        last = min(total, first + max(1, rows) - 1)
+        page = page_line(first, last, total)
+        if force or self._page is None or page.plain != self._page.plain:
+            self._page = page
+            fold = self.query_one("#run-fold", Static)
+            fold.display = True
+            both = Text("\n", no_wrap=True, overflow="crop").join([self._strip, page])
+            both.no_wrap, both.overflow = True, "crop"
+            fold.update(both)
+
+    def action_page(self, pages: int) -> None:
+        table: DataTable[Text] = self.query_one("#ranks", DataTable)
+        if pages > 0:
+            table.action_page_down()
+        else:
+            table.action_page_up()
+        self._show_page()
+
+    def _chart_ranks(self) -> list[JobModel]:
+        """The ranks the chart has strips for: every rank while one line each fits its share
+        of the screen, else the table's first ones."""
+        jobs = self.run_.model.jobs
+        room = max(1, int(self.size.height * CHART_SHARE) - 2)
+        if len(jobs) <= room:
+            return list(jobs.values())
+        if len(jobs) > FOLD_AFTER:
+            # What the other panels leave: the head, the strip and page lines, the table (at
+            # most half the screen), the findings, the log's least, the footer, the chart's
+            # border and axis.
+            width = max(20, self.size.width - 2)
+            findings = sum(-(-(9 + len(f.summary)) // width) for f in self.run_.findings)
+            log = 2 if self.run_.has_output else 0
+            table = min(len(jobs) + 1, int(self.size.height * 0.5))
+            left = self.size.height - 3 - table - min(6, max(1, findings)) - log - 1 - 2
+            room = max(1, min(room, left))
+        order = self._order or list(jobs)
+        return [jobs[stream] for stream in order[:room] if stream in jobs]
+
     def _chart_rows(self, ranks: int) -> int:
         """Lines per rank's strip: as many as :data:`CHART_SHARE` of the screen holds (the
         axis and the border take two), from one to :data:`CHART_MAX_ROWS`."""
@@ -443,7 +539,7 @@ class RunScreen(Screen[None]):
         self._place_lanes()
         self.query_one(ArrivalLanes).lanes = self._lane_rows()
         chart = self.query_one(RankStepChart)
-        rows = self._chart_rows(len(self._charted))
+        rows = self._chart_rows(len(self._chart_ranks()))
         if rows != chart.rows:
             chart.rows = rows
             chart.refresh(layout=True)
@@ -464,7 +560,7 @@ class RunScreen(Screen[None]):
         return text
 
     def _findings(self) -> Text:
-        findings = self.run_.model.advisor.findings
+        findings = self.run_.findings
         if not findings:
             return Text("no straggler, hang or dead rank", style="dim")
         text = Text()
