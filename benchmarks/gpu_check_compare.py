@@ -1002,6 +1002,19 @@ DIRECTIONS: dict[str, list[tuple[str, Callable[[Results], bool]]]] = {
             ),
         ),
     ],
+    "holders": [
+        (
+            "Adam's state = 2x params",
+            lambda r: (
+                _x(r, "Adam", "optimizer") >= 2 * _x(r, "Adam", "params")
+                and _x(r, "SGD", "optimizer") == 0
+            ),
+        ),
+        (
+            "checkpoints < none",
+            lambda r: _peak(r, _ending(r, " checkpoints")) < _peak(r, "Adam"),
+        ),
+    ],
     "checkpointing": [
         (
             "every block < none",
