@@ -200,10 +200,6 @@ class JobModel:
     memory: dict[str, DeviceMemory] = field(default_factory=dict)
     #: The latest read of what holds each device's memory (``holders`` frames), by device.
     holders: dict[str, DeviceHolding] = field(default_factory=dict)
-    #: The latest memory window's top modules by activation memory at the step's peak, largest
-    #: first (``None``: the job has sent no memory window yet); the view of what holds memory
-    #: shows them.
-    top_modules: list[ModuleMemory] | None = None
     host: HostStats | None = None
     peak_rss: int | None = None
     rss_series: deque[tuple[float, int | None]] = field(init=False)
@@ -256,6 +252,19 @@ class JobModel:
     agent_step_share_count: int = 0
 
     _open_phases: dict[int, Phase] = field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def top_modules(self) -> list[ModuleMemory] | None:
+        """The modules that held the activations of the latest op window's first step, largest
+        first (``None``: no window has measured them yet); the view of what holds memory and the
+        report show them."""
+        window = self.op_timings.activations
+        if window is None or window.activation_bytes <= 0:
+            return None
+        return [
+            ModuleMemory(printable(m.path), m.bytes, round(m.bytes / window.activation_bytes, 4))
+            for m in window.activations
+        ]
 
     def __post_init__(self) -> None:
         if (self.step_points, self.history_steps) != (DEFAULT_STEP_POINTS, DEFAULT_HISTORY_STEPS):

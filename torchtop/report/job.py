@@ -98,7 +98,10 @@ def report_json(model: JobModel) -> dict[str, Any]:
                 for d in model.memory.values()
                 if (split := d.by_category) is not None
             },
-            "top_modules": _top_modules_json(model.op_timings),
+            "top_modules": [
+                {"path": m.path, "bytes": m.bytes, "share": m.share}
+                for m in model.top_modules or ()
+            ],
         },
         "host": {"peak_rss_bytes": model.peak_rss},
         "gpus": [
@@ -211,17 +214,6 @@ def _op_json(op: OpStat) -> dict[str, Any]:
         "shapes": op.shapes,
         "site": op.site,
     }
-
-
-def _top_modules_json(ops: OpTimings) -> list[dict[str, Any]]:
-    """The modules that held the activations of the last op window's first step."""
-    window = ops.activations
-    if window is None or window.activation_bytes <= 0:
-        return []
-    return [
-        {"path": m.path, "bytes": m.bytes, "share": round(m.bytes / window.activation_bytes, 4)}
-        for m in window.activations
-    ]
 
 
 def _ops_json(ops: OpTimings, start: float | None) -> dict[str, Any]:
