@@ -182,7 +182,7 @@ def test_pauses_measure_the_steps_against_those_around_them() -> None:
             paused.add(clock.ends)
         began = clock.now
         clock.run(2.0, 0.008)  # 8 ms in the pause: the agent cost a quarter
-        paused.paused(began, clock.now)
+        paused.paused(began, clock.now, clock.ends)
         assert paused.measured() is None or paused.measured().pairs < 5
     clock.run(2.5, 0.010)
     paused.add(clock.ends)
@@ -210,7 +210,7 @@ def test_a_pause_with_too_few_steps_on_a_side_is_not_counted() -> None:
     clock.run(6.0, 0.010)
     began = clock.now
     clock.run(2.0, 0.5)  # the job stalled in the pause
-    paused.paused(began, clock.now)
+    paused.paused(began, clock.now, clock.ends)
     clock.run(2.5, 0.010)
     paused.add(clock.ends)
     assert paused.measured() is None and paused._ratios == deque()

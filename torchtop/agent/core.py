@@ -430,7 +430,8 @@ class Agent:
         busy = self.ops is not None and not self.ops.idle
         if paused.due(usual, busy=busy):
             began, ended = self.sampler.pause_for(paused.pause_s)
-            paused.paused(began, ended)
+            self.training.drain()  # the steps taken in the pause, from the hooks' events
+            paused.paused(began, ended, steps.ends)
         return paused.measured()
 
     def publish(self, message: Message) -> None:

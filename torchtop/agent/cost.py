@@ -147,7 +147,7 @@ class PausedSteps:
         self.every_s = every_s
         self.pause_s = pause_s
         self._next = clock() + every_s / 2
-        self._open: deque[tuple[float, float]] = deque(maxlen=4)
+        self._open: deque[tuple[float, float, list[float], list[float]]] = deque(maxlen=4)
         self._ratios: deque[float] = deque(maxlen=KEEP_PAIRS)
         self.pauses = 0
 
@@ -162,10 +162,18 @@ class PausedSteps:
             return False
         return True
 
-    def paused(self, began: float, ended: float) -> None:
+    def paused(
+        self, began: float, ended: float, steps: Iterable[tuple[float, float]] = ()
+    ) -> None:
+        """A pause from ``began`` to ``ended``; ``steps`` (end, duration) as they stand right
+        after it: the steps before it and in it are taken now, before a fast job's steps push
+        them out of the collector's recent ones."""
         self.pauses += 1
         self._next = ended + self.every_s
-        self._open.append((began, ended))
+        held = list(steps)
+        before = [d for e, d in held if began - self.pause_s <= e - d and e <= began]
+        off = [d for e, d in held if e - d >= began and e <= ended]
+        self._open.append((began, ended, before, off))
 
     def add(self, ends: Iterable[tuple[float, float]]) -> None:
         """Compare the pauses whose after-block has passed, with the steps so far (``ends``:
@@ -173,10 +181,11 @@ class PausedSteps:
         now = self._clock()
         steps = None
         while self._open and self._open[0][1] + self.pause_s <= now:
-            began, ended = self._open.popleft()
+            _began, ended, before, off = self._open.popleft()
             if steps is None:
                 steps = list(ends)
-            ratio = _ratio(steps, began, ended, self.pause_s)
+            after = [d for e, d in steps if e - d >= ended and e <= ended + self.pause_s]
+            ratio = _ratio(before + after, off)
             if ratio is not None:
                 self._ratios.append(ratio)
 
@@ -186,14 +195,9 @@ class PausedSteps:
         return Measured(statistics.median(self._ratios) - 1.0, len(self._ratios))
 
 
-def _ratio(
-    steps: list[tuple[float, float]], began: float, ended: float, span: float
-) -> float | None:
-    """Median step time with the agent (the ``span`` before ``began`` and after ``ended``) over
-    the median without it (steps wholly inside the pause)."""
-    off = [d for e, d in steps if e - d >= began and e <= ended]
-    on = [d for e, d in steps if began - span <= e - d and e <= began]
-    on += [d for e, d in steps if e - d >= ended and e <= ended + span]
+def _ratio(on: list[float], off: list[float]) -> float | None:
+    """Median step time with the agent (``on``: the steps just before and after a pause) over
+    the median without it (``off``: the steps wholly inside it)."""
     if len(off) < MIN_BLOCK_STEPS or len(on) < MIN_BLOCK_STEPS:
         return None
     off_median = statistics.median(off)

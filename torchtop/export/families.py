@@ -213,10 +213,6 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
         JOB_LABELS,
         "1",
     )
-    for snap in figures:
-        labels = job_labels(snap)
-        if snap.collective_wait_share is not None:
-            wait_share.points.append(Point(labels, snap.collective_wait_share))
     energy = Family(
         "torchtop_gpu_energy_joules",
         "counter",
@@ -228,6 +224,8 @@ def families(figures: Iterable[JobFigures]) -> list[Family]:
     )
     for snap in figures:
         labels = job_labels(snap)
+        if snap.collective_wait_share is not None:
+            wait_share.points.append(Point(labels, snap.collective_wait_share))
         for device, uuid, joules in snap.gpu_energy:
             energy.points.append(Point((*labels, device, uuid or ""), joules))
         if snap.collective_late_s is not None:
