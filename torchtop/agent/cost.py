@@ -162,9 +162,7 @@ class PausedSteps:
             return False
         return True
 
-    def paused(
-        self, began: float, ended: float, steps: Iterable[tuple[float, float]] = ()
-    ) -> None:
+    def paused(self, began: float, ended: float, steps: Iterable[tuple[float, float]] = ()) -> None:
         """A pause from ``began`` to ``ended``; ``steps`` (end, duration) as they stand right
         after it: the steps before it and in it are taken now, before a fast job's steps push
         them out of the collector's recent ones."""
