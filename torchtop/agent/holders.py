@@ -163,15 +163,21 @@ def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     Runs in the thread that steps the optimizer, the only one where its tensors may be read.
     """
     try:
-        noted = _NOTED.get(optimizer)
-        if noted is None:
-            noted = _NOTED[optimizer] = _Noted()
-        _STEPPING[0] = threading.get_ident()
+        noted = _note(optimizer)
         if time.monotonic() < noted.next_at and len(optimizer.state) == noted.states:
             return
         read_due(optimizer, noted, READ_INTERVAL_S, READ_BUDGET)
     except Exception:  # cannot be weakly referenced, an odd optimizer: never the job's failure
         FAILURES[0] += 1
+
+
+def _note(optimizer: Any) -> _Noted:
+    """The optimizer's record (made at its first step), and this thread as the one stepping."""
+    noted = _NOTED.get(optimizer)
+    if noted is None:
+        noted = _NOTED[optimizer] = _Noted()
+    _STEPPING[0] = threading.get_ident()
+    return noted
 
 
 def read_due(
@@ -200,11 +206,7 @@ def note_optimizer(optimizer: Any) -> None:
     """Note an optimizer and read it now, as its step pre-hook does when due (for tests).
     Call it in the thread that steps the optimizer."""
     try:
-        noted = _NOTED.get(optimizer)
-        if noted is None:
-            noted = _NOTED[optimizer] = _Noted()
-        _STEPPING[0] = threading.get_ident()
-        read_due(optimizer, noted)
+        read_due(optimizer, _note(optimizer))
     except TypeError:  # an optimizer that cannot be weakly referenced: not counted
         pass
 
