@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -433,3 +434,31 @@ def test_requests_sent_right_after_the_hello_are_served_while_it_waits_its_turn(
         assert srv.bad_peers == 0 and srv.clients_seen == 2
     finally:
         srv.stop(drain_s=0)
+
+
+def test_a_batch_of_frames_wakes_the_io_thread_once_at_its_end(
+    server: AgentServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sock = _connect(server)
+    assert isinstance(_read(sock, 1)[0], Hello)
+    wakes: list[str] = []
+    wake = server._wake
+    monkeypatch.setattr(
+        server, "_wake", lambda: (wakes.append(threading.current_thread().name), wake())[1]
+    )
+    with server.batched():
+        server.publish(_mark(1))
+        with server.batched():  # a nested block ends with the outer one
+            server.publish(_mark(2))
+        # Another thread's frame (a log line, an OOM) does not wait for the batch.
+        other = threading.Thread(target=server.publish, args=(_mark(3),), name="other")
+        other.start()
+        other.join()
+        server.publish(_mark(4))
+        assert wakes == ["other"]
+    assert wakes == ["other", threading.current_thread().name]
+    names = sorted(m.name for m in _read(sock, 4))  # type: ignore[attr-defined]
+    assert names == ["m1", "m2", "m3", "m4"]
+    with server.batched():  # nothing published: nothing to wake for
+        pass
+    assert len(wakes) == 2

@@ -34,6 +34,8 @@ from torchtop.agent.stall import StallWatch
 from torchtop.agent.threads import agent_thread
 from torchtop.agent.training import TrainingMonitor
 from torchtop.protocol import (
+    DEFAULT_INTERVAL_S,
+    DEFAULT_OPS_BUDGET,
     PACED_SAMPLE_S,
     PROTOCOL_VERSION,
     REQUEST_PROFILE,
@@ -93,7 +95,7 @@ class AgentConfig:
     """How the agent samples and serves. Every field can come from ``torchtop run`` options."""
 
     #: Seconds between reads of the cheap counters (memory, host).
-    interval_s: float = 0.1
+    interval_s: float = DEFAULT_INTERVAL_S
     #: Seconds between NVML reads.
     nvml_interval_s: float = 0.5
     #: Seconds of history a late viewer still sees.
@@ -145,7 +147,7 @@ class AgentConfig:
     ops: bool = True
     #: Steps per window, and the share of the job's time the windows may cost.
     ops_window_steps: int = 2
-    ops_budget: float = 0.02
+    ops_budget: float = DEFAULT_OPS_BUDGET
     #: The shortest time between two windows, whatever their cost.
     ops_min_spacing_s: float = 5.0
     #: Record input shapes / the job's call site of each op (``--profile-shapes/-stack``).
@@ -270,6 +272,7 @@ class Agent:
             collectives=CollectiveMonitor(),
             # What every viewer reads from outside the job (/proc, NVML) the agent leaves to it.
             outside=self.server.read_outside,
+            batched=self.server.batched,
         )
         ops = self.ops
         #: The cost on the steps, measured by pausing the sampler now and then.

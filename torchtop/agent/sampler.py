@@ -8,10 +8,12 @@ reported once as a ``probe_status`` message.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ from torchtop.agent import phases
 from torchtop.agent.probes.base import ProbeUnavailable
 from torchtop.agent.threads import agent_thread
 from torchtop.protocol import (
+    DEFAULT_INTERVAL_S,
     GpuSample,
     Marked,
     MemoryStats,
@@ -91,7 +94,7 @@ class Sampler:
         cpu_memory: Any,
         cuda_memory: Any | None,
         nvml: Any | None,
-        interval_s: float = 0.1,
+        interval_s: float = DEFAULT_INTERVAL_S,
         nvml_interval_s: float = 0.5,
         on_torch_imported: Callable[[], None] | None = None,
         stats_every: int = 10,
@@ -99,7 +102,11 @@ class Sampler:
         training: Any | None = None,
         collectives: Any | None = None,
         outside: Callable[[str], bool] | None = None,
+        batched: Callable[[], AbstractContextManager[None]] | None = None,
     ) -> None:
+        #: ``batched()``: a block whose frames reach the viewers together, at its end (one
+        #: wake of the I/O thread a tick).
+        self._batched = batched or contextlib.nullcontext
         #: ``outside(name)``: True while the viewers read ``name`` (``host``, ``nvml``) from
         #: outside the job; the sampler then reads the RSS alone, and no NVML.
         self._outside = outside
@@ -184,20 +191,8 @@ class Sampler:
                     if self._stop.is_set():
                         return
                 start, k = time.monotonic(), 0
-            began = time.monotonic()
-            try:
-                self.tick()
-            except Exception:  # pragma: no cover - tick guards each probe already
-                pass
-            elapsed = time.monotonic() - began
-            self.stats.ticks += 1
-            self.stats.total_tick_s += elapsed
-            self.stats.max_tick_s = max(self.stats.max_tick_s, elapsed)
-            if self._agent_stats is not None and time.monotonic() >= self._next_stats:
-                self._next_stats = time.monotonic() + self._stats_period_s
-                message = self._agent_stats(self.stats)
-                if message is not None:
-                    self._publish(message)
+            with self._batched():
+                self._timed_tick()
             if self._rescheduled:  # a new interval: the schedule starts again from here
                 self._rescheduled = False
                 start, k = time.monotonic(), 0
@@ -211,6 +206,22 @@ class Sampler:
                 due = start + k * self.interval_s
             self._stop.wait(max(0.0, due - now))
         self.drain_events()
+
+    def _timed_tick(self) -> None:
+        began = time.monotonic()
+        try:
+            self.tick()
+        except Exception:  # pragma: no cover - tick guards each probe already
+            pass
+        elapsed = time.monotonic() - began
+        self.stats.ticks += 1
+        self.stats.total_tick_s += elapsed
+        self.stats.max_tick_s = max(self.stats.max_tick_s, elapsed)
+        if self._agent_stats is not None and time.monotonic() >= self._next_stats:
+            self._next_stats = time.monotonic() + self._stats_period_s
+            message = self._agent_stats(self.stats)
+            if message is not None:
+                self._publish(message)
 
     def drain_events(self) -> None:
         """Publish every phase and mark the training thread has left so far."""

@@ -190,6 +190,8 @@ class AgentServer:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._stopping = threading.Event()
+        #: Per thread: inside :meth:`batched` (its depth) and whether a wake is owed.
+        self._held = threading.local()
         self._thread = self._new_thread()
         self._request_budget: dict[str, _Bucket] = {}
         self._waiting: deque[_Client] = deque()
@@ -248,7 +250,24 @@ class AgentServer:
                     client.queued_bytes -= old
                     self._queued_bytes -= old
                     client.dropped += 1
-        self._wake()
+        if getattr(self._held, "depth", 0):
+            self._held.due = True  # one wake when the batch ends
+        else:
+            self._wake()
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Frames published in this thread inside the block wake the I/O thread once, at its
+        end: a sampler tick's frames cost the job one hand-over of the GIL, not one each."""
+        held = self._held
+        held.depth = getattr(held, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            held.depth -= 1
+            if not held.depth and getattr(held, "due", False):
+                held.due = False
+                self._wake()
 
     def read_outside(self, name: str) -> bool:
         """True while every viewer that said hello reads ``name`` (one of

@@ -73,6 +73,8 @@ class StallWatch:
         if steps.last_batch is not None and steps.last_batch > last_end:
             last_end = steps.last_batch
         stale = time.perf_counter() - last_end
+        if stale < self.hang_after_s:  # the threshold is never shorter: no median to sort
+            return None
         median = statistics.median(steps.recent) if steps.recent else None
         threshold = hang_threshold(median, self.hang_after_s)
         if stale < threshold:

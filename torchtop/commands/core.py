@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
+from torchtop.protocol import DEFAULT_INTERVAL_S, DEFAULT_OPS_BUDGET
+
 if TYPE_CHECKING:
     from textual.app import App
 
@@ -64,8 +66,8 @@ def add_agent_options(p: argparse.ArgumentParser) -> None:
         "--interval",
         metavar="S",
         type=positive_float,
-        default=0.1,
-        help="seconds between memory and host samples (default 0.1)",
+        default=DEFAULT_INTERVAL_S,
+        help=f"seconds between memory and host samples (default {DEFAULT_INTERVAL_S:g})",
     )
     p.add_argument(
         "--nvml-interval",
@@ -211,8 +213,9 @@ def add_ops_options(p: argparse.ArgumentParser) -> None:
         "--ops-budget",
         metavar="PCT",
         type=percent_type,
-        default=2.0,
-        help="share of the job's time op windows may cost, in percent (default 2); "
+        default=DEFAULT_OPS_BUDGET * 100,
+        help=f"share of the job's time op windows may cost, in percent (default"
+        f" {DEFAULT_OPS_BUDGET * 100:g}); "
         "their spacing adapts to what they measured",
     )
     p.add_argument(

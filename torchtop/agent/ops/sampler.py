@@ -47,7 +47,7 @@ from torchtop.agent.ops.profiler import (
     user_profiler_running,
 )
 from torchtop.agent.ops.sections import _active, _paused
-from torchtop.protocol import Message, OpsWindow, ProbeStatus
+from torchtop.protocol import DEFAULT_OPS_BUDGET, Message, OpsWindow, ProbeStatus
 
 PROBE = "ops"
 OWN_PROFILER = "the job is running its own torch.profiler"
@@ -75,7 +75,7 @@ class OpsSampler:
         trace_dir: Path,
         trace_prefix: str,
         window_steps: int = 2,
-        budget: float = 0.02,
+        budget: float = DEFAULT_OPS_BUDGET,
         min_spacing_s: float = 5.0,
         first_after_steps: int = 3,
         time_window_s: float = 0.2,
