@@ -55,9 +55,7 @@ def worker(rank: int, port: int, ring: int, reads: int, out: str) -> None:
 
     from torchtop.agent import collectives as fr
 
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}"
-    )
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     torch.set_num_threads(1)
     grad = torch.ones(4096)
     for _ in range(ring + NEW):
