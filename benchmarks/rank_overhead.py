@@ -28,7 +28,7 @@ ratios come from one invocation on one machine state.
 sets (each rank's agent reads its ring in the "on" blocks, when it changed, at most once a
 second and within its share of the cost budget). The step time of the "off" blocks of each is
 torch's own cost of recording; the ratios, the agent's with and without its reader. Each rank's
-reader says what its reads cost: how many, their mean wall time, the ring's length, the spacing
+reader says what its reads cost: how many, their mean CPU time, the ring's length, the spacing
 the last one's cost set, the reads left out (nothing new) and the entries lost out of the ring.
 """
 

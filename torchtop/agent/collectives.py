@@ -51,9 +51,11 @@ step time of a job that holds the GIL); the pickle dump without stack traces 11 
   and turns into collectives only the entries after the last one sent (and those sent before
   their completion, on NCCL): the ring is in record order, so the scan stops at the first entry
   already sent;
-- spaces its reads by their cost: after a read that took ``c`` seconds (wall time: the GIL is
-  held throughout) the next waits ``c / share`` at least, ``share`` being a fifth of the
-  agent's cost budget (``--cost-budget``, 1% of the step time by default, so 0.2%), and one
+- spaces its reads by their cost: after a read that took ``c`` seconds of the sampler
+  thread's CPU (what the cost budget counts; the GIL is held throughout, so a step that holds
+  the GIL loses as much; wall time would also count the machine's other load) the next waits
+  ``c / share`` at least, ``share`` being a fifth of the agent's cost budget
+  (``--cost-budget``, 1% of the step time by default, so 0.2%), and one
   second at least. Where that spaces the reads beyond a second, the agent says so once, in the
   ``collectives`` probe's status line (``probes_unavailable.collectives`` in the report), with
   the ring's size and a read's cost; entries that went out of the ring between two reads are
@@ -327,7 +329,7 @@ class CollectiveReader:
         clock: Callable[[], float] = time.monotonic,
         status: Callable[[], bytes] | None = None,
         share: float = READ_SHARE,
-        timer: Callable[[], float] = time.perf_counter,
+        timer: Callable[[], float] = time.thread_time,
     ) -> None:
         """``dump``: the whole ring (JSON or pickle); ``status``: the dump without entries,
         which says whether the ring changed (None: read it on the clock alone); ``share``: the
@@ -357,7 +359,7 @@ class CollectiveReader:
         #: Entries sent before their completion was known (NCCL marks it later), by record id.
         self._pending: set[int] = set()
         self.failures = 0
-        #: Whole-ring reads, their wall time in all, the last one's, and the ring's length then.
+        #: Whole-ring reads, their CPU time in all, the last one's, and the ring's length then.
         self.reads = 0
         self.read_s = 0.0
         self.last_read_s = 0.0
@@ -499,7 +501,7 @@ class CollectiveMonitor:
         return list(self._readers or ())
 
     def stats(self) -> dict[str, Any]:
-        """What the reads cost: reads, their mean and last wall time, the ring's length, the
+        """What the reads cost: reads, their mean and last CPU time, the ring's length, the
         spacing the last read's cost set, the reads left out (nothing had changed) and the
         entries lost out of the ring."""
         readers = self.readers
