@@ -25,9 +25,11 @@ ratios come from one invocation on one machine state.
 
 ``--recorder both`` runs the torchrun ranks twice, side by side: torch's flight recorder off
 (``TORCH_FR_BUFFER_SIZE=0``: nothing recorded, nothing read) and on at the size ``torchtop run``
-sets (each rank's agent reads its ring once a second in the "on" blocks). The step time of the
-"off" blocks of each is torch's own cost of recording; the ratios, the agent's with and without
-its reader.
+sets (each rank's agent reads its ring in the "on" blocks, when it changed, at most once a
+second and within its share of the cost budget). The step time of the "off" blocks of each is
+torch's own cost of recording; the ratios, the agent's with and without its reader. Each rank's
+reader says what its reads cost: how many, their mean CPU time, the ring's length, the spacing
+the last one's cost set, the reads left out (nothing new) and the entries lost out of the ring.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def rank_worker(
         viewer.kill()
         viewer.wait()
     result = summarize(f"rank {rank}", agent, off, on, pairs, sum(on))
+    result["reader"] = agent.collectives.stats()
     results: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(results, result)
     dist.destroy_process_group()
@@ -227,6 +230,16 @@ def main() -> None:
             f" {100 * statistics.median(r['self_measured_share'] for r in ranks):.2f}% of a"
             " core in the on blocks)"
         )
+    for launcher in launchers:
+        for rank, result in enumerate(results[launcher]):
+            reader = result.get("reader") or {}
+            if reader.get("reads"):
+                print(
+                    f"  {launcher:16} rank {rank}  reader: {reader['reads']} reads of"
+                    f" {reader['read_ms_mean']:.2f} ms (mean; last {reader['last_read_ms']:.2f}),"
+                    f" ring {reader['ring']}, {reader['spacing_s']:.1f} s apart,"
+                    f" {reader['unchanged']} left out (nothing new), {reader['lost']} lost"
+                )
     if args.json:
         print(json.dumps(results, indent=2))
 

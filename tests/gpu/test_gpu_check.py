@@ -25,6 +25,7 @@ from fakes.nvml import MIB, FakeGpu, FakeNvmlBackend
 
 from benchmarks import gpu_check
 from benchmarks import gpu_check_compare as cmp
+from torchtop.agent.collectives import DEFAULT_RING
 from torchtop.agent.core import AgentConfig
 from torchtop.agent.oom import OomController
 from torchtop.agent.ops import Event, aggregate, ranked
@@ -952,7 +953,7 @@ def test_the_collectives_rows_on_a_one_rank_group(tmp_path: Path) -> None:
     rows = cmp.collectives_checks(frames, truth)
     assert statuses(rows) == [cmp.PASS, cmp.PASS, cmp.SKIP], rows
     assert rows[0].measured == "13 sent, 0 differ"
-    assert truth["buffer"] == "2000"  # torchtop run turned the recorder on
+    assert truth["buffer"] == str(DEFAULT_RING)  # torchtop run turned the recorder on
 
     def edited(change: Any) -> list[dict[str, Any]]:
         out = []

@@ -8,8 +8,8 @@ Each rank trains ``--steps`` steps of a small model under DDP, reads its recorde
 ``--slow-rank R --slow-ms MS``: rank R sleeps MS inside its backward (a hook on an activation's
 gradient), so every rank's backward takes as long and only the arrivals tell them apart; with
 ``--slow-in forward`` it sleeps in its forward instead (the time outside backward tells it).
-``--hide-recorder``: the job removes ``_dump_fr_trace_json`` from torch before its process
-group exists, as a torch without the flight recorder would be.
+``--hide-recorder``: the job removes ``_dump_fr_trace_json`` and ``_dump_fr_trace`` from torch
+before its process group exists, as a torch without the flight recorder would be.
 ``--block-rank R --block-at N``: rank R blocks before its Nth step's backward; after
 ``--hang-s`` seconds every rank writes its file and exits. ``--second-group``: a second process
 group (ranks 0 and 1) all-reduces once per step too.
@@ -87,6 +87,7 @@ def main() -> None:
     out = Path(args.out)
     if args.hide_recorder:
         del torch._C._distributed_c10d._dump_fr_trace_json
+        del torch._C._distributed_c10d._dump_fr_trace
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     second = dist.new_group([0, 1]) if args.second_group else None

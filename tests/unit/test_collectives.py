@@ -5,6 +5,7 @@ sleeping 20 ms before each, one on a second group, one async) and the join of th
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from torchtop.model.collectives import (
     straggler,
     waiting,
 )
-from torchtop.protocol import CollectiveEntry, CollectivesSeen, decode, encode
+from torchtop.protocol import CollectiveEntry, CollectivesSeen, ProbeStatus, decode, encode
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 
@@ -99,6 +100,122 @@ def test_a_failing_dump_is_counted_not_raised() -> None:
 
     reader = CollectiveReader(dump=broken, clock=lambda: 0.0)
     assert reader.poll() == [] and reader.failures == 1
+
+
+def ring8(kind: str) -> bytes:
+    """One real ring of 8 entries (a one-rank gloo job under torch 2.13: 3 all-reduces, one on a
+    second group, an async one, a broadcast, then 6 more: the first 4 left the ring), dumped by
+    ``_dump_fr_trace`` (``pickle``), ``_dump_fr_trace_json`` (``json``) and the latter without
+    entries (``status``)."""
+    name = {"pickle": "fr_ring8_gloo.pickle", "json": "fr_ring8_gloo.json"}.get(kind)
+    return (FIXTURES / (name or "fr_ring8_gloo_status.json")).read_bytes()
+
+
+def test_torchs_pickle_dump_parses_as_its_json_dump_and_only_what_is_after_a_record() -> None:
+    pickled, as_json = parse_dump(ring8("pickle")), parse_dump(ring8("json"))
+    assert pickled == as_json and [c.record_id for c in pickled] == list(range(4, 12))
+    assert [(c.pg, c.seq, c.op) for c in pickled[:2]] == [
+        ("0", 4, "all_reduce"),
+        ("0", 5, "broadcast"),
+    ]
+    assert pickled[0].sizes == ((64,),) and all(c.enqueued_ns > 0 for c in pickled)
+    assert [c.record_id for c in parse_dump(ring8("pickle"), after=9)] == [10, 11]
+    # A pickle that names a class is refused, not run.
+    with pytest.raises(pickle.UnpicklingError, match=r"names builtins\.print"):
+        parse_dump(pickle.dumps({"entries": [print]}))
+
+
+class Ring:
+    """A recorder whose dumps are the real ring above, counted, each read taking ``cost_s`` on
+    a fake timer; ``status`` is what its dump without entries says."""
+
+    def __init__(self, cost_s: float = 0.0) -> None:
+        self.now = 0.0
+        self.timer = 0.0
+        self.cost_s = cost_s
+        self.reads = 0
+        self.ring = ring8("pickle")
+        self.status = json.loads(ring8("status"))
+
+    def dump(self) -> bytes:
+        self.reads += 1
+        self.timer += self.cost_s
+        return self.ring
+
+    def reader(self, share: float = 0.002) -> CollectiveReader:
+        return CollectiveReader(
+            self.dump,
+            clock=lambda: self.now,
+            status=lambda: json.dumps(self.status).encode(),
+            share=share,
+            timer=lambda: self.timer,
+        )
+
+
+def test_the_ring_is_read_only_when_its_groups_status_moved() -> None:
+    ring = Ring()
+    reader = ring.reader()
+    assert len(reader.poll()) == 8 and ring.reads == 1
+    # The status says group 1 last enqueued its collective 1, which left this ring (record 3):
+    # read again in case it is late (gloo's is, see below), then taken as read.
+    for ring.now in (1.0, 2.0):
+        assert reader.poll() == []
+    assert ring.reads == 1 + 2
+    for ring.now in (3.0, 4.0, 8.0):
+        assert reader.poll() == []
+    assert ring.reads == 3 and reader.unchanged == 3  # an idle ring costs no read
+    # gloo moves the status before its entry is in the ring: read until it is found.
+    ring.status["pg_status"]["0"]["last_enqueued_collective"] = "12"
+    ring.now = 9.0
+    assert reader.poll() == [] and ring.reads == 4
+    data = json.loads(ring8("json"))
+    twelfth = dict(data["entries"][-1], record_id=12, collective_seq_id=12)
+    ring.ring = json.dumps(dict(data, entries=[*data["entries"][1:], twelfth])).encode()
+    ring.now = 10.0
+    assert [(c.seq, c.record_id) for c in reader.poll()] == [(12, 12)] and ring.reads == 5
+    ring.now = 11.0
+    assert reader.poll() == [] and ring.reads == 5
+
+
+def test_reads_are_spaced_by_their_cost_and_the_status_line_says_so_once() -> None:
+    ring = Ring(cost_s=0.010)  # 10 ms a read, within 0.2% of the time: 5 s apart
+    reader = ring.reader(share=0.002)
+    monitor = CollectiveMonitor(reader, share=0.002)
+    first = monitor.tick(0.0)
+    (told,) = [m for m in first if isinstance(m, ProbeStatus)]
+    assert told.probe == "collectives" and told.available
+    assert "whole ring at each read (8 entries in 10.0 ms" in told.detail
+    assert "read 5.0 s apart at least, within 0.20% of the time" in told.detail
+    assert monitor.stats()["spacing_s"] == pytest.approx(5.0)
+    ring.status["pg_status"]["0"]["last_enqueued_collective"] = "12"  # always something new
+    for ring.now in (1.0, 2.5, 4.9):
+        assert monitor.tick(ring.now) == []
+    assert ring.reads == 1
+    ring.now = 5.0
+    monitor.tick(5.0)
+    assert ring.reads == 2
+    # Without a budget (``--cost-budget 0``), once a second whatever a read costs.
+    free = Ring(cost_s=0.010)
+    unbounded = free.reader(share=0.0)
+    unbounded.poll()
+    assert unbounded.spacing_s == 1.0
+
+
+def test_entries_that_left_the_ring_before_a_read_are_counted_and_said() -> None:
+    data = json.loads(ring8("json"))
+    ring = Ring()
+    ring.ring = json.dumps(dict(data, entries=data["entries"][:2])).encode()  # records 4, 5
+    monitor = CollectiveMonitor(ring.reader(), share=0.002)
+    assert [m for m in monitor.tick(0.0) if isinstance(m, ProbeStatus)] == []
+    # The next read finds records 8 to 11: 6 and 7 went by unread.
+    ring.ring = json.dumps(dict(data, entries=data["entries"][4:])).encode()
+    ring.status["pg_status"]["0"]["last_enqueued_collective"] = "12"
+    ring.now = 1.0
+    got = monitor.tick(1.0)
+    seen = [e.seq for m in got if isinstance(m, CollectivesSeen) for e in m.entries]
+    assert seen == [8, 9, 10, 11] and monitor.stats()["lost"] == 2
+    (told,) = [m for m in got if isinstance(m, ProbeStatus)]
+    assert "2 entries left the ring before a read" in told.detail
 
 
 def test_the_recorder_is_turned_on_unless_the_user_set_a_size() -> None:
@@ -228,7 +345,7 @@ def test_a_full_ring_goes_out_in_frames_below_the_protocols_limit() -> None:
     entry = dict(data["entries"][0], input_sizes=[[10**9] * 50] * 50)
     data["entries"] = [dict(entry, record_id=i, collective_seq_id=i + 1) for i in range(2000)]
     reader = CollectiveReader(dump=lambda: json.dumps(data).encode(), clock=lambda: 0.0)
-    frames = CollectiveMonitor(reader).tick(1.0)
+    frames = [f for f in CollectiveMonitor(reader).tick(1.0) if isinstance(f, CollectivesSeen)]
     assert [len(f.entries) for f in frames] == [FRAME_ENTRIES] * (2000 // FRAME_ENTRIES)
     assert all(len(encode(f)) < MAX_FRAME_BYTES for f in frames)
 
@@ -442,9 +559,13 @@ def test_nccls_own_ring_is_read_beside_the_generic_one(monkeypatch: pytest.Monke
             for e in data["entries"]
         ],
     )
+    # NCCL's as JSON only; the generic one pickled (what torch's pickle dump holds: the same
+    # dicts), its JSON dump giving the groups' status.
     monkeypatch.setattr(
         c10d, "_dump_nccl_trace_json", lambda *_: json.dumps(nccl).encode(), raising=False
     )
+    monkeypatch.delattr(c10d, "_dump_nccl_trace", raising=False)
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda *_: pickle.dumps(json.loads(raw(0))))
     monkeypatch.setattr(c10d, "_dump_fr_trace_json", lambda *_: raw(0))
     monkeypatch.setattr(module, "_group_ready", lambda: True)
     assert module.recorder_missing() is None
@@ -459,6 +580,8 @@ def test_nccls_own_ring_is_read_beside_the_generic_one(monkeypatch: pytest.Monke
     # Neither is there: no recorder, said in one line.
     monkeypatch.delattr(c10d, "_dump_nccl_trace_json")
     monkeypatch.delattr(c10d, "_dump_fr_trace_json")
+    assert module.recorder_missing() is None  # the pickle dump alone is a recorder
+    monkeypatch.delattr(c10d, "_dump_fr_trace")
     assert "no flight recorder" in str(module.recorder_missing())
 
 

@@ -22,32 +22,63 @@ What torch 2.13 (CPU build) really offers, checked on a 2-process gloo job under
   nodes only as far as their clocks agree (see :mod:`torchtop.model.collectives`).
 
 This module turns the recorder on before the process group exists (when the user has not set the
-size: theirs is kept) and reads the ring at most once a second, keeping only the entries it has
-not sent yet, from each recorder there is: NCCL's own ring (``_dump_nccl_trace_json``, CUDA
-builds; NCCL collectives go there only) and the generic one (``_dump_fr_trace_json``: gloo). A
-torch with neither has no recorder: :func:`recorder_missing`
-says why, and the run keeps the rule based on the time outside ``backward``.
+size: theirs is kept) and reads each recorder there is: NCCL's own ring (CUDA builds; NCCL
+collectives go there only) and the generic one (gloo). A torch with neither has no recorder:
+:func:`recorder_missing` says why, and the run keeps the rule based on the time outside
+``backward``.
 
-Cost: a full ring of 2000 entries dumps as about 1 MB of JSON; parsing it took about 15 ms
-on a 2-core machine at load 1.2 (plus torch's own serialization), once a second at most in the
-sampler thread: about 1.5% of a core per rank with a full ring, less while it fills. Measured
-side by side since (``python -m benchmarks.rank_overhead --launcher torchrun --recorder both
---rounds 20``, 2 gloo ranks, an MLP of 19 ms steps, load 0.7 to 2): the agent's threads took
-0.81% of a core with the recorder off and 6.4% with it on, and the mean step time of the "on"
-blocks rose 11% (median 1%): a full ring read whole every second costs more than estimated;
-a smaller ring or reading only the newest entries is the next step.
+**What a read costs, and how it is bounded.** torch 2.13 can only dump the whole ring: both
+dumps (``_dump_fr_trace_json(includeCollectives, onlyActive)`` and the pickle
+``_dump_fr_trace(includeCollectives, includeStackTraces, onlyActive)``, and NCCL's
+``_dump_nccl_trace*``) take no record id to start from. ``FlightRecorder::dump_entries``
+(``torch/include/torch/csrc/distributed/c10d/FlightRecorderDetail.hpp``) copies every entry of
+the ring under the recorder's lock, then serializes all of them, and the binding **holds the
+GIL** the whole time: the job's Python threads wait for it. ``onlyActive`` keeps the entries
+without ``time_discovered_completed_``, which gloo never sets: on gloo it returns the whole
+ring too. Measured on a full ring of 2000 gloo entries (one process, load 1.5): the JSON dump
+25 ms and its parse 14 ms (about 39 ms a read: once a second, about 4% of a core, and the
+step time of a job that holds the GIL); the pickle dump without stack traces 11 ms and its load
+3.4 ms. So the reader:
+
+- asks first what changed, for nothing: the dump without entries (``includeCollectives``
+  false, a few microseconds) holds each group's ``pg_status``, its last enqueued and completed
+  sequence ids. The whole ring is read only when they moved since the last read (an idle job,
+  or one hung with every rank's last collective already read, costs no read). gloo moves a
+  group's last enqueued id before its entry is in the ring (a single-rank loop of all-reduces,
+  status then ring read 7,356 times: the ring lacked the status's last collective 2,411 times),
+  so a read that does not find it is not taken as up to date and the next one reads again;
+- reads the pickle dump, without stack traces, where torch has it (the JSON one elsewhere),
+  and turns into collectives only the entries after the last one sent (and those sent before
+  their completion, on NCCL): the ring is in record order, so the scan stops at the first entry
+  already sent;
+- spaces its reads by their cost: after a read that took ``c`` seconds of the sampler
+  thread's CPU (what the cost budget counts; the GIL is held throughout, so a step that holds
+  the GIL loses as much; wall time would also count the machine's other load) the next waits
+  ``c / share`` at least, ``share`` being a fifth of the agent's cost budget
+  (``--cost-budget``, 1% of the step time by default, so 0.2%), and one
+  second at least. Where that spaces the reads beyond a second, the agent says so once, in the
+  ``collectives`` probe's status line (``probes_unavailable.collectives`` in the report), with
+  the ring's size and a read's cost; entries that went out of the ring between two reads are
+  counted and said too;
+- and ``torchtop run`` sets a ring of :data:`DEFAULT_RING` (512) entries where the job set no
+  size, instead of torch's 2000: a read costs in proportion to the ring, and 512 entries are
+  more than a second of collectives for most jobs (what a read at the budget's pace needs), and
+  still several steps of history for torch's own dump after a timeout.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from torchtop.agent.holders import next_read_at
 from torchtop.agent.probes.base import ProbeUnavailable
 from torchtop.agent.rank_site.torchtop_rank_marks import (
     BUFFER_ENV,
@@ -55,7 +86,7 @@ from torchtop.agent.rank_site.torchtop_rank_marks import (
     LEGACY_BUFFER_ENV,
     enable_recorder,
 )
-from torchtop.protocol import CollectiveEntry, CollectivesSeen
+from torchtop.protocol import CollectiveEntry, CollectivesSeen, ProbeStatus
 
 __all__ = [
     "BUFFER_ENV",
@@ -64,6 +95,7 @@ __all__ = [
     "Collective",
     "CollectiveMonitor",
     "CollectiveReader",
+    "Recorder",
     "enable_recorder",
     "parse_dump",
     "recorder_missing",
@@ -73,8 +105,19 @@ __all__ = [
 FRAME_ENTRIES = 500
 #: The reader reads at most this often (seconds).
 READ_INTERVAL = 1.0
+#: The share of the agent's cost budget (``--cost-budget``) the ring's reads may take.
+BUDGET_PART = 0.2
+#: The reads' share of the time when no budget is given (a fifth of the default 1%).
+READ_SHARE = 0.002
+#: The longest the budget spaces two reads (a read of 60 ms, ten times a full default ring's).
+MAX_SPACING_S = 30.0
+#: Reads with the same status that may miss a group's last enqueued collective before the
+#: status is taken as read.
+MAX_RETRIES = 3
 #: Entries awaiting their completion time, at most (a ring's worth).
 MAX_PENDING = 4000
+#: The probe whose status line says how the reads are spaced.
+PROBE = "collectives"
 
 
 @dataclass(frozen=True)
@@ -104,41 +147,61 @@ class Collective:
         }
 
 
-#: The dumps of torch's flight recorders, NCCL's first: ProcessGroupNCCL keeps its own ring
-#: (``_dump_nccl_trace_json``, in CUDA builds only), apart from the generic one gloo and the
-#: CPU backends record in (``_dump_fr_trace_json``, which holds no NCCL collective).
-DUMPS = ("_dump_nccl_trace_json", "_dump_fr_trace_json")
+@dataclass(frozen=True)
+class Recorder:
+    """One flight recorder of this torch: how to read its whole ring, and its groups' status
+    alone (no entries: a few microseconds)."""
+
+    read: Callable[[], bytes]
+    status: Callable[[], bytes] | None = None
 
 
-def _dumpers() -> list[Callable[[], bytes]]:
-    """One reader per flight recorder this torch has (none: no recorder)."""
+#: The dumps of torch's flight recorders, NCCL's first, each as (pickle, JSON): ProcessGroupNCCL
+#: keeps its own ring (in CUDA builds only), apart from the generic one gloo and the CPU
+#: backends record in (which holds no NCCL collective). The pickle dump, without stack traces,
+#: costs less than half the JSON one, its load included.
+DUMPS = (
+    ("_dump_nccl_trace", "_dump_nccl_trace_json"),
+    ("_dump_fr_trace", "_dump_fr_trace_json"),
+)
+
+
+def _recorders() -> list[Recorder]:
+    """One per flight recorder this torch has (none: no recorder)."""
     try:
         from torch._C import _distributed_c10d as c10d
     except ImportError:
         return []
-    return [_reading(dump) for name in DUMPS if (dump := getattr(c10d, name, None)) is not None]
+    out = []
+    for pickled_name, json_name in DUMPS:
+        pickled = getattr(c10d, pickled_name, None)
+        as_json = getattr(c10d, json_name, None)
+        if pickled is not None:
+            read = _call(pickled, True, False, False)  # entries, no stack traces, finished too
+            status = _call(pickled, False, False, False)
+        elif as_json is not None:
+            read = _call(as_json, True, False)
+        else:
+            continue
+        if as_json is not None:  # the groups' status: JSON's costs less than pickle's
+            status = _call(as_json, False, False)
+        out.append(Recorder(read, status))
+    return out
 
 
-def _reading(dump: Callable[[bool, bool], Any]) -> Callable[[], bytes]:
+def _call(dump: Callable[..., Any], *args: bool) -> Callable[[], bytes]:
     def read() -> bytes:
-        return bytes(dump(True, False))  # every entry, finished ones too
+        return bytes(dump(*args))
 
     return read
 
 
-def _dumper() -> Callable[[], bytes] | None:
-    """The generic recorder's dump (gloo, the CPU backends) where this torch has it."""
-    dumps = _dumpers()
-    return dumps[-1] if dumps else None
-
-
 def recorder_missing() -> str | None:
     """One line saying why this torch has no flight recorder, or None when it has one."""
-    if not _dumpers():
+    if not _recorders():
         return (
-            "this torch has no flight recorder (no _dump_fr_trace_json nor"
-            " _dump_nccl_trace_json in torch._C._distributed_c10d); stragglers are told from"
-            " the time outside backward"
+            "this torch has no flight recorder (no _dump_fr_trace nor _dump_nccl_trace in"
+            " torch._C._distributed_c10d); stragglers are told from the time outside backward"
         )
     return None
 
@@ -148,52 +211,113 @@ def _int(value: object) -> int:
 
 
 def _sizes(value: object) -> tuple[tuple[int, ...], ...]:
-    if not isinstance(value, list):
+    if not isinstance(value, list | tuple):
         return ()
     return tuple(
-        tuple(_int(d) for d in shape[:8]) for shape in value[:8] if isinstance(shape, list)
+        tuple(_int(d) for d in shape[:8]) for shape in value[:8] if isinstance(shape, list | tuple)
     )
 
 
 def _pg_name(entry: dict[str, Any]) -> str:
     group = entry.get("process_group")
-    if isinstance(group, list) and group and isinstance(group[0], str):
+    if isinstance(group, list | tuple) and group and isinstance(group[0], str):
         return group[0][:64]
     return str(_int(entry.get("pg_id")))
 
 
-def parse_dump(raw: bytes | str) -> list[Collective]:
-    """The collectives of one dump (point-to-point entries left out), oldest first."""
-    data = json.loads(raw)
+class _PlainData(pickle.Unpickler):
+    """torch's pickled dump holds dicts, lists, tuples, strings and numbers: no class is
+    looked up (nothing runs while it loads)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"the flight recorder's dump names {module}.{name}")
+
+
+def _load(raw: bytes | str) -> Any:
+    """A dump, JSON or pickle (torch's pickle starts with the protocol's ``0x80``)."""
+    if isinstance(raw, bytes) and raw[:1] == b"\x80":
+        return _PlainData(io.BytesIO(raw)).load()
+    return json.loads(raw)
+
+
+def _entries(data: Any) -> list[Any]:
     entries = data.get("entries") if isinstance(data, dict) else None
+    return entries if isinstance(entries, list) else []
+
+
+def _collective(entry: dict[str, Any]) -> Collective | None:
+    if entry.get("is_p2p"):
+        return None
+    seq = _int(entry.get("collective_seq_id"))
+    if seq <= 0:
+        return None
+    name = entry.get("profiling_name")
+    return Collective(
+        pg=_pg_name(entry),
+        seq=seq,
+        op=name.rsplit(":", 1)[-1][:48] if isinstance(name, str) else "?",
+        sizes=_sizes(entry.get("input_sizes")),
+        enqueued_ns=_int(entry.get("time_created_ns")),
+        started_ns=_int(entry.get("time_discovered_started_ns")),
+        completed_ns=_int(entry.get("time_discovered_completed_ns")),
+        record_id=_int(entry.get("record_id")),
+        retired=entry.get("retired") is True,
+    )
+
+
+def _scan(entries: list[Any], after: int) -> tuple[list[Collective], dict[int, int], int]:
+    """The collectives recorded after record id ``after`` (point-to-point entries left out),
+    oldest first; the newest sequence id seen per group id among them; and the ring's oldest
+    record id (-1 when empty). The ring is in record order: the scan goes from its newest entry
+    back to the first one at or before ``after``."""
     out: list[Collective] = []
-    for entry in entries if isinstance(entries, list) else ():
-        if not isinstance(entry, dict) or entry.get("is_p2p"):
+    newest: dict[int, int] = {}
+    for entry in reversed(entries):
+        if not isinstance(entry, dict):
             continue
-        seq = _int(entry.get("collective_seq_id"))
-        if seq <= 0:
-            continue
-        name = entry.get("profiling_name")
-        op = name.rsplit(":", 1)[-1][:48] if isinstance(name, str) else "?"
-        out.append(
-            Collective(
-                pg=_pg_name(entry),
-                seq=seq,
-                op=op,
-                sizes=_sizes(entry.get("input_sizes")),
-                enqueued_ns=_int(entry.get("time_created_ns")),
-                started_ns=_int(entry.get("time_discovered_started_ns")),
-                completed_ns=_int(entry.get("time_discovered_completed_ns")),
-                record_id=_int(entry.get("record_id")),
-                retired=entry.get("retired") is True,
-            )
-        )
+        if _int(entry.get("record_id")) <= after:
+            break
+        pg_id = _int(entry.get("pg_id"))
+        if not entry.get("is_p2p") and pg_id not in newest:
+            newest[pg_id] = _int(entry.get("collective_seq_id"))
+        collective = _collective(entry)
+        if collective is not None:
+            out.append(collective)
     out.sort(key=lambda c: c.record_id)
+    first = entries[0] if entries else None
+    oldest = _int(first.get("record_id")) if isinstance(first, dict) else -1
+    return out, newest, oldest
+
+
+def parse_dump(raw: bytes | str, after: int = -1) -> list[Collective]:
+    """The collectives of one dump (JSON or pickle), recorded after record id ``after``
+    (point-to-point entries left out), oldest first."""
+    return _scan(_entries(_load(raw)), after)[0]
+
+
+def _group_status(raw: bytes | str) -> dict[int, tuple[int, int]] | None:
+    """Each group's last enqueued and last completed sequence ids, from a dump's ``pg_status``
+    (None where it has none: the ring is then read on the clock alone)."""
+    status = _load(raw).get("pg_status")
+    if not isinstance(status, dict) or not status:
+        return None
+    out = {}
+    for pg_id, figures in status.items():
+        if not isinstance(figures, dict):
+            return None
+        try:
+            out[int(pg_id)] = (
+                int(figures.get("last_enqueued_collective", -1)),
+                int(figures.get("last_completed_collective", -1)),
+            )
+        except (TypeError, ValueError):
+            return None
     return out
 
 
 class CollectiveReader:
-    """Reads the ring at most once a second and hands back only what is new.
+    """Reads the ring when it changed, at most once a second and no more than its share of the
+    time, and hands back only what is new.
 
     An entry is new once its ``record_id`` passes the last one sent; an entry seen while it had
     no completion time yet is sent again once it has one (NCCL with timing fills it later).
@@ -203,38 +327,128 @@ class CollectiveReader:
         self,
         dump: Callable[[], bytes] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        status: Callable[[], bytes] | None = None,
+        share: float = READ_SHARE,
+        timer: Callable[[], float] = time.thread_time,
     ) -> None:
-        self._dump = dump if dump is not None else _dumper()
+        """``dump``: the whole ring (JSON or pickle); ``status``: the dump without entries,
+        which says whether the ring changed (None: read it on the clock alone); ``share``: the
+        share of the time the reads may take (0: once a second, whatever they cost);
+        ``timer``: what a read's cost is measured with."""
+        if dump is None:
+            recorders = _recorders()
+            if recorders:
+                dump, status = recorders[-1].read, recorders[-1].status
+        self._dump = dump
+        self._status = status
         self._clock = clock
-        self._last_read = float("-inf")
+        self._timer = timer
+        self.share = share
+        self._next_read = float("-inf")
         self._last_record = -1
+        #: The groups' status at the last complete read (None: read regardless).
+        self._seen_status: dict[int, tuple[int, int]] | None = None
+        #: The newest sequence id read so far, per group id.
+        self._newest: dict[int, int] = {}
+        #: Groups whose last enqueued collective the last read did not find, and how many reads
+        #: in a row found the same.
+        self._missing: dict[int, tuple[int, int]] = {}
+        self._retries = 0
+        #: Each group's status last given up on (its collective was not found).
+        self._given_up: dict[int, tuple[int, int]] = {}
         #: Entries sent before their completion was known (NCCL marks it later), by record id.
         self._pending: set[int] = set()
         self.failures = 0
+        #: Whole-ring reads, their CPU time in all, the last one's, and the ring's length then.
+        self.reads = 0
+        self.read_s = 0.0
+        self.last_read_s = 0.0
+        self.ring = 0
+        #: Reads left out because the groups' status had not moved since the last one.
+        self.unchanged = 0
+        #: Entries that left the ring before a read got to them.
+        self.lost = 0
 
     @property
     def available(self) -> bool:
         return self._dump is not None
 
+    @property
+    def spacing_s(self) -> float:
+        """The time the last read's cost puts before the next."""
+        return min(MAX_SPACING_S, next_read_at(0.0, self.last_read_s, READ_INTERVAL, self.share))
+
+    def _group_status_now(self) -> dict[int, tuple[int, int]] | None:
+        if self._status is None:
+            return None
+        try:
+            return _group_status(self._status())
+        except Exception:
+            return None
+
+    def _up_to_date(
+        self, status: dict[int, tuple[int, int]] | None
+    ) -> dict[int, tuple[int, int]] | None:
+        """``status`` once every group's last enqueued collective was read: the next read waits
+        for it to move. gloo moves it before the entry is in the ring (a work queued behind
+        another is recorded once gloo's thread takes it up), so a group still missing is read
+        again, up to :data:`MAX_RETRIES` times with the same status (its entry may have left
+        the ring)."""
+        if status is None:
+            return None
+        missing = {
+            pg: s
+            for pg, s in status.items()
+            if self._newest.get(pg, -1) < s[0] and self._given_up.get(pg) != s
+        }
+        if not missing:
+            self._retries = 0
+            return status
+        self._retries = self._retries + 1 if missing == self._missing else 1
+        self._missing = missing
+        if self._retries < MAX_RETRIES:
+            return None
+        self._given_up.update(missing)
+        return status
+
     def poll(self) -> list[Collective]:
-        """New collectives since the last poll; empty when read less than a second ago."""
+        """New collectives since the last poll; empty when read less than a second ago (or
+        less than the last read's cost allows), or when nothing changed."""
         if self._dump is None:
             return []
         now = self._clock()
-        if now - self._last_read < READ_INTERVAL:
+        if now < self._next_read:
             return []
-        self._last_read = now
+        self._next_read = now + READ_INTERVAL
+        status = self._group_status_now()
+        if status is not None and status == self._seen_status:
+            self.unchanged += 1
+            return []
+        started = self._timer()
+        after = min(self._pending) - 1 if self._pending else self._last_record
         try:
-            entries = parse_dump(self._dump())
+            entries = _entries(_load(self._dump()))
+            scanned, newest, oldest = _scan(entries, after)
         except Exception:  # no process group yet, or the ring is off: nothing to read
             self.failures += 1
             return []
-        fresh = [c for c in entries if c.record_id > self._last_record]
+        finally:
+            self.last_read_s = self._timer() - started
+            self.read_s += self.last_read_s
+            self.reads += 1
+            self._next_read = now + self.spacing_s
+        self.ring = len(entries)
+        if self._last_record >= 0 and oldest > self._last_record + 1:
+            self.lost += oldest - self._last_record - 1
+        for pg, seq in newest.items():
+            self._newest[pg] = max(seq, self._newest.get(pg, -1))
+        self._seen_status = self._up_to_date(status)
+        fresh = [c for c in scanned if c.record_id > self._last_record]
         if fresh:
             self._last_record = fresh[-1].record_id
         completed = []
         if self._pending:
-            in_ring = {c.record_id: c for c in entries if c.record_id in self._pending}
+            in_ring = {c.record_id: c for c in scanned if c.record_id in self._pending}
             completed = [c for c in in_ring.values() if c.completed_ns > 0]
             # Done with: completed now, retired without a completion (gloo), or out of the ring.
             self._pending = {i for i, c in in_ring.items() if not (c.completed_ns or c.retired)}
@@ -267,26 +481,58 @@ def _group_ready() -> bool:
 
 
 class CollectiveMonitor:
-    """The sampler's part: once this process has a process group, reads the recorder (at most
-    once a second) and returns one :class:`~torchtop.protocol.CollectivesSeen` with the new
-    entries. Never imports torch first. Without a recorder it raises
-    :class:`~torchtop.agent.probes.base.ProbeUnavailable` once, with the reason."""
+    """The sampler's part: once this process has a process group, reads the recorder (when it
+    changed, at most once a second and within ``share`` of the time) and returns one
+    :class:`~torchtop.protocol.CollectivesSeen` with the new entries. Never imports torch first.
+    Without a recorder it raises :class:`~torchtop.agent.probes.base.ProbeUnavailable` once,
+    with the reason. Where the reads' cost spaces them beyond a second, or entries left the ring
+    before a read, it says so once in a :class:`~torchtop.protocol.ProbeStatus`."""
 
-    def __init__(self, reader: CollectiveReader | None = None) -> None:
+    def __init__(self, reader: CollectiveReader | None = None, share: float = READ_SHARE) -> None:
         #: One reader per recorder (NCCL's and the generic one each number their entries).
         self._readers = [reader] if reader is not None else None
+        #: The share of the time the reads may take, all recorders together.
+        self.share = share
+        self._told_spaced = False
+        self._told_lost = False
 
-    def tick(self, now: float) -> list[CollectivesSeen]:
+    @property
+    def readers(self) -> list[CollectiveReader]:
+        return list(self._readers or ())
+
+    def stats(self) -> dict[str, Any]:
+        """What the reads cost: reads, their mean and last CPU time, the ring's length, the
+        spacing the last read's cost set, the reads left out (nothing had changed) and the
+        entries lost out of the ring."""
+        readers = self.readers
+        reads = sum(r.reads for r in readers)
+        return {
+            "reads": reads,
+            "read_ms_mean": 1e3 * sum(r.read_s for r in readers) / reads if reads else None,
+            "last_read_ms": max((1e3 * r.last_read_s for r in readers), default=None),
+            "ring": max((r.ring for r in readers), default=0),
+            "spacing_s": max((r.spacing_s for r in readers), default=READ_INTERVAL),
+            "unchanged": sum(r.unchanged for r in readers),
+            "lost": sum(r.lost for r in readers),
+        }
+
+    def tick(self, now: float) -> list[CollectivesSeen | ProbeStatus]:
         if self._readers is None:
             if not _group_ready():
                 return []
             missing = recorder_missing() or _turned_off(os.environ)
             if missing is not None:
                 raise ProbeUnavailable(missing)
-            self._readers = [CollectiveReader(dump) for dump in _dumpers()]
+            recorders = _recorders()
+            share = self.share / len(recorders)
+            self._readers = [
+                CollectiveReader(r.read, status=r.status, share=share) for r in recorders
+            ]
         fresh = [c for reader in self._readers for c in reader.poll()]
+        told = self._tell()
+        out: list[CollectivesSeen | ProbeStatus] = [told] if told is not None else []
         if not fresh:
-            return []
+            return out
         entries = [
             CollectiveEntry(
                 pg=c.pg,
@@ -300,7 +546,33 @@ class CollectiveMonitor:
             for c in fresh
         ]
         # A few hundred bytes an entry at most: frames far below the protocol's limit.
-        return [
+        return out + [
             CollectivesSeen(t=now, entries=entries[i : i + FRAME_ENTRIES])
             for i in range(0, len(entries), FRAME_ENTRIES)
         ]
+
+    def _tell(self) -> ProbeStatus | None:
+        """The status line, the first time the reads are spaced beyond a second by their cost,
+        and the first time entries left the ring before a read."""
+        readers = self.readers
+        slowest = max(readers, key=lambda r: r.spacing_s, default=None)
+        if slowest is None:
+            return None
+        spaced = slowest.spacing_s > 1.5 * READ_INTERVAL
+        lost = sum(r.lost for r in readers)
+        if (not spaced or self._told_spaced) and (not lost or self._told_lost):
+            return None
+        self._told_spaced = self._told_spaced or spaced
+        self._told_lost = self._told_lost or bool(lost)
+        detail = (
+            f"torch dumps the flight recorder's whole ring at each read ({slowest.ring} entries"
+            f" in {1e3 * slowest.last_read_s:.1f} ms, holding the GIL): it is read"
+            f" {slowest.spacing_s:.1f} s apart at least, within {self.share:.2%} of the time"
+            " (a fifth of --cost-budget)"
+        )
+        if lost:
+            detail += (
+                f"; {lost} entries left the ring before a read (its size:"
+                f" {BUFFER_ENV}, {os.environ.get(BUFFER_ENV, 'unset')})"
+            )
+        return ProbeStatus(t=time.time(), probe=PROBE, available=True, detail=detail)

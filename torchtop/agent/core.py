@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
-from torchtop.agent.collectives import CollectiveMonitor
+from torchtop.agent.collectives import BUDGET_PART, CollectiveMonitor
 from torchtop.agent.cost import MAX_INTERVAL_S, CostMeter, Measured, PausedSteps
 from torchtop.agent.identity import rank_identity
 from torchtop.agent.oom import OomController
@@ -253,6 +253,8 @@ class Agent:
         # psutil once a second (the process table walk for children every 5 s); the RSS alone
         # from /proc on the ticks between.
         self._host = HostProbe(children_every=5, full_every=max(1, round(1.0 / config.interval_s)))
+        #: The flight recorder's reader: its reads within a fifth of the cost budget.
+        self.collectives = CollectiveMonitor(share=config.cost_budget * BUDGET_PART)
         self.sampler = Sampler(
             self.publish,
             host=self._host,
@@ -269,7 +271,7 @@ class Agent:
             stats_every=max(1, round(1.0 / config.interval_s)),
             agent_stats=self._agent_stats,
             training=self.training,
-            collectives=CollectiveMonitor(),
+            collectives=self.collectives,
             # What every viewer reads from outside the job (/proc, NVML) the agent leaves to it.
             outside=self.server.read_outside,
             batched=self.server.batched,

@@ -128,8 +128,11 @@ class GroupWatcher:
 #: The flight recorder's ring length (read by torch when a process group is created).
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 LEGACY_BUFFER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
-#: The ring's length when the user set none: a few minutes of a DDP job's all-reduces.
-DEFAULT_RING = 2000
+#: The ring's length when the user set none (torch's own is 2000): each read of the ring dumps
+#: all of it, so its cost grows with the length; 512 entries hold more than a second of most
+#: jobs' collectives (what a read at the agent's pace needs) and several steps of history for
+#: torch's own dump after a timeout.
+DEFAULT_RING = 512
 
 
 def enable_recorder(environ: MutableMapping[str, str]) -> bool:
