@@ -36,3 +36,16 @@ def test_a_stragglers_steps_are_longer_outside_backward_only() -> None:
 def test_frames_go_to_the_rings_an_agent_keeps_them_in() -> None:
     assert ring_of(steps()) == SAMPLES
     assert ring_of(LogLine(t=1.0, stream="stdout", text="x")) == LOGS
+
+
+def test_a_rank_held_back_by_a_straggler_waits_for_it_inside_backward() -> None:
+    """A synchronous job: the others' steps last as long as the straggler's, the extra time
+    inside backward (at the all-reduce), so the straggler is the rank with the least there."""
+    straggler = moved(steps(), 0.0, 0, slow=2.0)
+    held = moved(steps(), 0.0, 0, held=2.0)
+    assert isinstance(straggler, StepStats) and isinstance(held, StepStats)
+    assert held.time_s == pytest.approx(straggler.time_s)
+    assert held.durations == pytest.approx(straggler.durations)
+    assert held.backward_s == pytest.approx(0.1 + 0.2)
+    assert held.backwards == pytest.approx([0.04 + 0.06, 0.06 + 0.14])
+    assert held.backward_s - straggler.backward_s == pytest.approx(0.2)
