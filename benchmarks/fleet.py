@@ -12,7 +12,8 @@ exporter or a relay there would.
 Each rank's process is the one that listens on its socket (it calls ``listen`` before it
 becomes ``sleep``), so a viewer that asks the socket who serves it (``SO_PEERCRED``) finds the
 rank's own process, as it would find a real agent's job: it reads that process from outside,
-and sees it gone when the rank is killed.
+and sees it gone when the rank is killed. As an agent does, a rank then sends the RSS alone of
+its host's figures while its viewers read the rest from outside.
 
 A straggler (its steps ``--slow`` times longer outside backward; ``--synced``: the other ranks
 wait for it inside backward, as the ranks of a synchronous job do, so their steps last as long
@@ -134,6 +135,19 @@ def moved(
                     b + e for b, e in zip(message.backwards, extra, strict=False)
                 ]
     return dataclasses.replace(message, **changes)
+
+
+def as_sent(sample: Sample, server: AgentServer) -> Sample:
+    """``sample`` as an agent sends it: the RSS alone of its host's figures while every viewer
+    reads the rest from outside the job (as they read it here, from the rank's process)."""
+    host = sample.host
+    if host is None or not server.read_outside("host"):
+        return sample
+    rss_only = dataclasses.replace(
+        host, cpu_percent=None, threads=None, children=None, system_used_bytes=None,
+        system_total_bytes=None,
+    )  # fmt: skip
+    return dataclasses.replace(sample, host=rss_only)
 
 
 @dataclass
@@ -334,6 +348,7 @@ class Fleet:
                 )
                 detail_only = False
                 if isinstance(out, Sample):  # viewers at their own pace get one a second
+                    out = as_sent(out, member.server)
                     detail_only = out.t < member.next_paced_sample
                     if not detail_only:
                         member.next_paced_sample = out.t + PACED_SAMPLE_S
