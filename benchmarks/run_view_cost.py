@@ -152,7 +152,14 @@ def viewer(args: argparse.Namespace, out: Path) -> None:
         app.set_timer(seconds, done)
 
     app.call_later(lambda: app.set_timer(1.0, measure))
-    app.run(headless=True, size=(80, 24))
+    if args.profile is None:
+        app.run(headless=True, size=(80, 24))
+    else:  # the app's thread only, the slowest first
+        import cProfile
+
+        with cProfile.Profile() as profile:
+            app.run(headless=True, size=(80, 24))
+        profile.dump_stats(args.profile)
     run.stop_job()
     if isinstance(run, RankRun):
         run.finish()
@@ -255,6 +262,9 @@ def main() -> None:
     parser.add_argument("--dead", type=int, help="the rank killed (simulated; default: a third in)")
     parser.add_argument("--kill-at", type=float, default=40.0, metavar="S")
     parser.add_argument("--rss-every", type=float, default=5.0, metavar="S")
+    parser.add_argument(
+        "--profile", metavar="OUT", type=Path, help="the app thread's cProfile stats, to OUT"
+    )
     parser.add_argument("--fleet-pid", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--viewer", metavar="OUT", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -272,6 +282,8 @@ def main() -> None:
     command = [sys.executable, "-m", "benchmarks.run_view_cost", "--ranks", str(args.ranks),
                "--seconds", str(args.seconds), "--sleep-ms", str(args.sleep_ms),
                "--rss-every", str(args.rss_every), "--viewer", str(out)]  # fmt: skip
+    if args.profile is not None:
+        command += ["--profile", str(args.profile.resolve())]
     load = os.getloadavg()
     injected: dict[str, float] = {}
     if args.simulated is None:
