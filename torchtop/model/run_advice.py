@@ -157,8 +157,19 @@ def _ms(seconds: float) -> str:
 
 
 def _ranks(ranks: Iterable[int]) -> str:
-    ordered = sorted(ranks)
-    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
+    """``rank 3``, ``ranks 0, 1``, ``ranks 0-16, 18-255``: three or more in a row as a span,
+    so that a line about one rank of 256 is not a list of the other 255."""
+    ordered = sorted(set(ranks))
+    spans: list[list[int]] = []
+    for rank in ordered:
+        if spans and rank == spans[-1][-1] + 1:
+            spans[-1].append(rank)
+        else:
+            spans.append([rank])
+    parts = [
+        f"{span[0]}-{span[-1]}" if len(span) >= 3 else ", ".join(map(str, span)) for span in spans
+    ]
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(parts)
 
 
 def straggler(times: Sequence[RankTimes], now: float) -> Verdict | None:

@@ -498,8 +498,8 @@ class RunScreen(Screen[None]):
         if total <= FOLD_AFTER:
             return
         first = int(table.scroll_y) + 1
-        shown = table.scrollable_content_region.height - table.scrollbar_size_horizontal
-        rows = shown - table.header_height
+        # The region is the table's less its scrollbars already.
+        rows = table.scrollable_content_region.height - table.header_height
         last = min(total, first + max(1, rows) - 1)
         page = page_line(first, last, total)
         if force or self._page is None or page.plain != self._page.plain:
