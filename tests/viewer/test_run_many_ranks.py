@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 from rich.text import Text
-from textual.widgets import DataTable, Static
+from textual.widgets import DataTable, RichLog, Static
 from textual.widgets.data_table import ColumnKey
 
 from benchmarks.fleet import Fleet
 from tests.viewer.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
 from torchtop.model.advice import Finding
-from torchtop.protocol import Hello, Message, StepStats
+from torchtop.protocol import Hello, LogLine, Message, StepStats
 from torchtop.streams.runs import RunFold
 from torchtop.streams.sources import attach_rank
 from torchtop.tui.app import TorchtopApp
@@ -291,3 +291,26 @@ def test_256_live_ranks_in_a_real_terminal_at_80x24_sorted_and_paged(
     assert shown and not shown & {r[0] for r in rows}, screen
     terminal.keys("q")
     terminal.wait_for(lambda s: "EXIT=0" in s, 60)
+
+
+def test_the_lines_of_one_look_go_into_the_log_each_on_its_own_line_in_order() -> None:
+    """The lines that arrived between two looks are written at once, one log line each, each
+    behind its rank's prefix."""
+
+    class WithOutput(WideRun):
+        has_output = True
+
+    run = WithOutput()
+    run.feed("0", hello(0))
+    for i, rank in enumerate((3, 0, 12)):
+        run.queue(None, LogLine(t=1000.0 + i, stream="stdout", text=f"[rank{rank}]:line {i}"))
+
+    async def drive() -> None:
+        app = TorchtopApp.for_run(run, "run", open_rank=attach_rank)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause(0.8)
+            log = app.run_screen.query_one("#run-log", RichLog)
+            shown = [strip.text.rstrip() for strip in log.lines]
+            assert shown == ["[rank3]:line 0", "[rank0]:line 1", "[rank12]:line 2"]
+
+    asyncio.run(drive())

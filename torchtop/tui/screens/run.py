@@ -350,9 +350,10 @@ class RunScreen(Screen[None]):
         logs = list(launcher.logs)
         new = launcher.log_total - self._logged
         if new > 0:
-            log = self.query_one("#run-log", RichLog)
-            for entry in logs[-min(new, len(logs)) :]:
-                log.write(log_line(entry.stream, entry.text))
+            # One write for the lines since the last look: each write measures, scrolls and
+            # resizes the log (64 ranks print a hundred lines a second).
+            lines = [log_line(entry.stream, entry.text) for entry in logs[-min(new, len(logs)) :]]
+            self.query_one("#run-log", RichLog).write(Text("\n").join(lines))
             self._logged = launcher.log_total
         self._show_page()
         version = run.model.version + launcher.version + int(run.running())
