@@ -4,12 +4,13 @@ from a real recording, seen by torchtop's own readers as the ranks of one run on
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from benchmarks.fleet import Fleet
+from torchtop.model.run_advice import died
 from torchtop.streams.runs import AttachedRun
 from torchtop.transport import list_agents, pid_alive
 
@@ -59,3 +60,38 @@ def test_a_dead_rank_is_gone_from_its_node(fleet: Fleet, monkeypatch: pytest.Mon
         time.sleep(0.2)
     assert not pid_alive(dead.pid)
     assert sorted(a.identity["rank"] for a in list_agents()) == [3, 5]  # type: ignore[type-var]
+
+
+def test_a_killed_rank_shows_dead_in_an_attached_run(
+    fleet_recording: Path, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``torchtop attach`` with no PID follows a run's ranks: one killed while it watches is
+    dead in its model (its exit says the process is gone: the socket's peer is the rank's own
+    process), and the other ranks go on."""
+    simulated = Fleet(fleet_recording, ranks=3, nodes=1, root=runtime_dir, dead=1, dead_after_s=1e9)
+    simulated.start()
+    monkeypatch.setenv("TORCHTOP_RUNTIME_DIR", str(simulated.node_dir(0)))
+    run = AttachedRun(list_agents())
+    run.start()
+    try:
+        (dead,) = [m for m in simulated.members if m.rank == 1]
+
+        def folded(ready: Callable[[], bool]) -> bool:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                run.drain()
+                if ready():
+                    return True
+                time.sleep(0.1)
+            return False
+
+        assert folded(lambda: len(run.model) == 3 and all(j.training.total for j in run.model))
+        simulated.kill_dead()
+        job = run.model.jobs[str(dead.pid)]
+        assert folded(lambda: died(job)), job.exit
+        assert job.exit is not None and "the job is gone" in job.exit.reason
+        others = [j for s, j in run.model.jobs.items() if s != str(dead.pid)]
+        assert not any(died(j) or j.job_ended for j in others)
+    finally:
+        run.stop_job()
+        simulated.stop()

@@ -193,6 +193,21 @@ def test_a_killed_rank_is_dead_with_the_launchers_exit_code() -> None:
     assert found[0].severity == "info" and "after rank 3 died" in found[0].summary
 
 
+def test_a_rank_dead_among_256_names_the_others_as_spans() -> None:
+    """The line about one dead rank of 256 says which still run in a few spans, not 255 numbers."""
+    run = RunModel(new_job=lambda: JobModel(mode="replay"))
+    for rank in range(256):
+        run.apply(str(rank), hello(rank))
+    for rank in (0, 1, 3, 4, 5):
+        run.apply(str(rank), steps(T0 + 1, 5, 5, 0.01, 0.0, 0.005))
+    lost = "connection lost: the job is gone without an exit status (killed?)"
+    run.apply("17", JobExited(t=T0 + 2, exit_code=None, reason=lost))
+    (finding,) = run.advisor.findings
+    assert finding.summary.endswith("ranks 0-16, 18-255 still running (a collective waits for it)")
+    run.apply("2", JobExited(t=T0 + 3, exit_code=None, reason=lost))
+    assert "ranks 0, 1, 3-16, 18-255 still running" in run.advisor.findings[0].summary
+
+
 def test_backward_time_is_counted_once_per_step_even_when_nested() -> None:
     collector = StepCollector()
 

@@ -1,23 +1,32 @@
 """The run view at 256 ranks, at 80x24: lost ranks first, then the rank a finding names, then the
 slowest; a page line that says which rows show and follows pgdn; a heat strip of every rank's
 step time that fits the width and marks the lost ranks; the chart's strips for the table's first
-ranks only; the columns the source has no figure for left out."""
+ranks only; the columns the source has no figure for left out. Then the same in a real terminal
+(tmux), following 256 live simulated ranks (:mod:`benchmarks.fleet`) as ``torchtop attach``
+does."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 from rich.text import Text
-from textual.widgets import DataTable, Static
+from textual.widgets import DataTable, RichLog, Static
 from textual.widgets.data_table import ColumnKey
 
+from benchmarks.fleet import Fleet
+from tests.viewer.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
 from torchtop.model.advice import Finding
-from torchtop.protocol import Hello, Message, StepStats
+from torchtop.protocol import Hello, LogLine, Message, StepStats
 from torchtop.streams.runs import RunFold
 from torchtop.streams.sources import attach_rank
 from torchtop.tui.app import TorchtopApp
-from torchtop.tui.screens.run import RankStepChart
+from torchtop.tui.screens.run import COLUMNS, RankStepChart
 from torchtop.tui.screens.run_order import FOLD_AFTER, GONE
 
 RANKS = 256
@@ -217,5 +226,91 @@ def test_a_column_widens_for_figures_that_come_after_the_row() -> None:
                 str(table.get_row_at(0)[list(table.columns).index(ColumnKey("step"))]) == "20.5ms"
             )
             assert step.get_render_width(table) >= len("20.5ms") + 2
+
+    asyncio.run(drive())
+
+
+@pytest.fixture
+def wide_fleet(
+    fleet_recording: Path, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Fleet]:
+    """256 simulated ranks of one run on this machine (the straggler synchronous: the others
+    wait for it inside backward), in the socket directory the terminal's viewer looks in."""
+    fleet = Fleet(
+        fleet_recording, ranks=RANKS, nodes=1, root=runtime_dir, run_id="wide", synced=True,
+        straggler=SLOW, slow=3.0, dead=NAMED, dead_after_s=1e9,
+    )  # fmt: skip
+    monkeypatch.setenv("TORCHTOP_RUNTIME_DIR", str(fleet.node_dir(0)))
+    yield fleet.start()
+    fleet.stop()
+
+
+def _rows_shown(screen: str) -> list[list[str]]:
+    """The ranks table's rows on the screen, top first: rank, pid, state, steps, ..."""
+    return [
+        cells
+        for cells in (line.split() for line in screen.splitlines())
+        if len(cells) >= 4 and cells[0].isdigit() and cells[1].isdigit()
+    ]
+
+
+def _first(screen: str, *columns: str) -> list[str]:
+    """The first row's rank, and its cells of ``columns``."""
+    rows = _rows_shown(screen)[:1]
+    return [cell for row in rows for cell in [row[0], *(row[COLUMNS.index(c)] for c in columns)]]
+
+
+def _page(screen: str) -> str:
+    return next((line.strip() for line in screen.splitlines() if "pgup/pgdn" in line), "")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_256_live_ranks_in_a_real_terminal_at_80x24_sorted_and_paged(
+    wide_fleet: Fleet,
+    terminal: Terminal,  # noqa: F811
+) -> None:
+    """``torchtop attach`` on a run of 256 live ranks, at 80x24: the straggler named and first,
+    a rank killed shown dead above it, marked in the heat strip, and pgdn showing other ranks."""
+    terminal.keys(f"{sys.executable} -m torchtop attach; echo EXIT=$?", "Enter")
+    screen = terminal.wait_for(lambda s: "256 ranks of 256" in s and "of 256 ·" in s, 180)
+    assert "step by rank" in screen and "r0-r255" in screen
+    # The straggler: named in the findings and its row first.
+    terminal.wait_for(lambda s: f"rank {SLOW} holds" in s and _first(s) == [str(SLOW)], 120)
+    # A rank killed: dead, above it.
+    wide_fleet.kill_dead()
+    screen = terminal.wait_for(lambda s: _first(s, "state") == [str(NAMED), "dead"], 60)
+    rows = _rows_shown(screen)
+    assert rows[1][0] == str(SLOW) and all(r[2] == "running" for r in rows[1:]), screen
+    assert GONE in screen.split("step by rank", 1)[1].splitlines()[0]
+    first_page = _page(screen)
+    assert first_page.startswith(f"ranks 1-{len(rows)} of 256"), screen
+    terminal.keys("PageDown")
+    screen = terminal.wait_for(lambda s: _page(s) and not _page(s).startswith("ranks 1-"), 30)
+    shown = {r[0] for r in _rows_shown(screen)}
+    assert shown and not shown & {r[0] for r in rows}, screen
+    terminal.keys("q")
+    terminal.wait_for(lambda s: "EXIT=0" in s, 60)
+
+
+def test_the_lines_of_one_look_go_into_the_log_each_on_its_own_line_in_order() -> None:
+    """The lines that arrived between two looks are written at once, one log line each, each
+    behind its rank's prefix."""
+
+    class WithOutput(WideRun):
+        has_output = True
+
+    run = WithOutput()
+    run.feed("0", hello(0))
+    for i, rank in enumerate((3, 0, 12)):
+        run.queue(None, LogLine(t=1000.0 + i, stream="stdout", text=f"[rank{rank}]:line {i}"))
+
+    async def drive() -> None:
+        app = TorchtopApp.for_run(run, "run", open_rank=attach_rank)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause(0.8)
+            log = app.run_screen.query_one("#run-log", RichLog)
+            shown = [strip.text.rstrip() for strip in log.lines]
+            assert shown == ["[rank3]:line 0", "[rank0]:line 1", "[rank12]:line 2"]
 
     asyncio.run(drive())

@@ -25,6 +25,8 @@ class RunModel:
     jobs: dict[str, JobModel] = field(default_factory=dict)
     #: Findings about the ranks of each run together: a straggler, a hang, a dead rank.
     advisor: RankAdvisor = field(default_factory=RankAdvisor)
+    #: The latest message time of any job, kept as the messages come.
+    latest: float | None = None
 
     def apply(self, stream: str, message: Message) -> JobModel:
         """Fold ``message`` from ``stream`` into its job's model (made on first use)."""
@@ -36,7 +38,13 @@ class RunModel:
         if job.version != before:
             # A stack or an exit changes what the run-wide rules say at once (both are rare).
             urgent = isinstance(message, (StackSampled, JobExited))
-            self.advisor.observe(list(self.jobs.values()), force=urgent)
+            now = job.now
+            if now is not None and (self.latest is None or now > self.latest):
+                self.latest = now
+            # The rules read every rank: asked when an evaluation is due, not at each message
+            # of each rank (at 256 ranks, a walk over 256 models for every message).
+            if urgent or self.advisor.due(self.latest):
+                self.advisor.observe(list(self.jobs.values()), force=urgent)
         return job
 
     def __iter__(self) -> Iterator[JobModel]:

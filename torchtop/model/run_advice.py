@@ -157,8 +157,19 @@ def _ms(seconds: float) -> str:
 
 
 def _ranks(ranks: Iterable[int]) -> str:
-    ordered = sorted(ranks)
-    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
+    """``rank 3``, ``ranks 0, 1``, ``ranks 0-16, 18-255``: three or more in a row as a span,
+    so that a line about one rank of 256 is not a list of the other 255."""
+    ordered = sorted(set(ranks))
+    spans: list[list[int]] = []
+    for rank in ordered:
+        if spans and rank == spans[-1][-1] + 1:
+            spans[-1].append(rank)
+        else:
+            spans.append([rank])
+    parts = [
+        f"{span[0]}-{span[-1]}" if len(span) >= 3 else ", ".join(map(str, span)) for span in spans
+    ]
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(parts)
 
 
 def straggler(times: Sequence[RankTimes], now: float) -> Verdict | None:
@@ -669,11 +680,14 @@ class RankAdvisor:
         """Evaluate if :attr:`interval_s` of message time passed (or ``force``); True if the
         findings changed."""
         now = max((j.now for j in jobs if j.now is not None), default=None)
-        if now is None:
-            return False
-        if not force and self.last_eval is not None and now - self.last_eval < self.interval_s:
+        if now is None or not (force or self.due(now)):
             return False
         return self.evaluate(jobs, now)
+
+    def due(self, now: float | None) -> bool:
+        """Whether an evaluation is due at message time ``now`` (:attr:`interval_s` passed)."""
+        last = self.last_eval
+        return now is not None and (last is None or now - last >= self.interval_s)
 
     def evaluate(self, jobs: Sequence[JobModel], now: float) -> bool:
         """Run the rules over each run's ranks at ``now``; True if the findings changed."""

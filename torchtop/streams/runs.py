@@ -45,6 +45,20 @@ class TaggedWriter:
         self._writer.write_frame(tag_frame(frame, self.source))
 
 
+def lost_exit_to(
+    feed: AgentFeed, writer: FrameSink | None, deliver: Callable[[Message], None]
+) -> None:
+    """At the end of a rank's feed: if its stream broke off without its exit (killed), that
+    exit, saying so, into ``writer`` (the rank's tagged recording) and to ``deliver``, so the
+    view and the report show the rank dead."""
+    lost = feed.lost_exit()
+    if lost is None:
+        return
+    if writer is not None:
+        writer.write_frame(encode(lost).rstrip(b"\n"))
+    deliver(lost)
+
+
 class RankFeeds:
     """Follows each agent that ``follows(info)`` accepts (the ranks below a launcher, those of
     one run) as it appears, into ``writer`` (a recording, a relay's output) until closed."""
@@ -103,12 +117,7 @@ class RankFeeds:
     def _ended(self, pid: int, writer: TaggedWriter | None, reason: str) -> None:
         """A rank whose stream broke off without its exit (killed): its exit, saying so, goes
         into the recording as the rank's own, so the report shows it dead."""
-        lost = self.feeds[pid].lost_exit()
-        if lost is None:
-            return
-        if writer is not None:
-            writer.write_frame(encode(lost).rstrip(b"\n"))
-        self._received(str(pid), lost)
+        lost_exit_to(self.feeds[pid], writer, functools.partial(self._received, str(pid)))
 
     def join(self, timeout: float | None = None) -> bool:
         """Stop looking for new ranks; wait until every followed rank's stream has ended."""
@@ -341,6 +350,7 @@ class AttachedRun(RunFold):
         self.nodes = list(nodes)
         self.writer = writer
         self.feeds: list[AgentFeed] = []
+        self._by_stream: dict[str, AgentFeed] = {}
         self._started = False
         self._leaving = False
 
@@ -351,18 +361,28 @@ class AttachedRun(RunFold):
     def start(self) -> None:
         self._started = True
         for info in self.agents:
+            stream = str(info.pid)
+            writer = TaggedWriter(self.writer, stream) if self.writer else None
             feed = AgentFeed(
                 address=info.address,
                 paced=True,  # a rank's row needs a sample a second; a recording gets them all
-                on_message=functools.partial(self.queue, str(info.pid)),
-                writer=TaggedWriter(self.writer, str(info.pid)) if self.writer else None,
+                on_message=functools.partial(self.queue, stream),
+                writer=writer,
+                on_end=functools.partial(self._rank_ended, stream, writer),
             )
-            self.feeds.append(feed.start())
+            self.feeds.append(feed)
+            self._by_stream[stream] = feed
+            feed.start()
         for node in self.nodes:
             node.start(
                 on_message=functools.partial(self._remote_message, node.label),
                 on_end=functools.partial(self._node_ended, node.label),
             )
+
+    def _rank_ended(self, stream: str, writer: TaggedWriter | None, reason: str) -> None:
+        """A local rank killed while the view ran shows dead, as under ``torchtop run``."""
+        if not self._leaving:
+            lost_exit_to(self._by_stream[stream], writer, functools.partial(self.queue, stream))
 
     def _remote_message(self, node: str, stream: str, message: Message) -> None:
         self.remote[stream] = node

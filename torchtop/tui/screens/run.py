@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
@@ -29,6 +30,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widget import Widget
 from textual.widgets import DataTable, Footer, RichLog, Static
+from textual.widgets.data_table import ColumnKey
 
 from torchtop.job_output import rank_prefix, split_rank
 from torchtop.model.run_advice import died
@@ -348,9 +350,10 @@ class RunScreen(Screen[None]):
         logs = list(launcher.logs)
         new = launcher.log_total - self._logged
         if new > 0:
-            log = self.query_one("#run-log", RichLog)
-            for entry in logs[-min(new, len(logs)) :]:
-                log.write(log_line(entry.stream, entry.text))
+            # One write for the lines since the last look: each write measures, scrolls and
+            # resizes the log (64 ranks print a hundred lines a second).
+            lines = [log_line(entry.stream, entry.text) for entry in logs[-min(new, len(logs)) :]]
+            self.query_one("#run-log", RichLog).write(Text("\n").join(lines))
             self._logged = launcher.log_total
         self._show_page()
         version = run.model.version + launcher.version + int(run.running())
@@ -358,12 +361,14 @@ class RunScreen(Screen[None]):
             return
         findings = self._findings()
         moment = time.monotonic()
-        # The table at most once a second (its figures change at that pace), unless a rank
-        # appeared or the findings changed; each cell only when its text changed.
+        # The table once a second (its figures change at that pace), sooner if a rank
+        # appeared or the findings changed; each cell only when its text changed. Once a
+        # second is every fourth look: half a look's slack, or a look a hair early would put
+        # it off to the fifth (1.25 s).
         if (
             len(run.model) == len(self._rows)
             and findings == self._shown_findings
-            and moment - self._table_at < TABLE_S
+            and moment - self._table_at < TABLE_S - REFRESH_S / 2
         ):
             return
         self._drawn = version
@@ -381,6 +386,7 @@ class RunScreen(Screen[None]):
             for column in self._columns:
                 table.add_column(column, key=column)
             self._rows = {}
+        widths = {column: table.columns[ColumnKey(column)] for column in self._columns}
         for stream, job in jobs.items():
             row = rank_row(job, now, exits, scale)
             if run.is_lost(stream):
@@ -400,8 +406,12 @@ class RunScreen(Screen[None]):
             else:
                 for column, before, after in zip(self._columns, old, row, strict=True):
                     if before != after:
-                        # Widths follow: a row first drawn before its figures came.
-                        table.update_cell(stream, column, Text(after), update_width=True)
+                        # A column widens for a wider figure (a row first drawn before its
+                        # figures came) and never narrows: narrowing has the table measure
+                        # every cell of the column again, for each cell (at 64 ranks, most
+                        # of the view's time).
+                        wider = cell_len(after) > widths[column].content_width
+                        table.update_cell(stream, column, Text(after), update_width=wider)
             self._rows[stream] = row
         self._sort(table, added)
         if len(jobs) > FOLD_AFTER:
@@ -489,8 +499,8 @@ class RunScreen(Screen[None]):
         if total <= FOLD_AFTER:
             return
         first = int(table.scroll_y) + 1
-        shown = table.scrollable_content_region.height - table.scrollbar_size_horizontal
-        rows = shown - table.header_height
+        # The region is the table's less its scrollbars already.
+        rows = table.scrollable_content_region.height - table.header_height
         last = min(total, first + max(1, rows) - 1)
         page = page_line(first, last, total)
         if force or self._page is None or page.plain != self._page.plain:
