@@ -25,6 +25,9 @@ class RunModel:
     jobs: dict[str, JobModel] = field(default_factory=dict)
     #: Findings about the ranks of each run together: a straggler, a hang, a dead rank.
     advisor: RankAdvisor = field(default_factory=RankAdvisor)
+    #: The latest message time of any stream (what :meth:`RankAdvisor.observe` would find by
+    #: looking at every job: kept here, so that a message does not cost a look at each rank).
+    latest: float | None = None
 
     def apply(self, stream: str, message: Message) -> JobModel:
         """Fold ``message`` from ``stream`` into its job's model (made on first use)."""
@@ -34,9 +37,13 @@ class RunModel:
         before = job.version
         job.apply(message)
         if job.version != before:
+            now = job.now
+            if now is not None and (self.latest is None or now > self.latest):
+                self.latest = now
             # A stack or an exit changes what the run-wide rules say at once (both are rare).
             urgent = isinstance(message, (StackSampled, JobExited))
-            self.advisor.observe(list(self.jobs.values()), force=urgent)
+            if urgent or self.advisor.due(self.latest):
+                self.advisor.observe(list(self.jobs.values()), force=urgent)
         return job
 
     def __iter__(self) -> Iterator[JobModel]:

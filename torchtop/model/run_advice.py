@@ -669,11 +669,17 @@ class RankAdvisor:
         """Evaluate if :attr:`interval_s` of message time passed (or ``force``); True if the
         findings changed."""
         now = max((j.now for j in jobs if j.now is not None), default=None)
-        if now is None:
-            return False
-        if not force and self.last_eval is not None and now - self.last_eval < self.interval_s:
+        if now is None or not (force or self.due(now)):
             return False
         return self.evaluate(jobs, now)
+
+    def due(self, now: float | None) -> bool:
+        """Whether :attr:`interval_s` of message time passed by ``now`` since the last
+        evaluation (a feeder that knows the latest time asks this before :meth:`observe`,
+        which looks at every job)."""
+        return now is not None and (
+            self.last_eval is None or now - self.last_eval >= self.interval_s
+        )
 
     def evaluate(self, jobs: Sequence[JobModel], now: float) -> bool:
         """Run the rules over each run's ranks at ``now``; True if the findings changed."""
