@@ -1,7 +1,11 @@
 """``/metrics`` for Prometheus: a custom collector over the jobs' figures, and its HTTP server.
 
 The collector reads figures that the feeds keep up to date; a scrape never waits for a feed
-and a feed never waits for a scrape. The server runs in daemon threads of the torchtop process
+and a feed never waits for a scrape. A node's exporter may serve a thousand ranks (16,000
+series): the two formats Prometheus asks for are written here, each series's labels escaped once
+for as long as it lives, with the same bytes as prometheus_client's writers (which serve any other
+format asked for); a body is rendered at most once in :data:`FRESH_S` (scrapes that come together,
+such as a Prometheus pair's, share it). The server runs in daemon threads of the torchtop process
 (never in a training rank), answers each connection within a timeout, serves a bounded number
 at once and closes the rest, and reports its own errors to nobody: a scraper that hangs, floods
 or sends garbage costs at most its own connection.
@@ -24,8 +28,11 @@ from prometheus_client.core import (
     Metric,
     SummaryMetricFamily,
 )
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
 
 from torchtop.export.families import Family, families
 from torchtop.export.figures import JobFigures
@@ -41,6 +48,8 @@ CONNECTION_TIMEOUT_S = 3.0
 #: Seconds a connection may take in all, however it paces its bytes: a peer that trickles a
 #: byte at a time gets no more.
 CONNECTION_DEADLINE_S = 5.0
+#: Seconds a rendered body serves further scrapes (the figures move once a second).
+FRESH_S = 1.0
 
 
 class MetricsError(Exception):
@@ -98,10 +107,120 @@ class JobCollector(Collector):
             yield to_prometheus(family)
 
 
-def registry_for(read: Callable[[], Iterable[JobFigures]]) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(JobCollector(read))
-    return registry
+class JobRegistry(CollectorRegistry):
+    """A registry of the jobs' figures only, which :func:`render` can write directly."""
+
+    def __init__(self, read: Callable[[], Iterable[JobFigures]]) -> None:
+        super().__init__(auto_describe=False)
+        self.read = read
+        self.register(JobCollector(read))
+
+
+def registry_for(read: Callable[[], Iterable[JobFigures]]) -> JobRegistry:
+    return JobRegistry(read)
+
+
+def _label_value(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+class Renderer:
+    """Writes families as prometheus_client's ``generate_latest`` writes them, in the text
+    format 0.0.4 or OpenMetrics 1.0.0 (the escaping that each has by default), remembering each
+    family's header and each series's labels."""
+
+    #: Series whose labels are remembered; past this (ended jobs' series) it starts afresh.
+    MAX_SERIES = 200_000
+
+    def __init__(self, open_metrics: bool) -> None:
+        self.open_metrics = open_metrics
+        self._headers: dict[tuple[str, str, str], str] = {}
+        self._labels: dict[tuple[tuple[str, ...], tuple[str, ...]], str] = {}
+
+    def _header(self, family: Family) -> str:
+        key = (family.name, family.kind, family.help)
+        header = self._headers.get(key)
+        if header is None:  # the library's own lines for the family without series
+            metric = to_prometheus(Family(family.name, family.kind, family.help, family.labels, ""))
+            write = generate_openmetrics if self.open_metrics else generate_latest
+            header = write(_Fixed([metric])).decode().removesuffix("# EOF\n")
+            self._headers[key] = header
+        return header
+
+    def _labelled(self, names: tuple[str, ...], values: tuple[str, ...]) -> str:
+        key = (names, values)
+        text = self._labels.get(key)
+        if text is None:
+            if len(self._labels) >= self.MAX_SERIES:
+                self._labels.clear()
+            pairs = sorted(zip(names, values, strict=True))
+            text = "{" + ",".join(f'{k}="{_label_value(v)}"' for k, v in pairs) + "}"
+            self._labels[key] = text
+        return text
+
+    def render(self, families: Iterable[Family]) -> bytes:
+        out: list[str] = []
+        for family in families:
+            out.append(self._header(family))
+            name, names = family.name, family.labels
+            if family.kind == "summary":
+                for p in family.points:
+                    labels = self._labelled(names, p.labels) if names else ""
+                    out.append(
+                        f"{name}_count{labels} {floatToGoString(p.value)}\n"
+                        f"{name}_sum{labels} {floatToGoString(p.sum)}\n"
+                    )
+                continue
+            sample = f"{name}_total" if family.kind == "counter" else name
+            for p in family.points:
+                labels = self._labelled(names, p.labels) if names else ""
+                out.append(f"{sample}{labels} {floatToGoString(p.value)}\n")
+        if self.open_metrics:
+            out.append("# EOF\n")
+        return "".join(out).encode()
+
+
+class _Fixed:
+    """A collector of given metrics (to have the library write a family's header)."""
+
+    def __init__(self, metrics: list[Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._metrics)
+
+
+class Bodies:
+    """The bodies a server answers scrapes with: one render serves every scrape that asks
+    within :data:`FRESH_S` of its start (and those that wait for it), for each format."""
+
+    def __init__(self, registry: CollectorRegistry, fresh_s: float = FRESH_S) -> None:
+        self.registry = registry
+        self.fresh_s = fresh_s
+        self.renders = 0
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[float, bytes]] = {}
+        self._renderers = {
+            CONTENT_TYPE_PLAIN_0_0_4: Renderer(open_metrics=False),
+            OPENMETRICS: Renderer(open_metrics=True),
+        }
+
+    def body(self, encoder: Callable[[CollectorRegistry], bytes], content_type: str) -> bytes:
+        asked = time.monotonic()
+        with self._lock:  # one render at a time: a scrape that waited gets the one it waited for
+            last = self._last.get(content_type)
+            if last is not None and last[0] >= asked - self.fresh_s:
+                return last[1]
+            began = time.monotonic()
+            renderer = self._renderers.get(content_type)
+            registry = self.registry
+            if renderer is not None and isinstance(registry, JobRegistry):
+                body = renderer.render(families(registry.read()))
+            else:
+                body = encoder(registry)
+            self.renders += 1
+            self._last[content_type] = (began, body)
+            return body
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -139,7 +258,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
         try:
-            body = encoder(self.server.registry)
+            body = self.server.bodies.body(encoder, content_type)
         except Exception as exc:  # a figure that cannot be rendered fails this scrape only
             self._answer(500, "text/plain; charset=utf-8", f"{exc!r}\n".encode())
             return
@@ -166,6 +285,7 @@ class _Server(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.registry = registry
+        self.bodies = Bodies(registry)
         self._slots = threading.BoundedSemaphore(limit)
         self.refused = 0
         self.errors = 0
