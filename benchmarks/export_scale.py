@@ -97,15 +97,28 @@ def main() -> None:
                 if time.monotonic() - began > 600:
                     raise SystemExit(f"only {exported} of {args.ranks} ranks exported")
                 time.sleep(1.0)
-            print(f"all exported after {time.monotonic() - began:.1f} s", file=sys.stderr)
+            print(
+                f"all exported after {time.monotonic() - began:.1f} s (load "
+                f"{os.getloadavg()[0]:.2f})",
+                file=sys.stderr,
+                flush=True,
+            )
             me = psutil.Process(exporter.pid)
             cpu0, wall0 = sum(me.cpu_times()[:2]), time.monotonic()
             times: list[float] = []
             rss: list[int] = []
-            for _ in range(args.scrapes):
+            for n in range(1, args.scrapes + 1):
                 took, body = scrape(url)
                 times.append(took)
                 rss.append(me.memory_info().rss)
+                if n % 100 == 0:  # a long soak says how it goes
+                    print(
+                        f"{n} scrapes, {time.monotonic() - wall0:.0f} s: last 100 p95 "
+                        f"{1000 * sorted(times[-100:])[94]:.0f} ms, RSS {rss[-1] / 2**20:.0f} MiB, "
+                        f"load {os.getloadavg()[0]:.2f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 time.sleep(args.interval)
             cpu = sum(me.cpu_times()[:2]) - cpu0
             wall = time.monotonic() - wall0
@@ -122,6 +135,8 @@ def main() -> None:
                 f"({args.scrapes} scrapes, {args.interval} s apart)"
             )
             print(promtool_check(body))
+            load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+            print(f"load average (1, 5, 15 min) at the end: {load}")
         finally:
             if exporter is not None:
                 exporter.terminate()
