@@ -10,8 +10,9 @@ exporter's memory (RSS) and CPU over the measured span, as a share of one core.
     python -m benchmarks.export_scale --from r.ttr --ranks 1024 --scrapes 100
 
 The scrape time's p95 and the exporter's largest RSS in the first and the last third of the
-scrapes are printed too (``--scrapes 1800`` is a 30-minute soak), and what ``promtool check
-metrics`` says of the last scrape where promtool is installed.
+scrapes are printed too, with the last third's own start, end and median (``--scrapes 1800`` is
+a 30-minute soak: its memory is bounded when the last third does not grow), what ``promtool
+check metrics`` says of the last scrape where promtool is installed, and the load average.
 """
 
 from __future__ import annotations
@@ -133,6 +134,13 @@ def main() -> None:
                 f"scrapes {max(rss[:third]) / 2**20:.0f} MiB, in the last "
                 f"{max(rss[-third:]) / 2**20:.0f} MiB), CPU {100 * cpu / wall:.1f}% of a core "
                 f"({args.scrapes} scrapes, {args.interval} s apart)"
+            )
+            last = [x / 2**20 for x in rss[-third:]]
+            first = [x / 2**20 for x in rss[:third]]
+            print(
+                f"RSS over the last third of the scrapes: {last[0]:.0f} MiB at its start, "
+                f"{last[-1]:.0f} MiB at its end, median {statistics.median(last):.0f} MiB "
+                f"(the first third's median {statistics.median(first):.0f} MiB)"
             )
             print(promtool_check(body))
             load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
