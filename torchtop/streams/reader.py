@@ -135,7 +135,11 @@ class FeedReader:
                     self._finish_unread(feed)
                     continue
                 assert feed._conn is not None
-                self._selector.register(feed._conn.sock, selectors.EVENT_READ, feed)
+                try:
+                    self._selector.register(feed._conn.sock, selectors.EVENT_READ, feed)
+                except (OSError, ValueError) as exc:  # its socket is no longer open
+                    self._finish_unread(feed, f"feed failed: {exc!r}")
+                    continue
                 self._feeds.add(feed)
             elif not add and feed in self._feeds:
                 self._finish(feed, feed._outcome())
@@ -166,7 +170,7 @@ class FeedReader:
             conn.close()
         feed._end(reason)
 
-    def _finish_unread(self, feed: AgentFeed) -> None:
+    def _finish_unread(self, feed: AgentFeed, reason: str | None = None) -> None:
         if feed._conn is not None:
             feed._conn.close()
-        feed._end(feed._outcome())
+        feed._end(reason or feed._outcome())
