@@ -4,7 +4,9 @@
 callback, writing each frame to a recording on the way. It ends when the agent closes the
 connection (the job exited or died), when it is closed, or on a malformed frame. An agent that
 stays connected but sends nothing for many sampling intervals is reported through
-``on_silence(seconds)``, once a second, until it speaks again.
+``on_silence(seconds)``, once a second, until it speaks again. A feed reads in a thread of its
+own, or, in a process that follows many agents, in the one thread of a
+:class:`~torchtop.streams.reader.FeedReader` shared with the others.
 
 Where the job runs on this machine, the feed reads from outside it what can be read there (its
 process from ``/proc``, the GPUs from NVML: :class:`~torchtop.streams.outside.OutsideReader`) and
