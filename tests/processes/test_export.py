@@ -19,8 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
-from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS
+from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,6 +34,7 @@ from torchtop.export.prometheus import (
     Renderer,
     parse_address,
     registry_for,
+    written_here,
 )
 from torchtop.export.service import JobSet, _exported_job
 from torchtop.model.job import JobModel
@@ -267,20 +267,45 @@ def test_the_formats_are_written_as_the_library_writes_them(
     assert "torchtop_advice_finding{" in text
 
 
+#: What scrapers ask for: none (curl), Prometheus 2.42 (Debian's), Prometheus 3, text 1.0.0,
+#: and two the library writes itself (OpenMetrics 2.0.0; names escaped with dots).
+ACCEPT = [
+    "",
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+    "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;"
+    "escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1",
+    "text/plain;version=1.0.0;escaping=allow-utf-8",
+    "application/openmetrics-text;version=2.0.0",
+    "text/plain;version=1.0.0;escaping=dots",
+]
+
+
+@pytest.mark.parametrize("accept", ACCEPT)
+def test_every_format_asked_for_is_the_librarys(accept: str) -> None:
+    snaps = many_jobs()
+    encoder, content_type = choose_encoder(accept)
+    bodies = Bodies(registry_for(lambda: snaps), fresh_s=0.0)
+    for _ in range(2):
+        assert bodies.body(encoder, content_type) == encoder(registry_for(lambda: snaps))
+    here = written_here(encoder)
+    assert (here is None) == (accept.endswith(("2.0.0", "dots")))
+
+
 def test_scrapes_within_a_second_share_one_render() -> None:
     snaps = many_jobs()
     shown = [snaps[:1]]
     bodies = Bodies(registry_for(lambda: shown[0]), fresh_s=3600.0)
-    first = bodies.body(generate_latest, CONTENT_TYPE_PLAIN_0_0_4)
+    text, openmetrics = choose_encoder(""), choose_encoder(ACCEPT[1])
+    first = bodies.body(*text)
     shown[0] = snaps
-    assert bodies.body(generate_latest, CONTENT_TYPE_PLAIN_0_0_4) == first  # still fresh
+    assert bodies.body(*text) == first  # still fresh
     assert bodies.renders == 1
-    om = bodies.body(generate_openmetrics, OPENMETRICS)  # each format its own
+    om = bodies.body(*openmetrics)  # each format its own
     assert bodies.renders == 2 and om == generate_openmetrics(registry_for(lambda: snaps))
     bodies.fresh_s = 0.0
-    assert bodies.body(generate_latest, CONTENT_TYPE_PLAIN_0_0_4) == generate_latest(
-        registry_for(lambda: snaps)
-    )
+    assert bodies.body(*text) == generate_latest(registry_for(lambda: snaps))
     assert bodies.renders == 3
 
 
@@ -301,7 +326,7 @@ def test_a_scrape_being_written_never_holds_up_the_fold(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(prometheus, "floatToGoString", slow)
     bodies = Bodies(registry_for(jobs.figures))
-    scrape = threading.Thread(target=bodies.body, args=(generate_latest, CONTENT_TYPE_PLAIN_0_0_4))
+    scrape = threading.Thread(target=bodies.body, args=choose_encoder(""))
     scrape.start()
     try:
         assert writing.wait(30)  # the scrape is in the middle of writing its body

@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -28,8 +29,8 @@ from prometheus_client.core import (
     Metric,
     SummaryMetricFamily,
 )
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
-from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS
+from prometheus_client.exposition import choose_encoder, generate_latest
+from prometheus_client.openmetrics.exposition import ALLOWUTF8, UNDERSCORES
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
@@ -190,6 +191,22 @@ class _Fixed:
         return iter(self._metrics)
 
 
+def written_here(encoder: Callable[[CollectorRegistry], bytes]) -> bool | None:
+    """Whether the format ``choose_encoder`` chose is OpenMetrics 1.0.0 (True) or the text
+    format (False) with an escaping under which torchtop's names and labels are written as
+    they are; ``None`` for any other (the library writes it)."""
+    func, keywords = (
+        (encoder.func, encoder.keywords) if isinstance(encoder, partial) else (encoder, {})
+    )
+    if keywords.get("escaping", UNDERSCORES) not in (UNDERSCORES, ALLOWUTF8):
+        return None
+    if func is generate_latest:
+        return False
+    if func is generate_openmetrics and keywords.get("version", "1.0.0") == "1.0.0":
+        return True
+    return None
+
+
 class Bodies:
     """The bodies a server answers scrapes with: one render serves every scrape that asks
     within :data:`FRESH_S` of its start (and those that wait for it), for each format."""
@@ -200,10 +217,7 @@ class Bodies:
         self.renders = 0
         self._lock = threading.Lock()
         self._last: dict[str, tuple[float, bytes]] = {}
-        self._renderers = {
-            CONTENT_TYPE_PLAIN_0_0_4: Renderer(open_metrics=False),
-            OPENMETRICS: Renderer(open_metrics=True),
-        }
+        self._renderers = {False: Renderer(open_metrics=False), True: Renderer(open_metrics=True)}
 
     def body(self, encoder: Callable[[CollectorRegistry], bytes], content_type: str) -> bytes:
         asked = time.monotonic()
@@ -212,10 +226,10 @@ class Bodies:
             if last is not None and last[0] >= asked - self.fresh_s:
                 return last[1]
             began = time.monotonic()
-            renderer = self._renderers.get(content_type)
+            open_metrics = written_here(encoder)
             registry = self.registry
-            if renderer is not None and isinstance(registry, JobRegistry):
-                body = renderer.render(families(registry.read()))
+            if open_metrics is not None and isinstance(registry, JobRegistry):
+                body = self._renderers[open_metrics].render(families(registry.read()))
             else:
                 body = encoder(registry)
             self.renders += 1
