@@ -109,7 +109,7 @@ class JobCollector(Collector):
 
 
 class JobRegistry(CollectorRegistry):
-    """A registry of the jobs' figures only, which :func:`render` can write directly."""
+    """A registry of the jobs' figures only, which a :class:`Renderer` can write directly."""
 
     def __init__(self, read: Callable[[], Iterable[JobFigures]]) -> None:
         super().__init__(auto_describe=False)
@@ -126,9 +126,9 @@ def _label_value(value: str) -> str:
 
 
 class Renderer:
-    """Writes families as prometheus_client's ``generate_latest`` writes them, in the text
-    format 0.0.4 or OpenMetrics 1.0.0 (the escaping that each has by default), remembering each
-    family's header and each series's labels."""
+    """Writes families as prometheus_client's writers write them, in the text format or
+    OpenMetrics 1.0.0 (the escapings of :func:`written_here`), remembering each family's header
+    and each series's labels."""
 
     #: Series whose labels are remembered; past this (ended jobs' series) it starts afresh.
     MAX_SERIES = 200_000
