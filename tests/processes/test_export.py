@@ -309,6 +309,26 @@ def test_scrapes_within_a_second_share_one_render() -> None:
     assert bodies.renders == 3
 
 
+def test_a_body_is_rendered_ahead_while_it_is_scraped() -> None:
+    snaps = many_jobs()
+    shown = [snaps[:1]]
+    bodies = Bodies(registry_for(lambda: shown[0]), fresh_s=0.05, ahead=True)
+    text = choose_encoder("")
+    try:
+        assert bodies.body(*text) == generate_latest(registry_for(lambda: snaps[:1]))
+        shown[0] = snaps  # the figures move: the next body is rendered without a scrape
+        deadline = time.monotonic() + 30
+        while bodies.renders < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bodies.renders >= 3
+        assert bodies.body(*text) == generate_latest(registry_for(lambda: snaps))
+    finally:
+        bodies.close()
+    rendered = bodies.renders
+    time.sleep(0.2)
+    assert bodies.renders <= rendered + 1  # closed: at most the render under way finishes
+
+
 def test_a_scrape_being_written_never_holds_up_the_fold(monkeypatch: pytest.MonkeyPatch) -> None:
     import torchtop.export.prometheus as prometheus
 

@@ -51,6 +51,10 @@ CONNECTION_TIMEOUT_S = 3.0
 CONNECTION_DEADLINE_S = 5.0
 #: Seconds a rendered body serves further scrapes (the figures move once a second).
 FRESH_S = 1.0
+#: While a format was asked for within this many seconds, its body is rendered ahead, once
+#: every :data:`FRESH_S`, so that a scrape only sends it (a body is then at most twice
+#: ``FRESH_S`` old; a scrape that finds none so fresh renders one).
+WARM_S = 60.0
 
 
 class MetricsError(Exception):
@@ -209,21 +213,55 @@ def written_here(encoder: Callable[[CollectorRegistry], bytes]) -> bool | None:
 
 class Bodies:
     """The bodies a server answers scrapes with: one render serves every scrape that asks
-    within :data:`FRESH_S` of its start (and those that wait for it), for each format."""
+    within :data:`FRESH_S` of its start (and those that wait for it), for each format. With
+    ``ahead``, the formats scraped lately are rendered in a thread of their own once every
+    ``fresh_s`` (a scrape then takes a body up to twice that old): a scrape of a thousand ranks
+    on a busy machine waits for no render."""
 
-    def __init__(self, registry: CollectorRegistry, fresh_s: float = FRESH_S) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, fresh_s: float = FRESH_S, *, ahead: bool = False
+    ) -> None:
         self.registry = registry
         self.fresh_s = fresh_s
         self.renders = 0
         self._lock = threading.Lock()
         self._last: dict[str, tuple[float, bytes]] = {}
         self._renderers = {False: Renderer(open_metrics=False), True: Renderer(open_metrics=True)}
+        self._ahead = ahead
+        #: Each format scraped: its encoder and when it was last asked for.
+        self._asked: dict[str, tuple[Callable[[CollectorRegistry], bytes], float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._render_ahead, name="torchtop-render")
+
+    def close(self) -> None:
+        self._stop.set()
 
     def body(self, encoder: Callable[[CollectorRegistry], bytes], content_type: str) -> bytes:
         asked = time.monotonic()
+        if self._ahead:
+            self._asked[content_type] = (encoder, asked)
+            if self._thread.ident is None:
+                with self._lock:
+                    if self._thread.ident is None:
+                        self._thread.daemon = True
+                        self._thread.start()
+        return self._body(encoder, content_type, asked - self.fresh_s * (2 if self._ahead else 1))
+
+    def _render_ahead(self) -> None:
+        while not self._stop.wait(self.fresh_s):
+            now = time.monotonic()
+            for content_type, (encoder, asked) in list(self._asked.items()):
+                if now - asked <= WARM_S:
+                    with contextlib.suppress(Exception):  # the next scrape says what failed
+                        self._body(encoder, content_type, now - self.fresh_s / 2)
+
+    def _body(
+        self, encoder: Callable[[CollectorRegistry], bytes], content_type: str, since: float
+    ) -> bytes:
+        """The body rendered last if it began after ``since``, else a new one."""
         with self._lock:  # one render at a time: a scrape that waited gets the one it waited for
             last = self._last.get(content_type)
-            if last is not None and last[0] >= asked - self.fresh_s:
+            if last is not None and last[0] >= since:
                 return last[1]
             began = time.monotonic()
             open_metrics = written_here(encoder)
@@ -299,7 +337,7 @@ class _Server(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.registry = registry
-        self.bodies = Bodies(registry)
+        self.bodies = Bodies(registry, ahead=True)
         self._slots = threading.BoundedSemaphore(limit)
         self.refused = 0
         self.errors = 0
@@ -370,6 +408,7 @@ class MetricsServer:
         return self
 
     def close(self) -> None:
+        self._server.bodies.close()
         with contextlib.suppress(Exception):
             if self._thread.is_alive():
                 self._server.shutdown()
