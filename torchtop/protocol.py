@@ -76,12 +76,10 @@ class ClientHello(Message):
     pace_s: float = 0.0
 
 
-#: The agent's seconds between samples by default (``--interval``): four a second show a job
-#: live, and each sample costs a Python-bound job's training thread the GIL for the time
-#: it takes (CUDA's peaks are the allocator's own, exact at any rate).
-DEFAULT_INTERVAL_S = 0.25
+#: The agent's seconds between samples by default (``--interval``).
+DEFAULT_INTERVAL_S = 0.1
 #: The share of the job's time the op windows may cost by default (``--ops-budget``).
-DEFAULT_OPS_BUDGET = 0.01
+DEFAULT_OPS_BUDGET = 0.02
 
 #: The pace of ``sample`` frames for a viewer that asks for its own pace (``pace_s``).
 PACED_SAMPLE_S = 1.0
