@@ -10,9 +10,8 @@ exporter's memory (RSS) and CPU over the measured span, as a share of one core.
     python -m benchmarks.export_scale --from r.ttr --ranks 1024 --scrapes 100
 
 The scrape time's p95 and the exporter's largest RSS in the first and the last third of the
-scrapes are printed too, with the last third's own start, end and median (``--scrapes 1800`` is
-a 30-minute soak: its memory is bounded when the last third does not grow), what ``promtool
-check metrics`` says of the last scrape where promtool is installed, and the load average.
+scrapes are printed too (``--scrapes 1800`` is a 30-minute soak), and what ``promtool check
+metrics`` says of the last scrape where promtool is installed.
 """
 
 from __future__ import annotations
@@ -98,28 +97,15 @@ def main() -> None:
                 if time.monotonic() - began > 600:
                     raise SystemExit(f"only {exported} of {args.ranks} ranks exported")
                 time.sleep(1.0)
-            print(
-                f"all exported after {time.monotonic() - began:.1f} s (load "
-                f"{os.getloadavg()[0]:.2f})",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"all exported after {time.monotonic() - began:.1f} s", file=sys.stderr)
             me = psutil.Process(exporter.pid)
             cpu0, wall0 = sum(me.cpu_times()[:2]), time.monotonic()
             times: list[float] = []
             rss: list[int] = []
-            for n in range(1, args.scrapes + 1):
+            for _ in range(args.scrapes):
                 took, body = scrape(url)
                 times.append(took)
                 rss.append(me.memory_info().rss)
-                if n % 100 == 0:  # a long soak says how it goes
-                    print(
-                        f"{n} scrapes, {time.monotonic() - wall0:.0f} s: last 100 p95 "
-                        f"{1000 * sorted(times[-100:])[94]:.0f} ms, RSS {rss[-1] / 2**20:.0f} MiB, "
-                        f"load {os.getloadavg()[0]:.2f}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
                 time.sleep(args.interval)
             cpu = sum(me.cpu_times()[:2]) - cpu0
             wall = time.monotonic() - wall0
@@ -135,16 +121,7 @@ def main() -> None:
                 f"{max(rss[-third:]) / 2**20:.0f} MiB), CPU {100 * cpu / wall:.1f}% of a core "
                 f"({args.scrapes} scrapes, {args.interval} s apart)"
             )
-            last = [x / 2**20 for x in rss[-third:]]
-            first = [x / 2**20 for x in rss[:third]]
-            print(
-                f"RSS over the last third of the scrapes: {last[0]:.0f} MiB at its start, "
-                f"{last[-1]:.0f} MiB at its end, median {statistics.median(last):.0f} MiB "
-                f"(the first third's median {statistics.median(first):.0f} MiB)"
-            )
             print(promtool_check(body))
-            load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-            print(f"load average (1, 5, 15 min) at the end: {load}")
         finally:
             if exporter is not None:
                 exporter.terminate()

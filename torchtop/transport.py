@@ -466,20 +466,6 @@ class AgentConnection:
                 return
             yield from self._splitter.feed(data)
 
-    def receive(self) -> list[bytes] | None:
-        """The frames of one read that does not wait, for a caller whose selector found the
-        socket readable (an incomplete frame waits for the next read); ``None`` once the agent
-        closed the connection. Raises :class:`ProtocolError` for an oversized frame."""
-        try:
-            data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return []
-        except OSError:
-            return None
-        if not data:
-            return None
-        return list(self._splitter.feed(data))
-
     def messages(self) -> Iterator[Message]:
         for frame in self.frames():
             message = decode(frame)

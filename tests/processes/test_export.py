@@ -19,8 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from prometheus_client.exposition import choose_encoder, generate_latest
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import SCRIPTS, torchtop
@@ -28,13 +27,10 @@ from torchtop.export.families import families
 from torchtop.export.figures import JobFigures, figures_of
 from torchtop.export.prometheus import (
     MAX_CONNECTIONS,
-    Bodies,
     MetricsError,
     MetricsServer,
-    Renderer,
     parse_address,
     registry_for,
-    written_here,
 )
 from torchtop.export.service import JobSet, _exported_job
 from torchtop.model.job import JobModel
@@ -228,134 +224,6 @@ def test_promtool_accepts_the_exposition_of_a_gpu_job() -> None:
         ["promtool", "check", "metrics"], input=exposition(snaps), capture_output=True, text=True
     )
     assert lint.returncode == 0, lint.stdout + lint.stderr
-
-
-# -- the written formats -------------------------------------------------------------------------
-
-
-def many_jobs() -> list[JobFigures]:
-    """Ranks on several hosts (one hostname hostile to the format), a single process, findings."""
-    from test_advice import input_job
-
-    out = []
-    for rank in range(12):
-        messages = [dataclasses.replace(m) for m in job_messages(rank)]
-        hostname = 'no"de\\7\nb' if rank == 5 else f"node{rank // 4}"
-        messages[0] = dataclasses.replace(messages[0], hostname=hostname, pid=100 + rank)
-        if rank == 2:
-            messages.extend(input_job(0.5, 10, T0 + 2))
-        out.append(figures_of(model_of(messages)))
-    out.append(figures_of(model_of(job_messages(None))))
-    return [s for s in out if s is not None]
-
-
-@pytest.mark.parametrize(
-    ("open_metrics", "library"),
-    [(False, generate_latest), (True, generate_openmetrics)],
-    ids=["text-0.0.4", "openmetrics-1.0.0"],
-)
-def test_the_formats_are_written_as_the_library_writes_them(
-    open_metrics: bool, library: Any
-) -> None:
-    snaps = many_jobs()
-    renderer = Renderer(open_metrics)
-    for figures in (snaps, [], snaps[:1], snaps):  # the second time from what it remembered
-        expected = library(registry_for(lambda f=figures: f))
-        assert renderer.render(families(figures)) == expected
-    text = renderer.render(families(snaps)).decode()
-    assert 'hostname="no\\"de\\\\7\\nb"' in text
-    assert "torchtop_advice_finding{" in text
-
-
-#: What scrapers ask for: none (curl), Prometheus 2.42 (Debian's), Prometheus 3, text 1.0.0,
-#: and two the library writes itself (OpenMetrics 2.0.0; names escaped with dots).
-ACCEPT = [
-    "",
-    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
-    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
-    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
-    "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;"
-    "escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1",
-    "text/plain;version=1.0.0;escaping=allow-utf-8",
-    "application/openmetrics-text;version=2.0.0",
-    "text/plain;version=1.0.0;escaping=dots",
-]
-
-
-@pytest.mark.parametrize("accept", ACCEPT)
-def test_every_format_asked_for_is_the_librarys(accept: str) -> None:
-    snaps = many_jobs()
-    encoder, content_type = choose_encoder(accept)
-    bodies = Bodies(registry_for(lambda: snaps), fresh_s=0.0)
-    for _ in range(2):
-        assert bodies.body(encoder, content_type) == encoder(registry_for(lambda: snaps))
-    here = written_here(encoder)
-    assert (here is None) == (accept.endswith(("2.0.0", "dots")))
-
-
-def test_scrapes_within_a_second_share_one_render() -> None:
-    snaps = many_jobs()
-    shown = [snaps[:1]]
-    bodies = Bodies(registry_for(lambda: shown[0]), fresh_s=3600.0)
-    text, openmetrics = choose_encoder(""), choose_encoder(ACCEPT[1])
-    first = bodies.body(*text)
-    shown[0] = snaps
-    assert bodies.body(*text) == first  # still fresh
-    assert bodies.renders == 1
-    om = bodies.body(*openmetrics)  # each format its own
-    assert bodies.renders == 2 and om == generate_openmetrics(registry_for(lambda: snaps))
-    bodies.fresh_s = 0.0
-    assert bodies.body(*text) == generate_latest(registry_for(lambda: snaps))
-    assert bodies.renders == 3
-
-
-def test_a_body_is_rendered_ahead_while_it_is_scraped() -> None:
-    snaps = many_jobs()
-    shown = [snaps[:1]]
-    bodies = Bodies(registry_for(lambda: shown[0]), fresh_s=0.05, ahead=True)
-    text = choose_encoder("")
-    try:
-        assert bodies.body(*text) == generate_latest(registry_for(lambda: snaps[:1]))
-        shown[0] = snaps  # the figures move: the next body is rendered without a scrape
-        deadline = time.monotonic() + 30
-        while bodies.renders < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert bodies.renders >= 3
-        assert bodies.body(*text) == generate_latest(registry_for(lambda: snaps))
-    finally:
-        bodies.close()
-    rendered = bodies.renders
-    time.sleep(0.2)
-    assert bodies.renders <= rendered + 1  # closed: at most the render under way finishes
-
-
-def test_a_scrape_being_written_never_holds_up_the_fold(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torchtop.export.prometheus as prometheus
-
-    jobs = JobSet()
-    jobs.add(AgentInfo(1, [], T0, "a"), None)  # type: ignore[arg-type]
-    for message in job_messages(3):
-        jobs.apply("a", message)
-    writing, release = threading.Event(), threading.Event()
-    real = prometheus.floatToGoString
-
-    def slow(value: Any) -> str:
-        writing.set()
-        release.wait(30)
-        return real(value)
-
-    monkeypatch.setattr(prometheus, "floatToGoString", slow)
-    bodies = Bodies(registry_for(jobs.figures))
-    scrape = threading.Thread(target=bodies.body, args=choose_encoder(""))
-    scrape.start()
-    try:
-        assert writing.wait(30)  # the scrape is in the middle of writing its body
-        jobs.apply("a", steps(T0 + 3, total=30, timed=10, time_s=1.0, wait_s=0.1))
-        (figures,) = jobs.figures()  # folded and read while the scrape still writes
-        assert figures.steps_total == 30 and scrape.is_alive()
-    finally:
-        release.set()
-        scrape.join()
 
 
 # -- the HTTP server ----------------------------------------------------------------------------

@@ -1,11 +1,7 @@
 """``/metrics`` for Prometheus: a custom collector over the jobs' figures, and its HTTP server.
 
 The collector reads figures that the feeds keep up to date; a scrape never waits for a feed
-and a feed never waits for a scrape. A node's exporter may serve a thousand ranks (16,000
-series): the two formats Prometheus asks for are written here, each series's labels escaped once
-for as long as it lives, with the same bytes as prometheus_client's writers (which serve any other
-format asked for); a body is rendered at most once in :data:`FRESH_S` (scrapes that come together,
-such as a Prometheus pair's, share it). The server runs in daemon threads of the torchtop process
+and a feed never waits for a scrape. The server runs in daemon threads of the torchtop process
 (never in a training rank), answers each connection within a timeout, serves a bounded number
 at once and closes the rest, and reports its own errors to nobody: a scraper that hangs, floods
 or sends garbage costs at most its own connection.
@@ -19,7 +15,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -29,11 +24,8 @@ from prometheus_client.core import (
     Metric,
     SummaryMetricFamily,
 )
-from prometheus_client.exposition import choose_encoder, generate_latest
-from prometheus_client.openmetrics.exposition import ALLOWUTF8, UNDERSCORES
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
-from prometheus_client.utils import floatToGoString
 
 from torchtop.export.families import Family, families
 from torchtop.export.figures import JobFigures
@@ -49,12 +41,6 @@ CONNECTION_TIMEOUT_S = 3.0
 #: Seconds a connection may take in all, however it paces its bytes: a peer that trickles a
 #: byte at a time gets no more.
 CONNECTION_DEADLINE_S = 5.0
-#: Seconds a rendered body serves further scrapes (the figures move once a second).
-FRESH_S = 1.0
-#: While a format was asked for within this many seconds, its body is rendered ahead, once
-#: every :data:`FRESH_S`, so that a scrape only sends it (a body is then at most twice
-#: ``FRESH_S`` old; a scrape that finds none so fresh renders one).
-WARM_S = 60.0
 
 
 class MetricsError(Exception):
@@ -112,167 +98,10 @@ class JobCollector(Collector):
             yield to_prometheus(family)
 
 
-class JobRegistry(CollectorRegistry):
-    """A registry of the jobs' figures only, which a :class:`Renderer` can write directly."""
-
-    def __init__(self, read: Callable[[], Iterable[JobFigures]]) -> None:
-        super().__init__(auto_describe=False)
-        self.read = read
-        self.register(JobCollector(read))
-
-
-def registry_for(read: Callable[[], Iterable[JobFigures]]) -> JobRegistry:
-    return JobRegistry(read)
-
-
-def _label_value(value: str) -> str:
-    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-
-
-class Renderer:
-    """Writes families as prometheus_client's writers write them, in the text format or
-    OpenMetrics 1.0.0 (the escapings of :func:`written_here`), remembering each family's header
-    and each series's labels."""
-
-    #: Series whose labels are remembered; past this (ended jobs' series) it starts afresh.
-    MAX_SERIES = 200_000
-
-    def __init__(self, open_metrics: bool) -> None:
-        self.open_metrics = open_metrics
-        self._headers: dict[tuple[str, str, str], str] = {}
-        self._labels: dict[tuple[tuple[str, ...], tuple[str, ...]], str] = {}
-
-    def _header(self, family: Family) -> str:
-        key = (family.name, family.kind, family.help)
-        header = self._headers.get(key)
-        if header is None:  # the library's own lines for the family without series
-            metric = to_prometheus(Family(family.name, family.kind, family.help, family.labels, ""))
-            write = generate_openmetrics if self.open_metrics else generate_latest
-            header = write(_Fixed([metric])).decode().removesuffix("# EOF\n")
-            self._headers[key] = header
-        return header
-
-    def _labelled(self, names: tuple[str, ...], values: tuple[str, ...]) -> str:
-        key = (names, values)
-        text = self._labels.get(key)
-        if text is None:
-            if len(self._labels) >= self.MAX_SERIES:
-                self._labels.clear()
-            pairs = sorted(zip(names, values, strict=True))
-            text = "{" + ",".join(f'{k}="{_label_value(v)}"' for k, v in pairs) + "}"
-            self._labels[key] = text
-        return text
-
-    def render(self, families: Iterable[Family]) -> bytes:
-        out: list[str] = []
-        for family in families:
-            out.append(self._header(family))
-            name, names = family.name, family.labels
-            if family.kind == "summary":
-                for p in family.points:
-                    labels = self._labelled(names, p.labels) if names else ""
-                    out.append(
-                        f"{name}_count{labels} {floatToGoString(p.value)}\n"
-                        f"{name}_sum{labels} {floatToGoString(p.sum)}\n"
-                    )
-                continue
-            sample = f"{name}_total" if family.kind == "counter" else name
-            for p in family.points:
-                labels = self._labelled(names, p.labels) if names else ""
-                out.append(f"{sample}{labels} {floatToGoString(p.value)}\n")
-        if self.open_metrics:
-            out.append("# EOF\n")
-        return "".join(out).encode()
-
-
-class _Fixed:
-    """A collector of given metrics (to have the library write a family's header)."""
-
-    def __init__(self, metrics: list[Metric]) -> None:
-        self._metrics = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        return iter(self._metrics)
-
-
-def written_here(encoder: Callable[[CollectorRegistry], bytes]) -> bool | None:
-    """Whether the format ``choose_encoder`` chose is OpenMetrics 1.0.0 (True) or the text
-    format (False) with an escaping under which torchtop's names and labels are written as
-    they are; ``None`` for any other (the library writes it)."""
-    func, keywords = (
-        (encoder.func, encoder.keywords) if isinstance(encoder, partial) else (encoder, {})
-    )
-    if keywords.get("escaping", UNDERSCORES) not in (UNDERSCORES, ALLOWUTF8):
-        return None
-    if func is generate_latest:
-        return False
-    if func is generate_openmetrics and keywords.get("version", "1.0.0") == "1.0.0":
-        return True
-    return None
-
-
-class Bodies:
-    """The bodies a server answers scrapes with: one render serves every scrape that asks
-    within :data:`FRESH_S` of its start (and those that wait for it), for each format. With
-    ``ahead``, the formats scraped lately are rendered in a thread of their own once every
-    ``fresh_s`` (a scrape then takes a body up to twice that old): a scrape of a thousand ranks
-    on a busy machine waits for no render."""
-
-    def __init__(
-        self, registry: CollectorRegistry, fresh_s: float = FRESH_S, *, ahead: bool = False
-    ) -> None:
-        self.registry = registry
-        self.fresh_s = fresh_s
-        self.renders = 0
-        self._lock = threading.Lock()
-        self._last: dict[str, tuple[float, bytes]] = {}
-        self._renderers = {False: Renderer(open_metrics=False), True: Renderer(open_metrics=True)}
-        self._ahead = ahead
-        #: Each format scraped: its encoder and when it was last asked for.
-        self._asked: dict[str, tuple[Callable[[CollectorRegistry], bytes], float]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._render_ahead, name="torchtop-render")
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def body(self, encoder: Callable[[CollectorRegistry], bytes], content_type: str) -> bytes:
-        asked = time.monotonic()
-        if self._ahead:
-            self._asked[content_type] = (encoder, asked)
-            if self._thread.ident is None:
-                with self._lock:
-                    if self._thread.ident is None:
-                        self._thread.daemon = True
-                        self._thread.start()
-        return self._body(encoder, content_type, asked - self.fresh_s * (2 if self._ahead else 1))
-
-    def _render_ahead(self) -> None:
-        while not self._stop.wait(self.fresh_s):
-            now = time.monotonic()
-            for content_type, (encoder, asked) in list(self._asked.items()):
-                if now - asked <= WARM_S:
-                    with contextlib.suppress(Exception):  # the next scrape says what failed
-                        self._body(encoder, content_type, now - self.fresh_s / 2)
-
-    def _body(
-        self, encoder: Callable[[CollectorRegistry], bytes], content_type: str, since: float
-    ) -> bytes:
-        """The body rendered last if it began after ``since``, else a new one."""
-        with self._lock:  # one render at a time: a scrape that waited gets the one it waited for
-            last = self._last.get(content_type)
-            if last is not None and last[0] >= since:
-                return last[1]
-            began = time.monotonic()
-            open_metrics = written_here(encoder)
-            registry = self.registry
-            if open_metrics is not None and isinstance(registry, JobRegistry):
-                body = self._renderers[open_metrics].render(families(registry.read()))
-            else:
-                body = encoder(registry)
-            self.renders += 1
-            self._last[content_type] = (began, body)
-            return body
+def registry_for(read: Callable[[], Iterable[JobFigures]]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(JobCollector(read))
+    return registry
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -310,7 +139,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
         try:
-            body = self.server.bodies.body(encoder, content_type)
+            body = encoder(self.server.registry)
         except Exception as exc:  # a figure that cannot be rendered fails this scrape only
             self._answer(500, "text/plain; charset=utf-8", f"{exc!r}\n".encode())
             return
@@ -337,7 +166,6 @@ class _Server(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.registry = registry
-        self.bodies = Bodies(registry, ahead=True)
         self._slots = threading.BoundedSemaphore(limit)
         self.refused = 0
         self.errors = 0
@@ -408,7 +236,6 @@ class MetricsServer:
         return self
 
     def close(self) -> None:
-        self._server.bodies.close()
         with contextlib.suppress(Exception):
             if self._thread.is_alive():
                 self._server.shutdown()
