@@ -19,7 +19,9 @@ Run it with ``torchtop demo memory`` to watch the leak climb on the memory chart
 from __future__ import annotations
 
 import gc
+import itertools
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -243,7 +245,13 @@ def measure_the_leak(options: harness.DemoOptions) -> list[harness.PhaseResult]:
                     time.sleep(0.1)  # slow enough to watch the line climb live
 
             fn(record)
-        growth = (live[-1] - live[0]) // max(1, len(live) - 1)
+        # The typical step's growth: a leak grows every step; one graph that happens to
+        # outlive its step (the collector's timing) is not growth a step.
+        growth = (
+            int(statistics.median(b - a for a, b in itertools.pairwise(live)))
+            if len(live) > 1
+            else 0
+        )
         result = harness.measure(
             name,
             fn,

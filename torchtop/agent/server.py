@@ -162,6 +162,13 @@ class _Client:
     paced: bool = False
 
 
+class _Held(threading.local):
+    """A thread's place in :meth:`AgentServer.batched`: its depth, and a wake owed."""
+
+    depth = 0
+    due = False
+
+
 class AgentServer:
     """Serves frames to any number of viewers without ever blocking the producers."""
 
@@ -191,7 +198,7 @@ class AgentServer:
         self._wake_w.setblocking(False)
         self._stopping = threading.Event()
         #: Per thread: inside :meth:`batched` (its depth) and whether a wake is owed.
-        self._held = threading.local()
+        self._held = _Held()
         self._thread = self._new_thread()
         self._request_budget: dict[str, _Bucket] = {}
         self._waiting: deque[_Client] = deque()
@@ -250,7 +257,7 @@ class AgentServer:
                     client.queued_bytes -= old
                     self._queued_bytes -= old
                     client.dropped += 1
-        if getattr(self._held, "depth", 0):
+        if self._held.depth:
             self._held.due = True  # one wake when the batch ends
         else:
             self._wake()
@@ -260,12 +267,12 @@ class AgentServer:
         """Frames published in this thread inside the block wake the I/O thread once, at its
         end: a sampler tick's frames cost the job one hand-over of the GIL, not one each."""
         held = self._held
-        held.depth = getattr(held, "depth", 0) + 1
+        held.depth += 1
         try:
             yield
         finally:
             held.depth -= 1
-            if not held.depth and getattr(held, "due", False):
+            if not held.depth and held.due:
                 held.due = False
                 self._wake()
 

@@ -43,8 +43,8 @@ class RunModel:
                 self.latest = now
             # The rules read every rank: asked when an evaluation is due, not at each message
             # of each rank (at 256 ranks, a walk over 256 models for every message).
-            if urgent or self.advisor.due(self.latest):
-                self.advisor.observe(list(self.jobs.values()), force=urgent)
+            if self.latest is not None and (urgent or self.advisor.due(self.latest)):
+                self.advisor.evaluate(list(self.jobs.values()), self.latest)
         return job
 
     def __iter__(self) -> Iterator[JobModel]:
