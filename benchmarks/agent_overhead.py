@@ -131,7 +131,7 @@ def alternating(
     for _ in range(rounds):
         if not hooks_only:
             agent.sampler.pause()
-        agent.training.uninstall()
+        agent.training.remove()  # not put back by the sampler's ticks in the block
         paused = time.monotonic()
         off_block = run_block()
         agent.training.reinstall()
@@ -208,6 +208,7 @@ def measure(
     seconds: float,
     hooks_only: bool = False,
     ops: bool = True,
+    settings: dict[str, float] | None = None,
 ) -> dict[str, float]:
     torch.manual_seed(0)
     step = make_step(*build())
@@ -215,7 +216,7 @@ def measure(
     # One agent and one viewer for the whole run.
     # The agent's own pauses (its measured cost) would fall in the "on" blocks: off here, and
     # measured on their own in :func:`self_measured`.
-    agent = core.start(ops=ops, measure_cost=False)
+    agent = core.start(ops=ops, measure_cost=False, **(settings or {}))
     viewer = attach_viewer(agent.info.address)
     time.sleep(1.0)  # the viewer connects and takes the history replay
     try:
@@ -225,16 +226,18 @@ def measure(
         viewer.wait()
         torchtop.stop()
     result = summarize(name, agent, off, on, pair_ratios, rounds * seconds)
-    result.update(self_measured(step, rounds * seconds, ops))
+    result.update(self_measured(step, rounds * seconds, ops, settings))
     return result
 
 
-def self_measured(step: Callable[[], None], seconds: float, ops: bool) -> dict[str, float]:
+def self_measured(
+    step: Callable[[], None], seconds: float, ops: bool, settings: dict[str, float] | None = None
+) -> dict[str, float]:
     """The agent's own measure of its cost on the steps (it pauses its sampler now and then and
     compares the steps in the pauses with those around them), over ``seconds`` of steps with
     the agent on throughout: what the viewer's header and the report say, beside the
     benchmark's ratio."""
-    agent = core.start(ops=ops, measure_cost=True, cost_pause_every_s=6.0)
+    agent = core.start(ops=ops, measure_cost=True, cost_pause_every_s=6.0, **(settings or {}))
     viewer = attach_viewer(agent.info.address)
     try:
         block(step, max(seconds, 8 * 6.0))
@@ -279,7 +282,22 @@ def main() -> None:
         help="torch's intra-op threads: a number, or 'default' (one per core, as a user's CPU "
         "job has); 1 leaves the agent a core of its own",
     )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        help="the agent's sampling interval in seconds (default: the agent's own default)",
+    )
+    parser.add_argument(
+        "--ops-budget",
+        type=float,
+        help="the op windows' share of the time, in percent (default: the agent's own default)",
+    )
     args = parser.parse_args()
+    settings: dict[str, float] = {}
+    if args.interval is not None:
+        settings["interval_s"] = args.interval
+    if args.ops_budget is not None:
+        settings["ops_budget"] = args.ops_budget / 100
     if args.threads != "default":
         torch.set_num_threads(int(args.threads))
     print(f"torch threads: {torch.get_num_threads()} ({args.threads})", flush=True)
@@ -287,7 +305,7 @@ def main() -> None:
     if args.rounds:
         rounds = args.rounds
     results = [
-        measure(name, build, rounds, seconds, args.hooks_only, not args.no_ops)
+        measure(name, build, rounds, seconds, args.hooks_only, not args.no_ops, settings)
         for name, build in MODELS.items()
         if args.model in (None, name)
     ]

@@ -125,7 +125,7 @@ def main() -> None:
         (weight * 2.0).sum().backward()
 
     for _ in range(rounds):
-        monitor.uninstall()
+        monitor.remove()
         end_to_end["step_off"].append(per_call_us(opt.step, calls // 4))
         end_to_end["next_off"].append(per_call_us(lambda: next(loader_it), calls // 4))
         end_to_end["backward_off"].append(per_call_us(loss_backward, calls // 4))

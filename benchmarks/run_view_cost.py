@@ -120,8 +120,21 @@ def viewer(args: argparse.Namespace, out: Path) -> None:
         began, began_cpu, began_threads = time.monotonic(), cpu(), by_thread()
         watch.began = began
         rss.append((0.0, me.memory_info().rss))
-        app.set_interval(args.rss_every, lambda: rss.append(
-            (time.monotonic() - began, me.memory_info().rss)))  # fmt: skip
+        said = [0.0]
+
+        def read_rss() -> None:
+            t, now_rss = time.monotonic() - began, me.memory_info().rss
+            rss.append((t, now_rss))
+            if t - said[0] >= 60.0:  # progress, for the long runs
+                said[0] = t
+                print(
+                    f"{t:.0f} s of {seconds:.0f}: view RSS {mib(now_rss)}, "
+                    f"{100 * (cpu() - began_cpu) / t:.1f}% of a core so far",
+                    file=sys.__stderr__,  # Textual captures sys.stderr while it runs
+                    flush=True,
+                )
+
+        app.set_interval(args.rss_every, read_rss)
         if simulated and args.straggler is not None and args.straggle_at < seconds:
             app.set_timer(args.straggle_at, lambda: inject(signal.SIGUSR1, "straggler"))
         if simulated and args.dead is not None and args.kill_at < seconds:

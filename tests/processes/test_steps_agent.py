@@ -393,6 +393,21 @@ def test_uninstall_puts_everything_back(monitor: TrainingMonitor) -> None:
     assert getattr(cls.__dict__["__next__"], "_torchtop", False)
 
 
+def test_removed_hooks_stay_out_through_the_samplers_ticks_until_reinstalled(
+    monitor: TrainingMonitor,
+) -> None:
+    from torch.utils.data import dataloader as dl_module
+
+    cls = dl_module._BaseDataLoaderIter
+    monitor.remove()  # the benchmark's "off" block: no hooks while it lasts
+    monitor.tick(time.time())  # a tick puts back hooks that failed or came late, not these
+    assert not getattr(cls.__dict__["__next__"], "_torchtop", False)
+    assert not monitor.installed
+    monitor.reinstall()
+    assert getattr(cls.__dict__["__next__"], "_torchtop", False)
+    assert monitor.installed
+
+
 class _Broken(Dataset):
     def __len__(self) -> int:
         return 4

@@ -436,13 +436,17 @@ def test_requests_sent_right_after_the_hello_are_served_while_it_waits_its_turn(
         srv.stop(drain_s=0)
 
 
-def test_a_batch_of_frames_wakes_the_io_thread_once_at_its_end(
+def test_a_batch_of_frames_is_sent_once_at_its_end_by_the_thread_that_published_it(
     server: AgentServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sock = _connect(server)
     assert isinstance(_read(sock, 1)[0], Hello)
+    sends: list[str] = []
     wakes: list[str] = []
-    wake = server._wake
+    send_now, wake = server.send_now, server._wake
+    monkeypatch.setattr(
+        server, "send_now", lambda: (sends.append(threading.current_thread().name), send_now())[1]
+    )
     monkeypatch.setattr(
         server, "_wake", lambda: (wakes.append(threading.current_thread().name), wake())[1]
     )
@@ -455,10 +459,31 @@ def test_a_batch_of_frames_wakes_the_io_thread_once_at_its_end(
         other.start()
         other.join()
         server.publish(_mark(4))
-        assert wakes == ["other"]
-    assert wakes == ["other", threading.current_thread().name]
-    names = sorted(m.name for m in _read(sock, 4))  # type: ignore[attr-defined]
+        assert sends == ["other"]
+    assert sends == ["other", threading.current_thread().name]
+    # The viewer's socket took every frame: the I/O thread was never woken for them.
+    assert wakes == []
+    names = [m.name for m in _read(sock, 4)]  # type: ignore[attr-defined]
     assert names == ["m1", "m2", "m3", "m4"]
-    with server.batched():  # nothing published: nothing to wake for
+    with server.batched():  # nothing published: nothing to send
         pass
-    assert len(wakes) == 2
+    assert len(sends) == 2
+
+
+def test_frames_a_full_socket_does_not_take_are_left_to_the_io_thread_in_order() -> None:
+    srv = _server()
+    srv.start()
+    try:
+        sock = _connect(srv)
+        assert isinstance(_read(sock, 1)[0], Hello)
+        # The viewer reads nothing for a while: more than its socket holds is published. The
+        # producer does not block on the full socket (a blocking send would never return).
+        frames = 3000
+        for i in range(frames):
+            srv.publish(encode(Marked(t=float(i), name=f"m{i}:" + "x" * 1000)))
+        assert srv.pending_bytes() > 0  # left for the I/O thread, not sent by the producer
+        names = [m.name.split(":")[0] for m in _read(sock, frames, timeout=20)]  # type: ignore[attr-defined]
+        assert names == [f"m{i}" for i in range(frames)]  # every frame, in order
+        assert srv.bad_peers == 0 and srv.total_dropped() == 0
+    finally:
+        srv.stop(drain_s=0)

@@ -160,6 +160,9 @@ class _Client:
     #: Wants samples at its own pace (its hello's ``pace_s``): frames published as
     #: ``detail_only`` are not queued for it.
     paced: bool = False
+    #: Held while one thread fills ``outbuf`` and sends it: the I/O thread, or a producer
+    #: sending its own frames (:meth:`AgentServer.send_now`).
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class _Held(threading.local):
@@ -258,14 +261,14 @@ class AgentServer:
                     self._queued_bytes -= old
                     client.dropped += 1
         if self._held.depth:
-            self._held.due = True  # one wake when the batch ends
+            self._held.due = True  # sent when the batch ends
         else:
-            self._wake()
+            self.send_now()
 
     @contextlib.contextmanager
     def batched(self) -> Iterator[None]:
-        """Frames published in this thread inside the block wake the I/O thread once, at its
-        end: a sampler tick's frames cost the job one hand-over of the GIL, not one each."""
+        """Frames published in this thread inside the block are sent once, at its end: a
+        sampler tick's frames cost the job one send per viewer, not one each."""
         held = self._held
         held.depth += 1
         try:
@@ -274,7 +277,34 @@ class AgentServer:
             held.depth -= 1
             if not held.depth and held.due:
                 held.due = False
-                self._wake()
+                self.send_now()
+
+    def send_now(self) -> None:
+        """From a producer: send the queued frames in this thread, as far as each viewer's
+        socket takes them without blocking, and wake the I/O thread only for what is left (a
+        slow viewer, a history replay not done, a send the I/O thread is in).
+
+        Every time a thread other than the job's takes the GIL back, the job's thread may wait
+        for it: one non-blocking send here replaces the wake, the I/O thread's return from
+        ``select`` and its reads and sends, each a hand-over of the GIL."""
+        with self._lock:
+            if not self._clients:
+                return
+            clients = [c for c in self._clients.values() if c.greeted]
+        left = False
+        for client in clients:
+            busy = client.replay is not None or client.want_write
+            if busy or not client.send_lock.acquire(blocking=False):
+                left = True  # the I/O thread's to send
+            else:
+                try:
+                    left |= not self._send(client)
+                except Exception:  # the I/O thread finds it again and decides
+                    left = True
+                finally:
+                    client.send_lock.release()
+        if left:
+            self._wake()
 
     def read_outside(self, name: str) -> bool:
         """True while every viewer that said hello reads ``name`` (one of
@@ -515,13 +545,15 @@ class AgentServer:
         hello = self._hello_frame()
         with self._lock:
             # References only: the frames are sent later, outside the lock, as the socket
-            # takes them. Frames published from now on go to the client's queue.
+            # takes them. Frames published from now on go to the client's queue. The hello
+            # and the replay are in place before the client counts as greeted, so a producer
+            # sending (:meth:`send_now`) never sends a frame before them.
             snapshot = [list(ring.items) for ring in self._rings.values() if ring.items]
+            client.outbuf += hello
+            client.replay = heapq.merge(*snapshot)
             client.greeted = True
             self.clients_seen += 1
         self._pending.pop(id(client), None)
-        client.outbuf += hello
-        client.replay = heapq.merge(*snapshot)
 
     def _pump(self) -> None:
         """Move queued frames into send buffers and send what the sockets take."""
@@ -552,22 +584,35 @@ class AgentServer:
                 self._queued_bytes -= len(frame)
                 client.outbuf += frame
 
-    def _write(self, client: _Client) -> None:
-        if not client.greeted:
-            return
+    def _send(self, client: _Client) -> bool:
+        """Fill the send buffer and send what the socket takes now (``client.send_lock``
+        held): True once everything queued is sent. An error other than a full socket is
+        raised for the caller to handle."""
         if len(client.outbuf) < SEND_CHUNK:
             self._fill(client)
         while client.outbuf:
             try:
                 sent = client.sock.send(client.outbuf)
             except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                self._drop_client(client)
-                return
+                return False
             del client.outbuf[:sent]
             if not client.outbuf:
                 self._fill(client)
+        return True
+
+    def _write(self, client: _Client) -> None:
+        if not client.greeted:
+            return
+        with client.send_lock:
+            try:
+                self._send(client)
+            except OSError:
+                failed = True
+            else:
+                failed = False
+        if failed:
+            self._drop_client(client)
+            return
         want_write = bool(client.outbuf)
         if want_write != client.want_write:
             client.want_write = want_write
@@ -597,7 +642,8 @@ class AgentServer:
         self._pending.pop(id(client), None)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(client.sock)
-        _close(client.sock)
+        with client.send_lock:  # not closed under a producer's send
+            _close(client.sock)
 
 
 def _close(sock: socket.socket) -> None:

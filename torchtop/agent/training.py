@@ -295,8 +295,14 @@ class TrainingMonitor:
                 except Exception:
                     pass
 
+    def remove(self) -> None:
+        """Remove every hook until :meth:`reinstall` (the benchmark's "off" blocks): unlike
+        :meth:`uninstall` alone, the sampler's ticks do not put them back meanwhile."""
+        self._running = False
+        self.uninstall()
+
     def reinstall(self) -> None:
-        """Install again after :meth:`uninstall` (the benchmark's on/off blocks)."""
+        """Install again after :meth:`remove` (the benchmark's on/off blocks)."""
         # In order with the events: the next step must not span the time without hooks.
         PENDING.append((GAP, time.perf_counter()))
         self._running = True
