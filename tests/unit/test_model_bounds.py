@@ -35,3 +35,21 @@ def test_three_hours_at_10_hz_stay_bounded() -> None:
     assert model.training.step_time(0.5) is not None
     assert len(model.training.points) == model.training.max_points
     assert len(model.logs) == model.log_lines and model.log_total == SPAN_S
+
+
+def test_a_rank_in_a_runs_view_keeps_its_last_minute_in_little_memory() -> None:
+    from torchtop.streams.runs import rank_model
+
+    model = rank_model()
+    for message in synthetic_job(3600.0):
+        model.apply(message)
+    # 64 ranks in one view: under 128 MiB of models (a single job's screen holds ~14 MiB).
+    assert deep_size(model) < 2 * MiB
+    # What the run's view shows of a rank: a minute of steps for its strip (the view's chart
+    # window) and of samples, the latest figures, and the whole run's median step for the
+    # hang rule.
+    points = model.training.points
+    assert points[-1].t - points[0].t >= 60.0
+    assert len(model.rss_series) >= 60 * HZ
+    assert model.training.step_time(0.5) is not None
+    assert model.training.total == 3600 * 30
