@@ -31,6 +31,7 @@ ENDED_KEEP_S = 60.0
 #: A followed job's recent step points and run sample of step times (see :func:`_exported_job`).
 EXPORTED_STEP_POINTS = 256
 EXPORTED_HISTORY_STEPS = 64
+EXPORTED_STEP_FRAMES = 256
 
 
 @dataclass
@@ -53,7 +54,7 @@ def _exported_job() -> JobModel:
     # ten minutes; 256, 0.14 MiB.
     return JobModel(
         history_points=1, log_lines=1, max_events=1, step_points=EXPORTED_STEP_POINTS,
-        history_steps=EXPORTED_HISTORY_STEPS,
+        history_steps=EXPORTED_HISTORY_STEPS, step_frames=EXPORTED_STEP_FRAMES,
     )  # fmt: skip
 
 

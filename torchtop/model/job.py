@@ -185,6 +185,8 @@ class JobModel:
     #: thousand ranks keeps few.
     step_points: int = DEFAULT_STEP_POINTS
     history_steps: int = DEFAULT_HISTORY_STEPS
+    #: ``steps`` frames kept for the recent figures (:attr:`TrainingState.max_frames`).
+    step_frames: int = DEFAULT_STEP_POINTS
 
     #: Goes up by one on every change; the app redraws when it differs from what it drew.
     version: int = 0
@@ -267,9 +269,12 @@ class JobModel:
         ]
 
     def __post_init__(self) -> None:
-        if (self.step_points, self.history_steps) != (DEFAULT_STEP_POINTS, DEFAULT_HISTORY_STEPS):
+        bounds = (self.step_points, self.history_steps, self.step_frames)
+        if bounds != (DEFAULT_STEP_POINTS, DEFAULT_HISTORY_STEPS, DEFAULT_STEP_POINTS):
             self.training = TrainingState(
-                max_points=self.step_points, history_steps=self.history_steps
+                max_points=self.step_points,
+                history_steps=self.history_steps,
+                max_frames=self.step_frames,
             )
         self.rss_series = deque(maxlen=self.history_points)
         self.phases = deque(maxlen=self.max_events)

@@ -294,6 +294,10 @@ class TrainingState:
 
     max_points: int = DEFAULT_STEP_POINTS
     history_steps: int = DEFAULT_HISTORY_STEPS
+    #: ``steps`` frames kept for the recent window (an agent sends one or two a second, at
+    #: most ten): the default keeps as many as points; a model that only needs the window
+    #: keeps a few hundred.
+    max_frames: int = DEFAULT_STEP_POINTS
     #: Steps so far (skipped ones included), and how many a GradScaler skipped.
     total: int = 0
     skipped_total: int = 0
@@ -318,7 +322,7 @@ class TrainingState:
     def __post_init__(self) -> None:
         self.points = deque(maxlen=self.max_points)
         self.chart = deque(maxlen=self.max_points)
-        self.frames = deque(maxlen=self.max_points)
+        self.frames = deque(maxlen=self.max_frames)
         self.history = StepHistory(self.history_steps)
 
     @property

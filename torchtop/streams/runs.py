@@ -43,6 +43,9 @@ RANK_SAMPLE_POINTS = 600
 RANK_LOG_LINES = 100
 RANK_STEP_POINTS = 2048
 RANK_HISTORY_STEPS = 1024
+#: ``steps`` frames for the recent window: an agent sends one or two a second (at most ten), so
+#: the default 6,000 took an hour and 2 MiB a rank to fill, a run's view growing all that time.
+RANK_STEP_FRAMES = 256
 
 
 def rank_model() -> JobModel:
@@ -52,6 +55,7 @@ def rank_model() -> JobModel:
         log_lines=RANK_LOG_LINES,
         step_points=RANK_STEP_POINTS,
         history_steps=RANK_HISTORY_STEPS,
+        step_frames=RANK_STEP_FRAMES,
     )
 
 
