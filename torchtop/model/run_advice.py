@@ -452,12 +452,15 @@ def hang(jobs: Sequence[JobModel], now: float) -> Verdict | None:
     alive = [j for j in jobs if not j.job_ended and j.hello is not None]
     if not alive:
         return None
-    medians = [m for m in (j.training.step_time(0.5) for j in jobs) if m is not None]
-    median = statistics.median(medians) if medians else None
     floors = [j.hello.hang_after_s for j in jobs if j.hello and j.hello.hang_after_s]
-    threshold = hang_threshold(median, min(floors) if floors else HANG_AFTER_S)
+    floor = min(floors) if floors else HANG_AFTER_S
     last = max(ends)
     stale = now - last
+    if stale < floor:  # the threshold is never below the floor: no need for the medians
+        return None
+    medians = [m for m in (j.training.step_time(0.5) for j in jobs) if m is not None]
+    median = statistics.median(medians) if medians else None
+    threshold = hang_threshold(median, floor)
     if stale < threshold:
         return None
     stuck: list[dict[str, Any]] = []
