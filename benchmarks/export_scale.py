@@ -40,6 +40,10 @@ def scrape(url: str) -> tuple[float, bytes]:
     return time.perf_counter() - began, body
 
 
+def percentile(values: list[float], q: float) -> float:
+    return sorted(values)[max(0, round(q * len(values)) - 1)]
+
+
 def promtool_check(body: bytes) -> str:
     """What ``promtool check metrics`` says of a scrape (Prometheus's own linter)."""
     promtool = shutil.which("promtool")
@@ -102,15 +106,25 @@ def main() -> None:
             cpu0, wall0 = sum(me.cpu_times()[:2]), time.monotonic()
             times: list[float] = []
             rss: list[int] = []
-            for _ in range(args.scrapes):
+            said = time.monotonic()
+            for i in range(args.scrapes):
                 took, body = scrape(url)
                 times.append(took)
                 rss.append(me.memory_info().rss)
+                if time.monotonic() - said >= 60.0:  # progress, for the long runs
+                    said = time.monotonic()
+                    print(
+                        f"{i + 1} of {args.scrapes} scrapes: p95 so far "
+                        f"{1000 * percentile(times, 0.95):.0f} ms, exporter RSS "
+                        f"{rss[-1] / 2**20:.0f} MiB",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 time.sleep(args.interval)
             cpu = sum(me.cpu_times()[:2]) - cpu0
             wall = time.monotonic() - wall0
             series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
-            p95 = sorted(times)[max(0, round(0.95 * len(times)) - 1)]
+            p95 = percentile(times, 0.95)
             third = max(1, len(rss) // 3)
             print(
                 f"export of {args.ranks} ranks: scrape median {1000 * statistics.median(times):.0f}"
@@ -120,6 +134,11 @@ def main() -> None:
                 f"scrapes {max(rss[:third]) / 2**20:.0f} MiB, in the last "
                 f"{max(rss[-third:]) / 2**20:.0f} MiB), CPU {100 * cpu / wall:.1f}% of a core "
                 f"({args.scrapes} scrapes, {args.interval} s apart)"
+                + (
+                    f"; p95 of the first 100 scrapes {1000 * percentile(times[:100], 0.95):.0f} ms"
+                    if len(times) > 100
+                    else ""
+                )
             )
             print(promtool_check(body))
         finally:
