@@ -16,7 +16,6 @@ shape (``name``, ``severity``, ``rank``, ``evidence``, ...) is the one multi-ran
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -556,18 +555,31 @@ def memory_creep(model: JobView, now: float, advisor: Advisor) -> Check | None:
     if first_step is None:
         return None
     warm = first_step + CREEP_WARMUP_S
-    all_ends = [p.t for p in model.training.points if warm <= p.t <= now]
-    if len(all_ends) < CREEP_MIN_STEPS + 1 or all_ends[-1] - all_ends[0] < CREEP_MIN_SPAN_S:
+    # The last CREEP_MAX_STEPS steps after the warm-up, or more where they span less than
+    # CREEP_MIN_SPAN_S: read from the newest back, not over every step kept (a model keeps
+    # thousands, and this runs every second for every rank of a run's view).
+    ends: list[float] = []
+    for p in reversed(model.training.points):
+        if p.t > now:
+            continue
+        if p.t < warm:
+            break
+        ends.append(p.t)
+        if len(ends) > CREEP_MAX_STEPS and p.t <= ends[0] - CREEP_MIN_SPAN_S:
+            break
+    ends.reverse()
+    if len(ends) < CREEP_MIN_STEPS + 1 or ends[-1] - ends[0] < CREEP_MIN_SPAN_S:
         return None
-    # The last CREEP_MAX_STEPS steps, or more where they span less than CREEP_MIN_SPAN_S.
-    spanned = bisect.bisect_right(all_ends, all_ends[-1] - CREEP_MIN_SPAN_S) - 1  # >= 0 here
-    ends = all_ends[min(spanned, max(0, len(all_ends) - CREEP_MAX_STEPS - 1)) :]
     # Samples within the steps considered; the first end bounds the first step.
     first = ends[0]
     cuda = memory.is_cuda
-    points = [
-        (p.t, p.allocated if cuda else p.reserved) for p in memory.series if first < p.t <= now
-    ]
+    points = []
+    for m in reversed(memory.series):
+        if m.t <= first:
+            break
+        if m.t <= now:
+            points.append((m.t, m.allocated if cuda else m.reserved))
+    points.reverse()
     # Steps faster than the sampling leave most steps without a sample: the floors of the
     # sampled steps stand for all of them, as long as each chunk has a few.
     floors = step_floors(points, ends[-1], ends[1:])

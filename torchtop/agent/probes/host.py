@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -132,13 +133,7 @@ class HostProbe:
             self._cpu_primed = True
             cpu = None
 
-        used: int | None
-        total: int | None
-        try:
-            memory = psutil.virtual_memory()
-            used, total = int(memory.used), int(memory.total)
-        except (psutil.Error, OSError, AttributeError):
-            used = total = None
+        used, total = system_memory()
 
         return HostStats(
             rss_bytes=rss,
@@ -150,6 +145,29 @@ class HostProbe:
             cpus=self._cpus,
             local_processes=self._local_processes,
         )
+
+
+#: Seconds a reading of the machine's memory serves every probe of this process: a viewer of
+#: 64 ranks read ``/proc/meminfo`` 64 times a second for the same figures.
+SYSTEM_MEMORY_EVERY_S = 0.5
+_system_memory: tuple[float, int | None, int | None] = (-float("inf"), None, None)
+
+
+def system_memory() -> tuple[int | None, int | None]:
+    """The machine's used and total memory (``None`` where unreadable), read at most every
+    :data:`SYSTEM_MEMORY_EVERY_S` for the whole process."""
+    global _system_memory
+    at, used, total = _system_memory
+    now = time.monotonic()
+    if now - at < SYSTEM_MEMORY_EVERY_S:
+        return used, total
+    try:
+        memory = psutil.virtual_memory()
+        used, total = int(memory.used), int(memory.total)
+    except (psutil.Error, OSError, AttributeError):
+        used = total = None
+    _system_memory = (now, used, total)
+    return used, total
 
 
 def _count_children(process: psutil.Process) -> int:
