@@ -34,6 +34,7 @@ from torchtop.protocol import (
     encode,
 )
 from torchtop.streams.outside import OutsideReader
+from torchtop.streams.reader import failed
 from torchtop.streams.recording import FrameSink
 from torchtop.streams.worker_memory import with_worker_memory
 from torchtop.transport import (
@@ -344,8 +345,3 @@ class AgentFeed:
 def malformed(exc: ProtocolError) -> str:
     """The end reason of a stream that sent a malformed frame."""
     return f"the agent sent a malformed frame: {exc}"
-
-
-def failed(exc: Exception) -> str:
-    """The end reason of a feed that failed (a bug, or an agent that refused it)."""
-    return f"feed failed: {exc!r}"

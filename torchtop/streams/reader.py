@@ -34,6 +34,12 @@ from torchtop.transport import AgentConnection
 SILENCE_CHECK_S = 1.0
 
 
+def failed(exc: Exception) -> str:
+    """The end reason of a feed that failed (a bug, or an agent that refused it), read in a
+    thread of its own or by a reader."""
+    return f"feed failed: {exc!r}"
+
+
 class ReadFeed(Protocol):
     """A feed's side of being read by a :class:`FeedReader` (an
     :class:`~torchtop.streams.feed.AgentFeed`'s)."""
@@ -145,7 +151,10 @@ class FeedReader:
                 if now >= next_silence:
                     next_silence = now + SILENCE_CHECK_S
                     for feed in list(self._feeds):
-                        feed._check_silence()
+                        try:
+                            feed._check_silence()
+                        except Exception as exc:  # one feed's failure ends that feed only
+                            self._finish(feed, failed(exc))
         finally:
             with self._lock:
                 self._stop = True  # a feed given from now on is closed at once
@@ -182,7 +191,7 @@ class FeedReader:
                 try:
                     self._selector.register(conn.sock, selectors.EVENT_READ, feed)
                 except (OSError, ValueError) as exc:  # its socket is no longer open
-                    self._finish_unread(feed, conn, f"feed failed: {exc!r}")
+                    self._finish_unread(feed, conn, failed(exc))
                     continue
                 self._feeds[feed] = conn
 
