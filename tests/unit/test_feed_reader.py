@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,8 @@ from torchtop.protocol import (
     decode,
     encode,
 )
+from torchtop.streams import feed as feed_module
+from torchtop.streams import reader as reader_module
 from torchtop.streams.feed import LOST, AgentFeed
 from torchtop.streams.reader import FeedReader
 from torchtop.transport import bind_server
@@ -250,6 +253,30 @@ def test_a_failing_callback_ends_its_feed_only(agents: list[Agent], reader: Feed
     assert bad.reasons == ["feed failed: RuntimeError('a bug in the fold')"]
     wait_for_messages(good, 1)
     assert not good.feed.ended.is_set()
+
+
+def test_silent_agents_are_reported_and_a_failing_report_ends_its_feed_only(
+    agents: list[Agent], reader: FeedReader, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(feed_module, "SILENCE_MIN_S", 0.0)
+    monkeypatch.setattr(reader_module, "SILENCE_CHECK_S", 0.05)
+    quiet, bad = follow(agents[:2], reader)
+    silences: list[float] = []
+    quiet.feed._on_silence = silences.append
+
+    def fail(_seconds: float) -> None:
+        raise RuntimeError("a bug in the view")
+
+    bad.feed._on_silence = fail
+    for agent in agents[:2]:
+        agent.send(replace(hello(1), interval_s=0.01))  # silent after 0.2 s without a frame
+    wait_for(bad.feed.ended)
+    assert bad.reasons == ["feed failed: RuntimeError('a bug in the view')"]
+    deadline = time.monotonic() + WAIT_S
+    while not silences and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert silences and silences[0] >= 0.2
+    assert not quiet.feed.ended.is_set()
 
 
 def test_an_agent_that_is_not_listening_ends_its_feed_at_once(
