@@ -466,6 +466,21 @@ class AgentConnection:
                 return
             yield from self._splitter.feed(data)
 
+    def receive(self) -> Iterator[bytes] | None:
+        """The frames of one read that does not wait, for a caller whose selector found the
+        socket readable (an incomplete frame waits for the next read), to be taken in full
+        before the next read; ``None`` once the agent closed the connection. Taking them
+        raises :class:`ProtocolError` at an oversized frame, after the frames before it."""
+        try:
+            data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return iter(())
+        except OSError:
+            return None
+        if not data:
+            return None
+        return self._splitter.feed(data)
+
     def messages(self) -> Iterator[Message]:
         for frame in self.frames():
             message = decode(frame)

@@ -2,8 +2,10 @@
 
 ``torchtop run --metrics`` follows the agents that descend from the runner (the job, or every
 rank under torchrun); ``torchtop export`` follows one PID, one run, or every agent of this user,
-picking up jobs that start later. Each agent gets its own connection (client ``exporter``), read
-in its own thread; scrapes and OTLP pushes read immutable figures and never wait for a feed.
+picking up jobs that start later. Each agent gets its own connection (client ``exporter``); one
+thread reads them all (:class:`~torchtop.streams.reader.FeedReader`: a node of many ranks, or
+1,024 simulated ones, would otherwise be as many threads contending for the interpreter and the
+job set's lock); scrapes and OTLP pushes read immutable figures and never wait for a feed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torchtop.model.run import RunModel
 from torchtop.protocol import Hello, Message
 from torchtop.streams.discovery import AgentScan, launcher_of, run_of
 from torchtop.streams.feed import AgentFeed
+from torchtop.streams.reader import FeedReader
 from torchtop.transport import AgentInfo
 
 #: Seconds between looks for new agents.
@@ -167,6 +170,7 @@ class Exporter:
         run: str | None = None,
     ) -> None:
         self.jobs = JobSet(run=run)
+        self._reader = FeedReader(name="torchtop-export-feeds")
         # A job is in or out for good; one whose description names no run yet is followed,
         # and its hello decides (:class:`JobSet`).
         self._scan = AgentScan(
@@ -221,6 +225,7 @@ class Exporter:
             paced=True,  # scraped every few seconds: a sample a second is plenty
             on_message=lambda m: self.jobs.apply(address, m),
             on_end=lambda _reason: self._ended(address),
+            reader=self._reader,
         )
         self.jobs.add(info, feed)
         feed.start()
@@ -240,5 +245,6 @@ class Exporter:
             self.otlp.close()
         for feed in self.jobs.feeds():
             feed.close()
+        self._reader.close()
         if self.server is not None:
             self.server.close()

@@ -4,7 +4,9 @@
 callback, writing each frame to a recording on the way. It ends when the agent closes the
 connection (the job exited or died), when it is closed, or on a malformed frame. An agent that
 stays connected but sends nothing for many sampling intervals is reported through
-``on_silence(seconds)``, once a second, until it speaks again.
+``on_silence(seconds)``, once a second, until it speaks again. A feed reads in a thread of its
+own, or, in a process that follows many agents, in the one thread of a
+:class:`~torchtop.streams.reader.FeedReader` shared with the others.
 
 Where the job runs on this machine, the feed reads from outside it what can be read there (its
 process from ``/proc``, the GPUs from NVML: :class:`~torchtop.streams.outside.OutsideReader`) and
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from torchtop.protocol import (
     PACED_SAMPLE_S,
@@ -31,6 +34,7 @@ from torchtop.protocol import (
     encode,
 )
 from torchtop.streams.outside import OutsideReader
+from torchtop.streams.reader import failed
 from torchtop.streams.recording import FrameSink
 from torchtop.streams.worker_memory import with_worker_memory
 from torchtop.transport import (
@@ -40,6 +44,9 @@ from torchtop.transport import (
     pid_alive,
     wait_for_agent,
 )
+
+if TYPE_CHECKING:
+    from torchtop.streams.reader import FeedReader
 
 #: An agent is silent after this many sampling intervals without a frame (at least
 #: SILENCE_MIN_S): viewers then say "no data for N s" instead of "live".
@@ -75,6 +82,7 @@ class AgentFeed:
         started_at: float | None = None,
         outside: bool = True,
         paced: bool = False,
+        reader: FeedReader | None = None,
     ) -> None:
         if pid is None and address is None:
             raise ValueError("give the agent's pid or address")
@@ -108,13 +116,23 @@ class AgentFeed:
         self.connected = threading.Event()
         self.ended = threading.Event()
         self.end_reason = ""
+        #: Read by a :class:`~torchtop.streams.reader.FeedReader` shared with other feeds
+        #: (one thread for many agents: an exporter's), else by a thread of its own.
+        self._reader = reader
         self._thread = threading.Thread(target=self._run, name="torchtop-feed", daemon=True)
 
     def start(self) -> AgentFeed:
-        self._thread.start()
+        """Connect and read; with a shared reader, the connection is made in this thread (and
+        a feed given a pid waits here for its agent, up to ``wait_s``)."""
+        if self._reader is not None:
+            self._reader.add(self)
+        else:
+            self._thread.start()
         return self
 
     def join(self, timeout: float | None = None) -> bool:
+        if self._reader is not None:
+            return self.ended.wait(timeout)
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -127,21 +145,32 @@ class AgentFeed:
 
     def close(self) -> None:
         self._closed.set()
+        if self._reader is not None:
+            self._reader.drop(self)  # its thread closes the connection it reads
+            return
         conn = self._conn
         if conn is not None:
             conn.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed.is_set()
 
     def _run(self) -> None:
         reason = "closed"
         try:
             reason = self._stream()
         except Exception as exc:  # a feed must end with a reason, never a traceback
-            reason = f"feed failed: {exc!r}"
+            reason = failed(exc)
         finally:
-            self.end_reason = reason
-            self.ended.set()
-            if self._on_end is not None:
-                self._on_end(reason)
+            self._end(reason)
+
+    def _end(self, reason: str) -> None:
+        self.end_reason = reason
+        self.ended.set()
+        if self._on_end is not None:
+            self._on_end(reason)
 
     def lost_exit(self) -> JobExited | None:
         """For a recording whose stream broke off without the job's exit: an ``exit`` of
@@ -203,6 +232,30 @@ class AgentFeed:
             self._on_message(message)
 
     def _stream(self) -> str:
+        reason = self._connect()
+        if reason is not None:
+            return reason
+        assert self._conn is not None
+        try:
+            for frame in self._conn.frames(on_idle=self._check_silence):
+                self._receive(frame)
+        except ProtocolError as exc:
+            return malformed(exc)
+        finally:
+            self._conn.close()
+        return self._outcome()
+
+    def _outcome(self) -> str:
+        """Why the stream ended, once the connection closed."""
+        if self._closed.is_set():
+            return "detached"
+        if self.saw_exit is not None:
+            return "job exited"
+        return LOST
+
+    def _connect(self) -> str | None:
+        """Wait for the agent and connect to it; the end reason where that never happens
+        (raises :class:`TransportError` where the agent refuses)."""
         address = self.address
         if address is None:
             assert self.pid is not None
@@ -239,33 +292,56 @@ class AgentFeed:
         if self._on_connect is not None:
             self._on_connect(address)
         self._last_frame = time.monotonic()
+        return None
+
+    def _open(self) -> AgentConnection | str:
+        """For a shared reader: wait for the agent and connect, in the caller's thread; the
+        connection, or the reason the feed ends without one (as its own thread would say)."""
         try:
-            for frame in self._conn.frames(on_idle=self._check_silence):
-                self._last_frame = time.monotonic()
-                message = decode(frame)
-                outside = self.outside
-                if isinstance(message, LoaderInfo) and self._job_pid is not None:
-                    message = with_worker_memory(message, self._job_pid)
-                    frame = _frame(message)
-                elif isinstance(message, Sample) and outside is not None:
-                    filled = outside.sample(message)
-                    if filled is not message:
-                        message, frame = filled, _frame(filled)
-                elif isinstance(message, GpuSample) and outside is not None:
-                    outside.agent_gpu()
-                elif isinstance(message, Hello) and outside is not None:
-                    outside.hello(message)
-                self._deliver(frame, message)
-                if isinstance(message, Sample) and outside is not None:
-                    gpu = outside.gpu()
-                    if gpu is not None:
-                        self._deliver(_frame(gpu), gpu)
+            reason = self._connect()
+        except Exception as exc:  # an end reason, never a traceback
+            return failed(exc)
+        if reason is not None:
+            return reason
+        assert self._conn is not None
+        return self._conn
+
+    def _take(self, frames: Iterable[bytes]) -> str | None:
+        """For a shared reader: the frames of one read, handed on in order; the reason the
+        feed ends where one ends it (a malformed frame, a failing callback), else ``None``."""
+        try:
+            for frame in frames:
+                self._receive(frame)
         except ProtocolError as exc:
-            return f"the agent sent a malformed frame: {exc}"
-        finally:
-            self._conn.close()
-        if self._closed.is_set():
-            return "detached"
-        if self.saw_exit is not None:
-            return "job exited"
-        return LOST
+            return malformed(exc)
+        except Exception as exc:  # one feed's failure ends that feed only
+            return failed(exc)
+        return None
+
+    def _receive(self, frame: bytes) -> None:
+        """One frame from the agent: decoded, completed with what is read from outside the
+        job, recorded and handed on (raises :class:`ProtocolError` for a malformed one)."""
+        self._last_frame = time.monotonic()
+        message = decode(frame)
+        outside = self.outside
+        if isinstance(message, LoaderInfo) and self._job_pid is not None:
+            message = with_worker_memory(message, self._job_pid)
+            frame = _frame(message)
+        elif isinstance(message, Sample) and outside is not None:
+            filled = outside.sample(message)
+            if filled is not message:
+                message, frame = filled, _frame(filled)
+        elif isinstance(message, GpuSample) and outside is not None:
+            outside.agent_gpu()
+        elif isinstance(message, Hello) and outside is not None:
+            outside.hello(message)
+        self._deliver(frame, message)
+        if isinstance(message, Sample) and outside is not None:
+            gpu = outside.gpu()
+            if gpu is not None:
+                self._deliver(_frame(gpu), gpu)
+
+
+def malformed(exc: ProtocolError) -> str:
+    """The end reason of a stream that sent a malformed frame."""
+    return f"the agent sent a malformed frame: {exc}"
