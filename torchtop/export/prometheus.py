@@ -155,8 +155,7 @@ class Renderer:
         self._next_at: dict[str, float] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
-        #: Renders done, by the renderer and by scrapes (for tests and the benchmark).
-        self.renders = 0
+        #: Renders a scrape did itself, having no fresh answer.
         self.scrape_renders = 0
 
     def answer(self, accept: str) -> tuple[str, bytes]:
@@ -183,7 +182,6 @@ class Renderer:
         held = self._bodies.get(content_type)
         if held is None or held[0] < began:
             self._bodies[content_type] = (began, body)
-        self.renders += 1
 
     def _wake(self) -> None:
         """Start the renderer, or wake it if it waits for a scrape (under ``_cond``)."""
