@@ -17,11 +17,11 @@ from tests.conftest import SCRIPTS, torchtop
 
 pytestmark = pytest.mark.slow
 
-#: 80 steps whose batch takes 24 ms to load and 4 ms or more to compute, in one epoch (a second
+#: 80 steps whose batch takes 60 ms to load and 4 ms or more to compute, in one epoch (a second
 #: epoch starts its workers again: a second warm-up in the middle of the run).
 JOB = [
     str(SCRIPTS / "train_loader.py"),
-    "--batches", "80", "--epochs", "1", "--batch-size", "4", "--item-sleep", "0.006",
+    "--batches", "80", "--epochs", "1", "--batch-size", "4", "--item-sleep", "0.015",
 ]  # fmt: skip
 
 

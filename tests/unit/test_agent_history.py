@@ -96,6 +96,19 @@ def test_a_failing_server_is_reported_on_stderr_and_to_viewers(
     )
 
 
+def test_an_attached_agent_tells_viewers_only(
+    agent: Agent, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `torchtop attach` starts its agent with stderr_notices off: the job's stderr stays its own.
+    agent.config.stderr_notices = False
+    _fail_once(monkeypatch, agent.server, "_pump", RuntimeError("boom"))
+    agent.server._wake()
+    messages = _read(_connect(agent.server), 3)
+    statuses = [m for m in messages if isinstance(m, ProbeStatus) and m.probe == SERVER_PROBE]
+    assert statuses and "restarted" in statuses[0].detail
+    assert "torchtop" not in capfd.readouterr().err
+
+
 def test_a_server_that_gives_up_removes_its_socket(
     capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

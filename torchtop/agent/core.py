@@ -108,6 +108,9 @@ class AgentConfig:
     capture_output: bool = False
     #: At exit, wait up to this long for a viewer that is expected to attach to get everything.
     linger_s: float = 0.0
+    #: Write the agent's notices (over its budget, its server restarted) on the job's stderr
+    #: as well as to viewers. An attached agent writes none: the job's output is the job's own.
+    stderr_notices: bool = True
     #: The share of the job's step time the agent's threads may use (``--cost-budget``); above
     #: it the sampler samples less often. 0: no budget.
     cost_budget: float = 0.01
@@ -313,15 +316,19 @@ class Agent:
                 return
         self.oom.handle_request(request)
 
+    def _say(self, message: str) -> None:
+        if self.config.stderr_notices:
+            _say(message)
+
     def _server_failed(self, message: str) -> None:
         """The server's I/O thread failed and was restarted: say so, on stderr and to viewers."""
-        _say(message)
+        self._say(message)
         self.publish(ProbeStatus(t=time.time(), probe=SERVER_PROBE, available=True, detail=message))
 
     def _server_gave_up(self, message: str) -> None:
         """The server stopped for good: say so and remove its socket, so `ps` no longer lists
         an agent that cannot be attached."""
-        _say(message)
+        self._say(message)
         self.publish(
             ProbeStatus(t=time.time(), probe=SERVER_PROBE, available=False, detail=message)
         )
@@ -400,7 +407,7 @@ class Agent:
                     f"{self.sampler.base_interval_s:g} s, and spaces its op windows out "
                     "(--cost-budget)"
                 )
-                _say(detail)
+                self._say(detail)
                 self.publish(
                     ProbeStatus(t=time.time(), probe=COST_PROBE, available=True, detail=detail)
                 )

@@ -531,7 +531,7 @@ def start_agent(
             raise AttachRefused(f"cannot start an agent in pid {pid}: {problem}")
     directory = ensure_runtime_dir()
     status = directory / f"{pid}-attach-{secrets.token_hex(4)}.json"
-    agent_options = {"capture_output": False, **(options or {})}
+    agent_options = {"capture_output": False, "stderr_notices": False, **(options or {})}
     source = payload_source(str(status), python_path, agent_options, str(directory))
     say = progress or (lambda _text: None)
     say(f"starting an agent in pid {pid} (Python {target.version})")
