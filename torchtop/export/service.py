@@ -24,6 +24,7 @@ from torchtop.model.run import RunModel
 from torchtop.protocol import Hello, Message
 from torchtop.streams.discovery import AgentScan, launcher_of, run_of
 from torchtop.streams.feed import AgentFeed
+from torchtop.streams.heap import EXPORTER_OLD_THRESHOLD, SettledHeap
 from torchtop.streams.reader import FeedReader
 from torchtop.transport import AgentInfo
 
@@ -182,6 +183,7 @@ class Exporter:
         )
         self.server: Any = None
         self.otlp: Any = None
+        self._heap = SettledHeap(old=EXPORTER_OLD_THRESHOLD)
         if metrics is not None:
             from torchtop.export.prometheus import serve
 
@@ -196,6 +198,7 @@ class Exporter:
                 raise
 
     def start(self) -> Exporter:
+        self._heap.settle()  # what exists now lives as long as the exporter
         self._scan.start()
         return self
 
@@ -248,3 +251,4 @@ class Exporter:
         self._reader.close()
         if self.server is not None:
             self.server.close()
+        self._heap.release()

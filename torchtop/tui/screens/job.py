@@ -35,10 +35,10 @@ from torchtop.protocol import (
     Message,
     OpsWindow,
 )
+from torchtop.streams.heap import SettledHeap
 from torchtop.streams.source import Source, SourceDisconnected
 from torchtop.text import printable
 from torchtop.tui.compositor import RowsCompositor
-from torchtop.tui.heap import SettledHeap
 from torchtop.tui.palette import Action
 from torchtop.tui.screens.advice import AdviceScreen
 from torchtop.tui.screens.help import HelpScreen

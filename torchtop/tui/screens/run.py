@@ -35,9 +35,9 @@ from textual.widgets.data_table import ColumnKey
 from torchtop.job_output import rank_prefix, split_rank
 from torchtop.model.run_advice import died
 from torchtop.sizes import format_bytes
+from torchtop.streams.heap import SettledHeap
 from torchtop.text import printable
 from torchtop.tui.format import format_seconds_short, format_span
-from torchtop.tui.heap import SettledHeap
 from torchtop.tui.screens.collectives import CollectivesScreen
 from torchtop.tui.screens.job import JobScreen
 from torchtop.tui.screens.run_order import FOLD_AFTER, heat_strip, ordered, page_line
