@@ -20,8 +20,8 @@ is :class:`ReadFeed`.
 from __future__ import annotations
 
 import contextlib
+import os
 import selectors
-import socket
 import threading
 import time
 from collections import deque
@@ -78,9 +78,10 @@ class FeedReader:
 
     def __init__(self, name: str = "torchtop-feeds") -> None:
         self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        # A pipe wakes the selector (not a socket pair: the process's sockets stay its agents').
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._lock = threading.Lock()
         #: Feeds to start reading (with their connection) and feeds closed (``None``), in the
@@ -134,8 +135,9 @@ class FeedReader:
             self._finish_unread(feed, conn)
 
     def _wake(self) -> None:
-        with contextlib.suppress(OSError):  # full: it is awake already
-            self._wake_w.send(b"\0")
+        with self._lock, contextlib.suppress(OSError):  # full: it is awake already
+            if self._wake_w >= 0:  # not closed
+                os.write(self._wake_w, b"\0")
 
     def _run(self) -> None:
         next_silence = time.monotonic() + SILENCE_CHECK_S
@@ -144,7 +146,7 @@ class FeedReader:
                 for key, _events in self._selector.select(SILENCE_CHECK_S):
                     if key.data is None:
                         with contextlib.suppress(OSError):
-                            self._wake_r.recv(4096)
+                            os.read(self._wake_r, 4096)
                     else:
                         self._read(key.data)
                 now = time.monotonic()
@@ -169,9 +171,13 @@ class FeedReader:
             self._close_selector()
 
     def _close_selector(self) -> None:
+        with self._lock:  # once: a pipe's fd closed twice could be another file's by then
+            if self._wake_r < 0:
+                return
+            wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
         self._selector.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        os.close(wake_r)
+        os.close(wake_w)
 
     def _apply_changes(self) -> bool:
         """Start and stop reading the feeds given since the last look; True to stop."""

@@ -24,6 +24,7 @@ from torchtop.model.run import RunModel
 from torchtop.protocol import JobExited, LogLine, Message, encode
 from torchtop.streams.discovery import Agents, AgentScan
 from torchtop.streams.feed import AgentFeed
+from torchtop.streams.reader import FeedReader
 from torchtop.streams.recording import FrameSink, tag_frame
 from torchtop.transport import AgentInfo, pid_alive
 
@@ -104,6 +105,8 @@ class RankFeeds:
         self._on_message = on_message
         self._on_rank = on_rank
         self.feeds: dict[int, AgentFeed] = {}
+        #: One thread reads every rank (a thread per rank: 64 threads waking for each frame).
+        self._reader = FeedReader(name="torchtop-rank-feeds")
         self._scan = AgentScan(
             follows, self._follow, interval_s=SCAN_INTERVAL_S, name="torchtop-ranks"
         )
@@ -129,6 +132,7 @@ class RankFeeds:
             paced=True,  # a rank's row needs a sample a second; a recording gets them all
             on_message=functools.partial(self._received, str(pid)),
             on_end=functools.partial(self._ended, pid, writer),
+            reader=self._reader,
         )
         self.feeds[pid] = feed
         feed.start()
@@ -159,6 +163,7 @@ class RankFeeds:
         self._scan.close()
         for feed in list(self.feeds.values()):
             feed.close()
+        self._reader.close()
 
     @property
     def frames(self) -> int:
@@ -375,6 +380,7 @@ class AttachedRun(RunFold):
         self.nodes = list(nodes)
         self.writer = writer
         self.feeds: list[AgentFeed] = []
+        self._reader = FeedReader(name="torchtop-rank-feeds")  # one thread reads every rank
         self._by_stream: dict[str, AgentFeed] = {}
         self._started = False
         self._leaving = False
@@ -394,6 +400,7 @@ class AttachedRun(RunFold):
                 on_message=functools.partial(self.queue, stream),
                 writer=writer,
                 on_end=functools.partial(self._rank_ended, stream, writer),
+                reader=self._reader,
             )
             self.feeds.append(feed)
             self._by_stream[stream] = feed
@@ -430,6 +437,7 @@ class AttachedRun(RunFold):
         self._leaving = True
         for feed in self.feeds:
             feed.close()
+        self._reader.close()
         for node in self.nodes:
             node.close()
 
