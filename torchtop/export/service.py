@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtop.export.figures import JobFigures, figures_of
+from torchtop.model.advice import RANK_EVAL_INTERVAL_S, Advisor
 from torchtop.model.job import JobModel
 from torchtop.model.run import RunModel
 from torchtop.protocol import Hello, Message
@@ -59,6 +60,7 @@ def _exported_job() -> JobModel:
     return JobModel(
         history_points=1, log_lines=1, max_events=1, step_points=EXPORTED_STEP_POINTS,
         history_steps=EXPORTED_HISTORY_STEPS, step_frames=EXPORTED_STEP_FRAMES,
+        advice=Advisor(interval_s=RANK_EVAL_INTERVAL_S),
     )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from torchtop.job_output import rank_prefix, split_rank
 from torchtop.model import JobModel
-from torchtop.model.advice import Finding
+from torchtop.model.advice import RANK_EVAL_INTERVAL_S, Advisor, Finding
 from torchtop.model.run import RunModel
 from torchtop.protocol import JobExited, LogLine, Message, encode
 from torchtop.streams.discovery import Agents, AgentScan
@@ -57,6 +57,7 @@ def rank_model() -> JobModel:
         step_points=RANK_STEP_POINTS,
         history_steps=RANK_HISTORY_STEPS,
         step_frames=RANK_STEP_FRAMES,
+        advice=Advisor(interval_s=RANK_EVAL_INTERVAL_S),
     )
 
 
