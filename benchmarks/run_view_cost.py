@@ -225,7 +225,7 @@ def report(result: dict[str, Any], injected: dict[str, float], args: argparse.Na
     print(
         f"view of {result['ranks']} {'simulated ' if args.simulated else ''}ranks at 80x24 over "
         f"{wall:.0f} s: {100 * result['core_share']:.1f}% of one core ({result['cpu_s']:.2f} s "
-        f"CPU; app thread {result['app thread']:.2f} s, other threads (one feed per rank) "
+        f"CPU; app thread {result['app thread']:.2f} s, other threads (reading the ranks) "
         f"{result['other threads']:.2f} s; the ranks took {result['steps']} steps in all)"
     )
     print(
