@@ -247,6 +247,34 @@ def shared_nvml() -> SharedNvml:
         return _SHARED_NVML
 
 
+def children_by_parent(proc: str = "/proc") -> dict[int, list[int]]:
+    """Each process's children, by its pid: one read of each ``/proc/PID/stat`` (the parent is
+    the second field after the name, which may hold spaces and parentheses: it ends at the last
+    ``)``). A quarter of the CPU psutil's walk takes (it builds a ``Process`` for each, and reads
+    each ``stat`` twice), which a node running 1,000 processes notices. psutil's walk where
+    there is no ``/proc``."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        for process in psutil.process_iter(["ppid"]):
+            ppid = process.info.get("ppid")
+            if isinstance(ppid, int):
+                children.setdefault(ppid, []).append(process.pid)
+        return children
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{name}/stat", "rb") as stat:
+                text = stat.read()
+            ppid = int(text[text.rindex(b")") + 2 :].split(b" ", 2)[1])
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not a process's
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    return children
+
+
 class _ProcessTable:
     """Children per process, from one walk of the process table every few seconds shared by
     every reader (a walk reads every process's ``stat``: one per reader would cost 64 walks for
@@ -262,12 +290,7 @@ class _ProcessTable:
         with self._lock:
             now = time.monotonic()
             if now - self._walked_at >= self._every_s:
-                children: dict[int, list[int]] = {}
-                for proc in psutil.process_iter(["ppid"]):
-                    ppid = proc.info.get("ppid")
-                    if isinstance(ppid, int):
-                        children.setdefault(ppid, []).append(proc.pid)
-                self._children, self._walked_at = children, now
+                self._children, self._walked_at = children_by_parent(), now
             table = self._children
         count, todo, seen = 0, list(table.get(process.pid, ())), {process.pid}
         while todo:
