@@ -40,7 +40,12 @@ def test_reading_grad_from_another_thread_kills_the_job(tracker: bool) -> None:
     """The old way: 4 runs of 4 died within 1,500 steps here, plain or under the tracker."""
     proc = _race("--way", "sampler-reads", "--steps", "1500", *(["--tracker"] * tracker))
     assert proc.returncode < 0, f"the job survived the old read: {proc.stdout}"
-    assert "read_holders" in proc.stderr  # faulthandler: the reading thread is the one that died
+    # Two ways to die, both the race: the reading thread segfaults in read_holders (faulthandler
+    # names it), or the training thread frees a gradient the reader still holds and torch's own
+    # check aborts ("use_count() == 1", one run in dozens here).
+    died_reading = "read_holders" in proc.stderr
+    freed_while_held = "use_count() == 1" in proc.stderr
+    assert died_reading or freed_while_held, proc.stderr[-3000:]
 
 
 def test_the_agents_way_survives_the_same_stress_and_counts_every_gradient() -> None:
