@@ -89,7 +89,8 @@ def test_the_agent_reads_the_rss_alone_while_every_viewer_reads_the_rest(agent) 
         t0 = _settle()
         time.sleep(2.5)
         alone = outside.since(t0)
-        assert len(alone) >= 10
+        # An idle job's samples that repeat the last one are left out: one a second at least.
+        assert len(alone) >= 2
         assert all(h.rss_bytes and h.rss_bytes > 0 for h in alone)
         assert not any(_full(h) for h in alone), "the agent read psutil with no one needing it"
 
@@ -121,7 +122,7 @@ def test_the_feed_fills_in_what_it_reads_and_records_it(agent, tmp_path: Path, b
     feed = AgentFeed(**where, writer=writer, client="recorder").start()
     try:
         assert feed.connected.wait(10)
-        time.sleep(4.0)
+        time.sleep(5.0)
     finally:
         feed.close()
         feed.join(5)
@@ -129,7 +130,7 @@ def test_the_feed_fills_in_what_it_reads_and_records_it(agent, tmp_path: Path, b
     assert feed.outside is not None and feed.outside.names()[0] == "host"
     messages = read_recording(path).messages
     samples = [m for m in messages if isinstance(m, Sample) and m.host is not None]
-    assert len(samples) >= 20
+    assert len(samples) >= 4  # an idle job sends a sample a second at least
     later = samples[len(samples) // 2 :]  # past the first reads (CPU needs two)
     assert all(h.threads is not None and h.threads >= 2 for h in (s.host for s in later))
     assert all(s.host.cpu_percent is not None for s in later)

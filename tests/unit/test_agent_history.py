@@ -25,11 +25,14 @@ from torchtop.agent.oom.capture import _empty_capture, _fields
 from torchtop.protocol import (
     REQUEST_SNAPSHOT,
     Hello,
+    HostStats,
     MemorySnapshotTaken,
+    MemoryStats,
     OpsWindow,
     PhaseBegan,
     ProbeStatus,
     Request,
+    Sample,
 )
 from torchtop.transport import list_agents, remove_server_files, socket_path_for
 
@@ -68,6 +71,39 @@ def test_snapshot_answers_and_op_windows_never_push_out_phases(agent: Agent) -> 
     assert windows[0] == dataclasses.replace(
         window(window=windows[0].window), ops=[], cumulative=[]
     )
+
+
+def _sample(t: float, allocated: int = 1 << 20) -> Sample:
+    memory = [
+        MemoryStats(
+            device="cpu", source="cpu-heap", allocated_bytes=allocated, reserved_bytes=2 << 20
+        )
+    ]
+    host = HostStats(
+        rss_bytes=2 << 20,
+        cpu_percent=0.0,
+        threads=3,
+        children=0,
+        system_used_bytes=1 << 30,
+        system_total_bytes=4 << 30,
+    )
+    return Sample(t=t, host=host, memory=memory)
+
+
+def test_a_job_that_holds_still_sends_a_sample_a_second(agent: Agent) -> None:
+    sent: list[bytes] = []
+    real = agent.server.publish
+    agent.server.publish = lambda frame, *rest: (sent.append(frame), real(frame, *rest))  # type: ignore[method-assign]
+    # Ten seconds of a job that holds still at 10 Hz, then one tick whose memory moved.
+    for i in range(100):
+        agent.publish(_sample(100 + i / 10))
+    agent.publish(_sample(110.0, allocated=3 << 20))
+    agent.publish(_sample(110.1, allocated=3 << 20))
+    agent.publish(_sample(110.2, allocated=4 << 20))
+    times = [m.t for m in _read(_connect(agent.server), 200, timeout=2) if isinstance(m, Sample)]
+    # One a second while nothing moved (the viewers' heartbeat), then each tick that moved.
+    assert times == pytest.approx([100.0 + s for s in range(10)] + [110.0, 110.2])
+    assert len(sent) == 12
 
 
 def test_snapshot_requests_are_capped_per_job(agent: Agent) -> None:

@@ -194,6 +194,8 @@ class Agent:
         self.pid = os.getpid()
         #: When the next sample goes to the viewers that take one a second.
         self._next_paced_sample = 0.0
+        #: The last sample sent, to leave out the ones that repeat it (see :meth:`publish`).
+        self._last_sample: Sample | None = None
         self.started_at = time.time()
         self.finished = False
         self._finish_lock = threading.Lock()
@@ -447,6 +449,8 @@ class Agent:
         return paused.measured()
 
     def publish(self, message: Message) -> None:
+        if isinstance(message, Sample) and self._repeats_last_sample(message):
+            return
         try:
             frame = encode(message)
         except Exception:
@@ -474,6 +478,23 @@ class Agent:
         else:
             ring = EVENTS  # rare and important: phases, marks, statuses, OOMs, the exit
         self.server.publish(frame, ring, aged, detail_only)
+
+    def _repeats_last_sample(self, sample: Sample) -> bool:
+        """True for a sample with the same figures as the last one sent, less than
+        :data:`PACED_SAMPLE_S` after it: a job that holds still (waiting, sleeping, hung) sends
+        one a second, not ten, so that it and its viewers spend nothing on figures that did not
+        move. Nothing is lost: the charts hold a value until the next sample, and a figure that
+        moves is sent at the tick it moved."""
+        last = self._last_sample
+        if (
+            last is not None
+            and 0 <= sample.t - last.t < PACED_SAMPLE_S
+            and sample.memory == last.memory
+            and sample.host == last.host
+        ):
+            return True
+        self._last_sample = sample
+        return False
 
     def start(self) -> None:
         self.server.start()
