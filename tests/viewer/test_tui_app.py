@@ -259,6 +259,32 @@ async def test_cuda_memory_figures_and_chart() -> None:
         assert app.job.state.primary_device == "cuda:0"
 
 
+def screen_lines(widget: TimeSeriesChart) -> list[str]:
+    """The chart's lines as they go to the terminal."""
+    return [widget.render_line(y).text for y in range(widget.size.height)]
+
+
+@pilot_test
+async def test_a_click_on_the_chart_writes_its_reading_on_screen_and_a_second_clears_it() -> None:
+    app = TorchtopApp(FakeSource(cuda_job()))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await drained(pilot)
+        chart = app.job.query_one(TimeSeriesChart)
+        before = screen_lines(chart)
+        assert len(before) == chart.size.height
+        assert all(len(line) == chart.size.width for line in before)
+        assert before == chart.render_text().plain.split("\n")
+        assert not any("allocated" in line for line in before)
+        await pilot.click(chart, offset=(chart.size.width - 3, 1))
+        await pilot.pause()
+        reading = screen_lines(chart)
+        assert chart.cursor is not None
+        assert "allocated 4.0G" in reading[0] and "reserved 6.0G" in reading[0], reading[0]
+        await pilot.click(chart, offset=(chart.size.width - 3, 1))
+        await pilot.pause()
+        assert chart.cursor is None and screen_lines(chart) == before
+
+
 @pilot_test
 async def test_cpu_memory_is_labelled_heap_and_rss() -> None:
     app = TorchtopApp(FakeSource(cpu_job()))

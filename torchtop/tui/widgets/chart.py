@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from rich.style import Style
 from rich.text import Text
 from textual.events import Click
 from textual.geometry import Size
+from textual.strip import Strip
 from textual.widget import Widget
 
 from torchtop.tui.format import format_bytes_short, format_span, nice_ceiling
@@ -334,6 +336,9 @@ class TimeSeriesChart(Widget):
         #: (a flat series a fraction of a column later) does not redraw the widget.
         self._drawn: Text | None = None
         self._drawn_size: Size | None = None
+        #: The drawn text's lines as strips, and the text and base style they were made from.
+        self._strips: list[Strip] = []
+        self._strips_of: tuple[Text, Style] | None = None
 
     def set_data(
         self,
@@ -412,3 +417,22 @@ class TimeSeriesChart(Widget):
         if self._drawn is None or size != self._drawn_size:
             self._drawn, self._drawn_size = self.render_text(), size
         return self._drawn
+
+    def render_line(self, y: int) -> Strip:
+        """Line ``y`` of the chart, from the drawn text's own segments. The chart's lines come
+        cut to the width, one style per run of cells, so they need none of the layout that
+        Textual gives text in general (wrapping, alignment, a style per character): that took
+        half of each frame that moved the chart, on an idle job every two seconds."""
+        text = self.render()
+        base = self.visual_style.rich_style
+        if self._strips_of is None or self._strips_of[0] is not text or self._strips_of[1] != base:
+            width = self.size.width
+            console = self.app.console
+            self._strips = [
+                Strip(list(line.render(console))).apply_style(base).crop_extend(0, width, base)
+                for line in text.split("\n", allow_blank=True)
+            ]
+            self._strips_of = (text, base)
+        if 0 <= y < len(self._strips):
+            return self._strips[y]
+        return Strip.blank(self.size.width, base)
