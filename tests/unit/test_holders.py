@@ -120,6 +120,31 @@ def test_reader_sees_only_optimizers_whose_step_ran_and_reads_at_most_once_an_in
     holders.forget_all()
 
 
+def test_the_step_hook_keeps_two_optimizers_apart_and_holds_neither_alive() -> None:
+    """The hook remembers the last optimizer it saw to find its record quickly: two that step
+    in turn each keep their own reads, and one the job drops is still forgotten."""
+    import gc
+    import weakref
+
+    holders.forget_all()
+    a_layer, b_layer = nn.Linear(4, 4), nn.Linear(8, 8)
+    a = torch.optim.SGD(a_layer.parameters(), lr=0.1)
+    b = torch.optim.SGD(b_layer.parameters(), lr=0.1)
+    for optimizer in (a, b, a, b):
+        holders.optimizer_pre_hook(optimizer, (optimizer,), {})
+    reads = {id(o): n.read for o, n in holders._NOTED.items()}
+    assert set(reads) == {id(a), id(b)}
+    assert reads[id(a)] is not None and reads[id(a)].devices["cpu"].parameters == 20 * F32
+    assert reads[id(b)] is not None and reads[id(b)].devices["cpu"].parameters == 72 * F32
+    gone = weakref.ref(b)
+    del b, optimizer
+    gc.collect()
+    assert gone() is None  # the last optimizer seen is not kept alive by the hook
+    assert [id(o) for o in holders._NOTED] == [id(a)]
+    holders.forget_all()
+    assert holders._LAST == [None, None]
+
+
 def test_the_step_hook_reads_in_the_training_thread_and_the_sampler_touches_no_tensor() -> None:
     """The sampler's side merges numbers: with the optimizer made unreadable after its step,
     it still gives the split, from another thread."""

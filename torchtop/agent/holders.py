@@ -119,6 +119,10 @@ class _Noted:
 _NOTED: weakref.WeakKeyDictionary[Any, _Noted] = weakref.WeakKeyDictionary()
 #: The thread that ran the last step pre-hook: the one where reading tensors is safe.
 _STEPPING = [0]
+#: The optimizer of the last step pre-hook (a weak reference) and its record.
+_LAST: list[Any] = [None, None]
+_get_ident = threading.get_ident
+_monotonic = time.monotonic
 #: Bumped by each read, so that the sampler sends a frame only when there is something new.
 _VERSION = [0]
 #: Reads that raised (an odd optimizer); the job never sees it.
@@ -163,8 +167,18 @@ def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     Runs in the thread that steps the optimizer, the only one where its tensors may be read.
     """
     try:
-        noted = _note(optimizer)
-        if time.monotonic() < noted.next_at and len(optimizer.state) == noted.states:
+        # Once a step, with the hook's code and data cold after the step's ops: the usual case
+        # (the optimizer of the last step) costs a weak reference's call, not a weak dict's
+        # lookup (a new reference to hash each time).
+        last = _LAST
+        ref = last[0]
+        if ref is not None and ref() is optimizer:
+            noted = last[1]
+            _STEPPING[0] = _get_ident()
+        else:
+            noted = _note(optimizer)
+            last[0], last[1] = weakref.ref(optimizer), noted
+        if _monotonic() < noted.next_at and len(optimizer.state) == noted.states:
             return
         read_due(optimizer, noted, READ_INTERVAL_S, READ_BUDGET)
     except Exception:  # cannot be weakly referenced, an odd optimizer: never the job's failure
@@ -214,6 +228,7 @@ def note_optimizer(optimizer: Any) -> None:
 def forget_all() -> None:
     """Forget every optimizer (the hooks are removed)."""
     _NOTED.clear()
+    _LAST[0] = _LAST[1] = None
     _STEPPING[0] = 0
 
 
