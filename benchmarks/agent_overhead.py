@@ -20,6 +20,8 @@ and the whole (those, the profiled steps' slowdown, and reading the window).
     python -m benchmarks.agent_overhead --hooks-only  # the sampler on in both arms: the
                                                      # step and DataLoader hooks' share alone
     python -m benchmarks.agent_overhead --threads default  # torch's own thread count
+    python -m benchmarks.agent_overhead --hook-parts  # the sampler paused in both arms: each
+                                                     # part of the hooks alone, then all
 """
 
 from __future__ import annotations
@@ -258,6 +260,52 @@ def self_measured(
     return {"self_measured_step_share": share, "self_measured_pairs": pairs}
 
 
+#: The parts of the training thread's hooks that ``--hook-parts`` measures one at a time.
+HOOK_PARTS = ("optimizer", "dataloader", "backward")
+
+
+def hook_parts(
+    name: str,
+    build: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
+    rounds: int,
+    seconds: float,
+) -> dict[str, object]:
+    """Each part of the hooks alone, then all of them, in against out with the sampler paused
+    in both arms: what the training thread pays for the hooks themselves, in the job's own
+    steps (a hook costs several times more there, its code and data cold, than timed alone)."""
+    torch.manual_seed(0)
+    step = make_step(*build())
+    block(step, 1.0)  # warm up
+    agent = core.start(ops=False, measure_cost=False)
+    agent.sampler.pause()
+    training = agent.training
+    result: dict[str, object] = {"model": name}
+    try:
+        for part in (*HOOK_PARTS, "all"):
+            off: list[float] = []
+            on: list[float] = []
+            pairs: list[float] = []
+            for _ in range(rounds):
+                training.remove()
+                off_block = block(step, seconds)
+                training.reinstall(None if part == "all" else (part,))
+                on_block = block(step, seconds)
+                training.drain()  # the blocks' events, outside the timed blocks
+                off += off_block
+                on += on_block
+                pairs.append(statistics.median(on_block) / statistics.median(off_block))
+            ratio = statistics.median(on) / statistics.median(off)
+            result[part] = {"ratio": ratio, "median_pair_ratio": statistics.median(pairs)}
+            print(
+                f"{name:10s} hooks: {part:10s} ratio {ratio:.4f}"
+                f"  (median of {rounds} paired blocks {statistics.median(pairs):.4f})",
+                flush=True,
+            )
+    finally:
+        torchtop.stop()
+    return result
+
+
 def _median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3 if values else float("nan")
 
@@ -274,6 +322,12 @@ def main() -> None:
         help="keep the sampler running in both arms: measure the step and DataLoader hooks",
     )
     parser.add_argument("--no-ops", action="store_true", help="no op-timing windows in the on arm")
+    parser.add_argument(
+        "--hook-parts",
+        action="store_true",
+        help="the sampler paused in both arms: each part of the hooks (optimizer, DataLoader,"
+        " backward) in against out alone, then all of them",
+    )
     parser.add_argument("--model", choices=("mlp", "tiny-ops"), help="measure this model only")
     parser.add_argument("--rounds", type=int, help="paired blocks per model (default 40)")
     parser.add_argument(
@@ -304,11 +358,15 @@ def main() -> None:
     rounds, seconds = (3, 0.5) if args.quick else (40, 1.0)
     if args.rounds:
         rounds = args.rounds
-    results = [
-        measure(name, build, rounds, seconds, args.hooks_only, not args.no_ops, settings)
-        for name, build in MODELS.items()
-        if args.model in (None, name)
-    ]
+    models = [(name, build) for name, build in MODELS.items() if args.model in (None, name)]
+    results: list[dict[str, object]]
+    if args.hook_parts:
+        results = [hook_parts(name, build, rounds, seconds) for name, build in models]
+    else:
+        results = [
+            dict(measure(name, build, rounds, seconds, args.hooks_only, not args.no_ops, settings))
+            for name, build in models
+        ]
     if args.json:
         print(json.dumps(results, indent=2))
 

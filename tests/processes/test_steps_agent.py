@@ -408,6 +408,28 @@ def test_removed_hooks_stay_out_through_the_samplers_ticks_until_reinstalled(
     assert monitor.installed
 
 
+def test_reinstalled_with_only_some_parts_the_others_stay_out(monitor: TrainingMonitor) -> None:
+    """``benchmarks.agent_overhead --hook-parts``: one part of the hooks in, the rest out."""
+    from torch.optim import optimizer as optim_module
+    from torch.utils.data import dataloader as dl_module
+
+    cls = dl_module._BaseDataLoaderIter
+    pre_hooks = len(optim_module._global_optimizer_pre_hooks)
+    monitor.remove()
+    assert len(optim_module._global_optimizer_pre_hooks) == pre_hooks - 2
+    monitor.reinstall(("dataloader",))
+    assert getattr(cls.__dict__["__next__"], "_torchtop", False)
+    assert len(optim_module._global_optimizer_pre_hooks) == pre_hooks - 2
+    assert not getattr(torch.autograd.backward, "_torchtop", False)
+    monitor.remove()
+    monitor.reinstall(("optimizer",))
+    assert not getattr(cls.__dict__["__next__"], "_torchtop", False)
+    assert len(optim_module._global_optimizer_pre_hooks) == pre_hooks
+    monitor.remove()
+    monitor.reinstall()
+    assert monitor.installed and getattr(torch.autograd.backward, "_torchtop", False)
+
+
 class _Broken(Dataset):
     def __len__(self) -> int:
         return 4

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from torchtop.agent import holders as holder_hooks
@@ -301,12 +301,22 @@ class TrainingMonitor:
         self._running = False
         self.uninstall()
 
-    def reinstall(self) -> None:
-        """Install again after :meth:`remove` (the benchmark's on/off blocks)."""
+    def reinstall(self, only: Collection[str] | None = None) -> None:
+        """Install again after :meth:`remove` (the benchmark's on/off blocks); ``only``: keep
+        just these parts (``"optimizer"``, ``"dataloader"``, ``"backward"``, ...), to measure
+        each alone, with the sampler paused (its ticks would put the others back)."""
         # In order with the events: the next step must not span the time without hooks.
         PENDING.append((GAP, time.perf_counter()))
         self._running = True
         self.try_install()
+        if only is not None:
+            with self._lock:
+                dropped = {p: a for p, a in self._undo.items() if p not in only}
+                for part in dropped:
+                    del self._undo[part]
+            for actions in dropped.values():
+                for action in actions:
+                    action()
 
     # -- the sampler thread ----------------------------------------------------------------
 
