@@ -139,14 +139,15 @@ def test_every_bad_frame_closes_only_its_connection(tmp_path: Path) -> None:
             _send(path, payload, hello_first=True)
         for i, frame in enumerate(_mutations(seed=10, count=300)):
             _send(path, frame, hello_first=i % 2 == 1)
-        # The agent still serves: a normal attach records at its sampling rate (0.1 s).
+        # The agent still serves: a normal attach records its samples (an idle job's, that
+        # repeat the last one, are left out for up to a second: one a second at least).
         rec = tmp_path / "after.ttr"
         out = torchtop(
             "attach", str(job.pid), "--headless", "--record", str(rec), "--duration", "2"
         )
         assert out.returncode == 0, out.stderr
         report = json.loads(torchtop("report", str(rec), "--json").stdout)
-        assert report["samples_per_s"] >= 5
+        assert report["samples_per_s"] >= 1
         assert job.poll() is None
         assert [a.pid for a in list_agents()] == [job.pid]
     finally:
@@ -183,7 +184,7 @@ def test_every_bad_line_in_a_recording_is_skipped(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stderr
         assert "Traceback" not in out.stderr
     report = json.loads(torchtop("report", str(damaged), "--json").stdout)
-    assert report["samples_per_s"] >= 5
+    assert report["samples_per_s"] >= 1  # an idle job: one a second at least
 
 
 @pytest.mark.parametrize("frame", [b"[" * NEST, b'{"a":' * NEST])
