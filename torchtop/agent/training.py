@@ -125,6 +125,17 @@ class TorchImportWatcher:
             sys.meta_path = [finder for finder in sys.meta_path if finder is not self]
 
 
+def _undo_parts(undo: dict[str, list[Callable[[], None]]]) -> None:
+    """Run each part's undo actions (put the originals back); one that fails does not stop
+    the others."""
+    for actions in undo.values():
+        for action in actions:
+            try:
+                action()
+            except Exception:
+                pass
+
+
 class TrainingMonitor:
     """The hooks' life cycle in the agent, and their events turned into frames."""
 
@@ -288,12 +299,7 @@ class TrainingMonitor:
                 self._watcher.remove()
                 self._watcher = None
             undo, self._undo = self._undo, {}
-        for actions in undo.values():
-            for action in actions:
-                try:
-                    action()
-                except Exception:
-                    pass
+        _undo_parts(undo)
 
     def remove(self) -> None:
         """Remove every hook until :meth:`reinstall` (the benchmark's "off" blocks): unlike
@@ -311,12 +317,8 @@ class TrainingMonitor:
         self.try_install()
         if only is not None:
             with self._lock:
-                dropped = {p: a for p, a in self._undo.items() if p not in only}
-                for part in dropped:
-                    del self._undo[part]
-            for actions in dropped.values():
-                for action in actions:
-                    action()
+                dropped = {p: self._undo.pop(p) for p in list(self._undo) if p not in only}
+            _undo_parts(dropped)
 
     # -- the sampler thread ----------------------------------------------------------------
 
