@@ -52,7 +52,12 @@ def _recorded_job(path: Path) -> tuple[subprocess.Popen[str], subprocess.Popen[s
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(1.5)
+    # Recording: its file has a sample of the job (the recorder flushes twice a second).
+    deadline = time.monotonic() + 30
+    while not (path.exists() and b'"kind":"sample"' in path.read_bytes()):
+        assert time.monotonic() < deadline, "the recorder recorded nothing"
+        assert recorder.poll() is None, recorder.communicate()
+        time.sleep(0.1)
     return job, recorder
 
 
