@@ -34,8 +34,19 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 @pytest.fixture
 def agent() -> Iterator[tuple[subprocess.Popen[bytes], AgentInfo]]:
+    yield from _job()
+
+
+@pytest.fixture
+def moving_agent() -> Iterator[tuple[subprocess.Popen[bytes], AgentInfo]]:
+    """A job whose memory moves every step: no sample of it repeats the last."""
+    yield from _job("--churn")
+
+
+def _job(*options: str) -> Iterator[tuple[subprocess.Popen[bytes], AgentInfo]]:
+    script = str(SCRIPTS / "idle_job.py")
     job = subprocess.Popen(
-        [sys.executable, "-m", "torchtop.agent.bootstrap", str(SCRIPTS / "idle_job.py"), "120"],
+        [sys.executable, "-m", "torchtop.agent.bootstrap", script, "120", *options],
         env={**os.environ, "TORCHTOP_AGENT_OPTIONS": json.dumps({"ops": False, "nvml": False})},
         stdout=subprocess.DEVNULL,
     )
@@ -204,8 +215,8 @@ def _hello(uuids: list[str]) -> Hello:
     )
 
 
-def test_a_paced_viewer_gets_a_sample_a_second_and_everything_else(agent) -> None:
-    _, info = agent
+def test_a_paced_viewer_gets_a_sample_a_second_and_everything_else(moving_agent) -> None:
+    _, info = moving_agent
     counts: dict[str, dict[str, int]] = {"full": {}, "paced": {}}
 
     def read(name: str, conn: AgentConnection) -> None:
