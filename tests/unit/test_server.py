@@ -441,6 +441,17 @@ def test_a_batch_of_frames_is_sent_once_at_its_end_by_the_thread_that_published_
 ) -> None:
     sock = _connect(server)
     assert isinstance(_read(sock, 1)[0], Hello)
+    # Settle the I/O thread first: its replay done and its periodic pump stopped, since a
+    # pump that holds the viewer's send lock when a producer sends rightly leaves that send
+    # to the I/O thread (a wake), which is not what this test is about.
+    (client,) = server._clients.values()
+    deadline = time.monotonic() + 5
+    while client.replay is not None or client.want_write or client.outbuf:
+        assert time.monotonic() < deadline, "the history replay never ended"
+        time.sleep(0.01)
+    monkeypatch.setattr(server, "_pump", lambda: None)
+    with client.send_lock:  # a pump under way when it was stopped is over
+        pass
     sends: list[str] = []
     wakes: list[str] = []
     send_now, wake = server.send_now, server._wake
