@@ -10,10 +10,11 @@ model made of many tiny ops (where the per-step work is smallest and any cost of
 most).
 
 The "on" arm samples op timings at the default settings: a torch.profiler window of two steps,
-spaced so that the windows cost at most 2 % of the time. A median hides a rare slow step, so the
-ratio of the mean step times is given too (it carries the windows' amortized cost), and so is
-what one window cost on its own: starting and stopping the profiler in the training thread,
-and the whole (those, the profiled steps' slowdown, and reading the window).
+spaced so that the windows cost at most the agent's default budget (1 %) of the time. A
+median hides a rare slow step, so the ratio of the mean step times is given too (it carries the
+windows' amortized cost), and so is what one window cost on its own: starting and stopping the
+profiler in the training thread, and the whole (those, the profiled steps' slowdown, and
+reading the window).
 
     python -m benchmarks.agent_overhead            # about 3 minutes
     python -m benchmarks.agent_overhead --quick    # a smoke run
@@ -178,8 +179,8 @@ def summarize(
         "window_stop_ms": _median_ms([c[1] for c in costs]),
         "window_cost_ms": _median_ms([c[2] for c in costs]),
         # The windows' measured cost (on the job's own steps) against the time the agent ran
-        # (the "on" blocks; paused time does not count toward the spacing): the budget (2%)
-        # holds when this does.
+        # (the "on" blocks; paused time does not count toward the spacing): the budget
+        # (``--ops-budget``, 1% by default) holds when this does.
         "windows_share": sum(c[2] for c in costs) / on_seconds,
         # The agent's threads' CPU in the "on" blocks, as the agent measures its own cost
         # (its threads' CPU clocks), and its sampling interval at the end (its budget may
