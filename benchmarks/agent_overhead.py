@@ -41,6 +41,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSample
 
 import torchtop
 from torchtop.agent import core
+from torchtop.agent.steps import HOOK_S
 from torchtop.agent.threads import agent_cpu_s
 
 
@@ -131,6 +132,7 @@ def alternating(
     on: list[float] = []
     pair_ratios: list[float] = []
     agent.self_measured = []  # type: ignore[attr-defined]
+    agent.hooks_measured = []  # type: ignore[attr-defined]
     for _ in range(rounds):
         if not hooks_only:
             agent.sampler.pause()
@@ -141,12 +143,14 @@ def alternating(
         agent.sampler.resume()
         if not hooks_only and agent.ops is not None:
             agent.ops.resumed_after(time.monotonic() - paused)
-        cpu_before, began = agent_cpu_s(), time.perf_counter()
+        cpu_before, hooks_before, began = agent_cpu_s(), HOOK_S[0], time.perf_counter()
         on_block = run_block()
-        cpu_after, ended = agent_cpu_s(), time.perf_counter()
+        cpu_after, hooks_after, ended = agent_cpu_s(), HOOK_S[0], time.perf_counter()
         if cpu_before is not None and cpu_after is not None:
             # What the agent's threads used in the "on" block, as it measures itself.
             agent.self_measured.append((cpu_after - cpu_before) / (ended - began))  # type: ignore[attr-defined]
+        # And what its hooks took of the training thread's time, as they measure themselves.
+        agent.hooks_measured.append((hooks_after - hooks_before) / (ended - began))  # type: ignore[attr-defined]
         off += off_block
         on += on_block
         pair_ratios.append(statistics.median(on_block) / statistics.median(off_block))
@@ -186,6 +190,8 @@ def summarize(
         # (its threads' CPU clocks), and its sampling interval at the end (its budget may
         # have slowed it).
         "self_measured_share": statistics.median(getattr(agent, "self_measured", []) or [0.0]),
+        # The hooks' own time in the training thread, as a share of the "on" blocks.
+        "hooks_measured_share": statistics.median(getattr(agent, "hooks_measured", []) or [0.0]),
         "interval_s": agent.sampler.interval_s,
     }
     print(
@@ -197,8 +203,10 @@ def summarize(
         f" {result['window_cost_ms']:.2f} ms (profiler start {result['window_start_ms']:.2f} ms,"
         f" stop {result['window_stop_ms']:.2f} ms); the windows cost"
         f" {result['windows_share']:.2%} of the run\n"
-        f"{'':10s} the agent's threads measured {result['self_measured_share']:.2%} of a core in"
-        f" the on blocks; it samples every {result['interval_s']:g} s",
+        f"{'':10s} the agent's threads measured {result['self_measured_share']:.2%} of a core and"
+        f" its hooks {result['hooks_measured_share']:.2%} of the step time in the on blocks"
+        f" ({result['self_measured_share'] + result['hooks_measured_share']:.2%} in all, as the"
+        f" agent's one-second figure adds them); it samples every {result['interval_s']:g} s",
         flush=True,
     )
     return result
@@ -237,13 +245,15 @@ def self_measured(
     step: Callable[[], None], seconds: float, ops: bool, settings: dict[str, float] | None = None
 ) -> dict[str, float]:
     """The agent's own measure of its cost on the steps (it pauses its sampler now and then and
-    compares the steps in the pauses with those around them), over ``seconds`` of steps with
-    the agent on throughout: what the viewer's header and the report say, beside the
-    benchmark's ratio."""
+    compares the steps in the pauses with those around them, and adds its hooks' own time,
+    which the pauses leave in), over ``seconds`` of steps with the agent on throughout: what
+    the viewer's header and the report say, beside the benchmark's ratio."""
     agent = core.start(ops=ops, measure_cost=True, cost_pause_every_s=6.0, **(settings or {}))
     viewer = attach_viewer(agent.info.address)
     try:
+        hooks_before, began = HOOK_S[0], time.perf_counter()
         block(step, max(seconds, 8 * 6.0))
+        hooks = (HOOK_S[0] - hooks_before) / (time.perf_counter() - began)
         time.sleep(1.5)  # the sampler compares the last pause's after-block
         paused = agent.paused_steps
         measured = paused.measured() if paused is not None else None
@@ -251,14 +261,19 @@ def self_measured(
         viewer.kill()
         viewer.wait()
         torchtop.stop()
-    share = measured.step_share if measured is not None else float("nan")
+    pauses = measured.step_share if measured is not None else float("nan")
     pairs = measured.pairs if measured is not None else 0
     print(
-        f"{'':10s} the agent measured itself at {share:.2%} of step time over {pairs} pauses"
-        " (paused against around)",
+        f"{'':10s} the agent measured itself at {pauses + hooks:.2%} of step time: its pauses"
+        f" {pauses:.2%} over {pairs} (paused against around), its hooks {hooks:.2%}",
         flush=True,
     )
-    return {"self_measured_step_share": share, "self_measured_pairs": pairs}
+    return {
+        "self_measured_step_share": pauses + hooks,
+        "self_measured_pauses_share": pauses,
+        "self_measured_hooks_share": hooks,
+        "self_measured_pairs": pairs,
+    }
 
 
 #: The parts of the training thread's hooks that ``--hook-parts`` measures one at a time.

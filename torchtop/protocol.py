@@ -299,9 +299,9 @@ class AgentStats(Message):
     mean_tick_s: float
     max_tick_s: float
     #: CPU seconds the agent's threads have used so far, and over the last second their share
-    #: of one core and of the job's training time (``None`` while the job takes no step; on a
-    #: job whose step holds the GIL, the time the agent takes from it). ``None`` from an agent
-    #: that does not measure them.
+    #: of one core and, with the hooks' own time (``hooks_share``), of the job's training time
+    #: (``None`` while the job takes no step; on a job whose step holds the GIL, the time the
+    #: agent takes from it). ``None`` from an agent that does not measure them.
     cpu_s: float | None = None
     cpu_share: float | None = None
     step_share: float | None = None
@@ -311,10 +311,14 @@ class AgentStats(Message):
     interval_s: float | None = None
     #: The agent's cost on the steps as measured by pausing it now and then and comparing the
     #: steps in the pauses with those around them (``measured_pairs`` comparisons; their
-    #: median, less one). Includes the time a step waits for the GIL while the agent's threads
-    #: hold it, which ``step_share`` cannot see. ``None`` until measured.
+    #: median, less one), plus ``hooks_share``. Includes the time a step waits for the GIL
+    #: while the agent's threads hold it, which ``step_share`` cannot see. ``None`` until
+    #: measured.
     measured_step_share: float | None = None
     measured_pairs: int | None = None
+    #: The training thread's own time in the agent's hooks over the last second, as a share
+    #: of its training time (included in ``step_share`` and ``measured_step_share``).
+    hooks_share: float | None = None
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,71 @@ def test_the_op_windows_reading_is_shown_but_left_to_its_own_budget() -> None:
     assert verdicts == [False] * (OVER_BUDGET_S * 2) and cost.slowdowns == 0
 
 
+def test_the_hooks_time_counts_in_the_step_share_but_not_in_the_budget() -> None:
+    """The hooks run in the training thread: their time comes out of the steps and is shown,
+    but a slower sampler would not make them cheaper, so the budget does not weigh it."""
+    clock = Clock()
+    hooks = [0.0]
+    cost = CostMeter(
+        0.01,
+        lambda: clock.steps,
+        lambda: clock.cpu,
+        lambda: clock.now,
+        hooks_s=lambda: hooks[0],
+    )
+    cost.read()
+    verdicts = []
+    for _ in range(OVER_BUDGET_S * 2):
+        clock.tick(1.0, 0.004, 500)
+        hooks[0] += 0.012  # 24 µs of hooks in each of 500 steps
+        reading = cost.read()
+        verdicts.append(cost.over_budget(reading))
+    assert reading.hooks_share == pytest.approx(0.012)
+    assert reading.step_share == pytest.approx(0.016)
+    assert reading.budgeted_share == pytest.approx(0.004)
+    assert verdicts == [False] * (OVER_BUDGET_S * 2) and cost.slowdowns == 0
+    clock.tick(1.0, 0.001, 0)  # no step: no share of the steps, the hooks' neither
+    assert cost.read().hooks_share is None
+
+
+def test_the_hooks_keep_their_own_time_in_a_real_training_loop() -> None:
+    """Each hook adds the time it spends to ``HOOK_S``: more than nothing on every step, and
+    far less than the steps themselves."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from torchtop.agent import steps as step_hooks
+    from torchtop.agent.training import TrainingMonitor
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(256, 8), torch.randn(256, 1)), batch_size=8)
+    monitor = TrainingMonitor()
+    monitor.start()
+    try:
+        assert monitor.installed
+        before = step_hooks.HOOK_S[0]
+        began = time.perf_counter()
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        spent = time.perf_counter() - began
+        hooks = step_hooks.HOOK_S[0] - before
+        monitor.drain()
+        assert monitor.steps.total == 32
+    finally:
+        monitor.stop(time.time())
+    assert 0 < hooks < spent / 4
+    # Removed, the hooks keep no time.
+    before = step_hooks.HOOK_S[0]
+    for x, y in loader:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    assert step_hooks.HOOK_S[0] == before
+
+
 def test_agent_threads_cpu_is_measured() -> None:
     spun, release = threading.Event(), threading.Event()
 
@@ -138,6 +203,7 @@ def test_the_model_report_and_exporter_carry_the_cost() -> None:
     assert summary["mean_step_share"] == pytest.approx(0.005)
     assert report_json(model)["agent_cost"] == summary
     assert agent_cost_line(summary).startswith("torchtop's agent: 0.5% of step time (mean)")
+    assert summary["hooks_step_share"] is None  # the fake agent does not time its hooks
     figures = figures_of(model)
     assert figures is not None
     exported = {f.name: f.points for f in families([figures])}
@@ -229,3 +295,17 @@ def test_the_measured_cost_is_shown_reported_and_exported() -> None:
     assert figures is not None
     exported = {f.name: f.points for f in families([figures])}
     assert exported["torchtop_agent_measured_step_time_ratio"][0].value == pytest.approx(0.031)
+
+
+def test_the_hooks_part_of_the_cost_is_reported() -> None:
+    model = JobModel()
+    model.apply(hello())
+    model.apply(replace(stats(1001.0, 0.004, 0.010), hooks_share=0.006))
+    model.apply(replace(stats(1002.0, 0.008, 0.014), hooks_share=0.008))
+    summary = agent_cost_summary(model)
+    assert summary is not None
+    assert summary["mean_step_share"] == pytest.approx(0.012)
+    assert summary["hooks_step_share"] == pytest.approx(0.007)
+    assert agent_cost_line(summary).startswith(
+        "torchtop's agent: 1.2% of step time (mean; its hooks in the training thread 0.7%)"
+    )

@@ -31,6 +31,7 @@ from torchtop.agent.output import OutputCapture
 from torchtop.agent.sampler import Sampler, SamplerStats, torch_imported
 from torchtop.agent.server import ANSWERS, EVENTS, LOGS, OPS, SAMPLES, AgentServer, RingLimit
 from torchtop.agent.stall import StallWatch
+from torchtop.agent.steps import HOOK_S
 from torchtop.agent.threads import agent_thread
 from torchtop.agent.training import TrainingMonitor
 from torchtop.protocol import (
@@ -290,6 +291,7 @@ class Agent:
             config.cost_budget,
             lambda: self.training.steps.total,
             exempt_s=(lambda: ops.read_s) if ops is not None else (lambda: 0.0),
+            hooks_s=lambda: HOOK_S[0],
         )
 
     def _on_request(self, request: Request) -> None:
@@ -414,6 +416,9 @@ class Agent:
                     ProbeStatus(t=time.time(), probe=COST_PROBE, available=True, detail=detail)
                 )
         measured = self._measure_cost()
+        measured_share = None
+        if measured is not None:  # the pauses leave the hooks in: their own time is added
+            measured_share = round(measured.step_share + (cost.hooks_share or 0.0), 5)
         return AgentStats(
             t=time.time(),
             clients=self.server.client_count,
@@ -428,8 +433,9 @@ class Agent:
             step_share=cost.step_share,
             cost_budget=self.cost.budget,
             interval_s=self.sampler.interval_s,
-            measured_step_share=round(measured.step_share, 5) if measured else None,
+            measured_step_share=measured_share,
             measured_pairs=measured.pairs if measured else None,
+            hooks_share=None if cost.hooks_share is None else round(cost.hooks_share, 5),
         )
 
     def _measure_cost(self) -> Measured | None:

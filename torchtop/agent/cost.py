@@ -9,6 +9,9 @@ for :data:`OVER_BUDGET_S` seconds in a row, the sampler's interval doubles, up t
 CPU time does not show what a step that holds the GIL loses waiting for the agent's threads to
 let go of it. :class:`PausedSteps` measures that too, as the benchmark does: it pauses the
 agent now and then and compares the steps in the pause with those around it.
+
+Neither sees the hooks, which run in the training thread itself: they keep their own time
+(:data:`torchtop.agent.steps.HOOK_S`), and its share of the training time is added to both.
 """
 
 from __future__ import annotations
@@ -33,10 +36,14 @@ class Cost:
 
     cpu_s: float | None
     cpu_share: float | None
+    #: The agent's threads' CPU and its hooks' time, as a share of the training time.
     step_share: float | None
-    #: The step share the budget weighs: without the op windows' reading, which their own
-    #: budget (``--ops-budget``) already paces. ``None`` while the job takes no steps.
+    #: The step share the budget weighs: the threads' CPU without the op windows' reading,
+    #: which their own budget (``--ops-budget``) already paces; not the hooks, which a slower
+    #: sampler would not make cheaper. ``None`` while the job takes no steps.
     budgeted_share: float | None = None
+    #: The hooks' own time in the training thread, as a share of the training time.
+    hooks_share: float | None = None
 
 
 class CostMeter:
@@ -49,15 +56,18 @@ class CostMeter:
         cpu_s: Callable[[], float | None] = agent_cpu_s,
         clock: Callable[[], float] = time.monotonic,
         exempt_s: Callable[[], float] = lambda: 0.0,
+        hooks_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         """``exempt_s``: seconds so far of the agent's work another budget pays for (the op
-        windows' reading); counted in the shares shown, not in the one this budget weighs."""
+        windows' reading); counted in the shares shown, not in the one this budget weighs.
+        ``hooks_s``: seconds so far of the training thread in the agent's hooks."""
         self.budget = budget
         self._steps_total = steps_total
         self._cpu_s = cpu_s
         self._clock = clock
         self._exempt_s = exempt_s
-        self._last: tuple[float, float, int, float] | None = None
+        self._hooks_s = hooks_s
+        self._last: tuple[float, float, int, float, float] | None = None
         self._over = 0
         self.slowdowns = 0
 
@@ -72,16 +82,19 @@ class CostMeter:
         if cpu is None:
             return Cost(None, None, None)
         exempt = self._exempt_s()
-        last, self._last = self._last, (now, cpu, steps, exempt)
+        hooks = self._hooks_s()
+        last, self._last = self._last, (now, cpu, steps, exempt, hooks)
         if last is None or now <= last[0]:
             return Cost(cpu, None, None)
         wall = now - last[0]
         share = max(0.0, cpu - last[1]) / wall
         if steps <= last[2]:
             return Cost(cpu, share, None)
-        # While the job steps, the agent's CPU time comes out of its training time.
+        # While the job steps, the agent's CPU time comes out of its training time, and so
+        # does the hooks' time in the training thread.
         budgeted = max(0.0, cpu - last[1] - (exempt - last[3])) / wall
-        return Cost(cpu, share, share, budgeted)
+        hooks_share = max(0.0, hooks - last[4]) / wall
+        return Cost(cpu, share, share + hooks_share, budgeted, hooks_share)
 
     def over_budget(self, cost: Cost) -> bool:
         """True when the sampler should slow down now: ``cost`` is the latest reading, above
@@ -134,7 +147,9 @@ class PausedSteps:
     just before and just after ran with them. The ratio of their medians, less one, is one
     comparison; :meth:`measured` is the median of the last :data:`KEEP_PAIRS`. Unlike the
     agent's CPU share, it includes what a Python-bound step loses waiting for the GIL while the
-    agent's threads hold it. The step hooks stay in: their cost is not in it.
+    agent's threads hold it. The step hooks stay in (torch keeps the optimizer's in a dict the
+    training thread walks, which another thread must not change under it): the agent adds
+    their own time (:data:`torchtop.agent.steps.HOOK_S`) to this measure.
     """
 
     def __init__(

@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtop.agent.steps import HOOK_S
 from torchtop.protocol import DeviceHolding, MemoryHolders
 
 #: Seconds between two reads of one optimizer at most, and between two frames.
@@ -166,6 +167,7 @@ def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
 
     Runs in the thread that steps the optimizer, the only one where its tensors may be read.
     """
+    now = _monotonic()
     try:
         # Once a step, with the hook's code and data cold after the step's ops: the usual case
         # (the optimizer of the last step) costs a weak reference's call, not a weak dict's
@@ -178,11 +180,13 @@ def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
         else:
             noted = _note(optimizer)
             last[0], last[1] = weakref.ref(optimizer), noted
-        if _monotonic() < noted.next_at and len(optimizer.state) == noted.states:
+        if now < noted.next_at and len(optimizer.state) == noted.states:
             return
         read_due(optimizer, noted, READ_INTERVAL_S, READ_BUDGET)
     except Exception:  # cannot be weakly referenced, an odd optimizer: never the job's failure
         FAILURES[0] += 1
+    finally:  # the hook's time, its reads included, is part of the hooks' cost on the step
+        HOOK_S[0] += _monotonic() - now
 
 
 def _note(optimizer: Any) -> _Noted:

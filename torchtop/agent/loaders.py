@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchtop.agent.steps import BATCH, EXHAUSTED, ITERATOR, PENDING
+from torchtop.agent.steps import BATCH, EXHAUSTED, HOOK_S, ITERATOR, PENDING
 from torchtop.protocol import LoaderInfo, LoaderStats, WorkerStats
 
 _clock = time.perf_counter
@@ -80,7 +80,9 @@ def wrap_next(original: Any) -> Any:
         except StopIteration:
             _append((EXHAUSTED, began, _clock(), id(self)))
             raise
-        _append((BATCH, began, _clock(), id(self), batch_size_of(batch), is_grad_enabled()))
+        ended = _clock()
+        _append((BATCH, began, ended, id(self), batch_size_of(batch), is_grad_enabled()))
+        HOOK_S[0] += _clock() - ended
         return batch
 
     __next__.__wrapped__ = original  # type: ignore[attr-defined]

@@ -55,6 +55,11 @@ _in_closure: dict[int, float] = {}
 #: Set while a backward pass runs: one inside another (reentrant checkpointing) is not counted
 #: twice.
 _in_backward = [False]
+#: Seconds the training thread has spent in torchtop's own hook code so far: each hook's time
+#: from its first clock read to its last, less the original it wraps. What the hooks cost the
+#: steps directly (the sampler thread's cost is measured apart); added to the agent's cost.
+#: Not the whole of it: calling a hook and the cache lines it displaces cost the job too.
+HOOK_S = [0.0]
 
 
 def step() -> None:
@@ -63,9 +68,11 @@ def step() -> None:
     From its first call on, these calls are the step clock; optimizer steps still count as
     optimizer time. Costs one ``deque.append`` and works with no agent running.
     """
-    _append((EXPLICIT_STEP, _clock(), 0))
+    t = _clock()
+    _append((EXPLICIT_STEP, t, 0))
+    HOOK_S[0] += _clock() - t
     boundary = BOUNDARY[0]
-    if boundary is not None:
+    if boundary is not None:  # an op window's start or stop: the windows' own cost
         boundary("explicit")
 
 
@@ -75,14 +82,15 @@ def step() -> None:
 def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> Any:
     """Note when the step began; a closure passed to it is swapped for a timed one."""
     key = id(optimizer)
-    _began[key] = _clock()
+    _began[key] = began = _clock()
     # ``args`` holds the optimizer itself, then the arguments of ``step``.
+    changed = None
     if len(args) > 1 and callable(args[1]):
-        return (args[0], _timed_closure(args[1], key), *args[2:]), kwargs
-    closure = kwargs.get("closure") if kwargs else None
-    if callable(closure):
-        return args, {**kwargs, "closure": _timed_closure(closure, key)}
-    return None
+        changed = (args[0], _timed_closure(args[1], key), *args[2:]), kwargs
+    elif kwargs and callable(closure := kwargs.get("closure")):
+        changed = args, {**kwargs, "closure": _timed_closure(closure, key)}
+    HOOK_S[0] += _clock() - began
+    return changed
 
 
 def _timed_closure(closure: Callable[..., Any], key: int) -> Callable[..., Any]:
@@ -101,9 +109,11 @@ def _timed_closure(closure: Callable[..., Any], key: int) -> Callable[..., Any]:
 
 def optimizer_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     key = id(optimizer)
-    _append((OPT_STEP, _clock(), key, _began.pop(key, None), _in_closure.pop(key, 0.0)))
+    t = _clock()
+    _append((OPT_STEP, t, key, _began.pop(key, None), _in_closure.pop(key, 0.0)))
+    HOOK_S[0] += _clock() - t
     boundary = BOUNDARY[0]
-    if boundary is not None:
+    if boundary is not None:  # an op window's start or stop: the windows' own cost
         boundary(key)
 
 
@@ -145,7 +155,9 @@ def wrap_backward(original: Any) -> Any:
             return original(*args, **kwargs)
         finally:
             _in_backward[0] = False
-            _append((BACKWARD, began, _clock()))
+            ended = _clock()
+            _append((BACKWARD, began, ended))
+            HOOK_S[0] += _clock() - ended
 
     return backward
 

@@ -252,6 +252,8 @@ class JobModel:
     #: for its mean over the job.
     agent_step_share_sum: float = 0.0
     agent_step_share_count: int = 0
+    #: The sum of the hooks' part of those shares, from agents that give it.
+    agent_hooks_share_sum: float = 0.0
 
     _open_phases: dict[int, Phase] = field(default_factory=dict, init=False, repr=False)
 
@@ -386,6 +388,7 @@ class JobModel:
             if message.step_share is not None:
                 self.agent_step_share_sum += message.step_share
                 self.agent_step_share_count += 1
+                self.agent_hooks_share_sum += message.hooks_share or 0.0
             # Shown to a tenth of a percent: a change below that redraws nothing.
             return changed or previous is None or _cost_key(previous) != _cost_key(message)
         if isinstance(message, SourceConnected):
@@ -686,6 +689,12 @@ def agent_cost_summary(model: JobModel) -> dict[str, float | None] | None:
         "interval_s": stats.interval_s,
         "measured_step_share": stats.measured_step_share,
         "measured_pairs": stats.measured_pairs,
+        # The hooks' part of the mean (null from an agent that does not time its hooks).
+        "hooks_step_share": (
+            round(model.agent_hooks_share_sum / count, 5)
+            if count and stats.hooks_share is not None
+            else None
+        ),
     }
 
 

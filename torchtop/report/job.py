@@ -388,7 +388,10 @@ def agent_cost_line(cost: dict[str, Any]) -> str:
         measured = max(0.0, cost["measured_step_share"])
         parts.append(f"{measured:.1%} of step time measured over {cost['measured_pairs']} pauses")
     if cost.get("mean_step_share") is not None:
-        parts.append(f"{cost['mean_step_share']:.1%} of step time (mean)")
+        mean = f"{cost['mean_step_share']:.1%} of step time (mean"
+        if cost.get("hooks_step_share") is not None:
+            mean += f"; its hooks in the training thread {cost['hooks_step_share']:.1%}"
+        parts.append(mean + ")")
     cpu = f"{cost['cpu_s']:.2f} s of CPU"
     if cost.get("core_share") is not None:
         cpu += f" ({cost['core_share']:.1%} of a core)"
