@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import torchtop
-from torchtop.agent.loaders import LoaderTracker, batch_size_of, settings_of
-from torchtop.agent.steps import PENDING, StepCollector
+from torchtop.agent.loaders import LoaderTracker, batch_size_of, settings_of, wrap_next
+from torchtop.agent.steps import BATCH, PENDING, StepCollector
 from torchtop.agent.training import TrainingMonitor, loaded
 from torchtop.protocol import MAX_STEP_DETAIL, LoaderInfo, StepStats, decode, encode
 
@@ -169,12 +169,23 @@ def test_restart_forgets_the_open_step() -> None:
         ([[torch.zeros(3)], torch.zeros(9)], 3),
         ({"input_ids": torch.zeros(6, 2), "labels": torch.zeros(6)}, 6),
         (torch.tensor(1.0), None),
+        ((torch.tensor(2.0), torch.zeros(3)), None),
+        (nn.Parameter(torch.zeros(7, 2)), 7),
+        ({"ids": [1, 2]}, None),
         ("text", None),
         ([], None),
+        ({}, None),
     ],
 )
 def test_batch_size_is_the_leading_dimension_of_the_first_tensor(batch: Any, size: Any) -> None:
     assert batch_size_of(batch) == size
+    # The DataLoader hook sizes the usual batches inline: the same sizes.
+    wrapped = wrap_next(lambda _iterator: batch)
+    PENDING.clear()
+    assert wrapped(object()) is batch
+    (event,) = PENDING
+    PENDING.clear()
+    assert event[0] == BATCH and event[4] == size
 
 
 class _Loader:
