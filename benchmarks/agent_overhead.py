@@ -257,15 +257,20 @@ def self_measured(
         time.sleep(1.5)  # the sampler compares the last pause's after-block
         paused = agent.paused_steps
         measured = paused.measured() if paused is not None else None
+        compared = paused.compared if paused is not None else 0
     finally:
         viewer.kill()
         viewer.wait()
         torchtop.stop()
     pauses = measured.step_share if measured is not None else float("nan")
     pairs = measured.pairs if measured is not None else 0
+    if measured is not None:
+        said = f"its pauses {pauses:.2%} over {pairs} (paused against around)"
+    else:  # what the agent then shows: its threads' CPU and its hooks
+        said = f"its pauses nothing ({compared} comparisons, too far apart to say)"
     print(
-        f"{'':10s} the agent measured itself at {pauses + hooks:.2%} of step time: its pauses"
-        f" {pauses:.2%} over {pairs} (paused against around), its hooks {hooks:.2%}",
+        f"{'':10s} the agent measured itself at {pauses + hooks:.2%} of step time: {said},"
+        f" its hooks {hooks:.2%}",
         flush=True,
     )
     return {

@@ -258,6 +258,34 @@ def test_pauses_measure_the_steps_against_those_around_them() -> None:
     assert paused.pauses == 5
 
 
+def test_comparisons_that_vary_more_than_the_cost_say_nothing() -> None:
+    """A busy machine's pauses: steps in them 3% slower, then 4% faster, and so on. Their
+    median would be a cost of 1%, no more precise than the noise: none is said until the
+    comparisons agree."""
+    clock = StepClock()
+    paused = PausedSteps(clock=lambda: clock.now, every_s=10.0, pause_s=2.0)
+
+    def pause(in_pause_s: float) -> None:
+        while not paused.due(usual_step_s=0.010):
+            clock.run(0.5, 0.010)
+            paused.add(clock.ends)
+        began = clock.now
+        clock.run(2.0, in_pause_s)
+        paused.paused(began, clock.now, clock.ends)
+        clock.run(2.5, 0.010)
+        paused.add(clock.ends)
+
+    for in_pause_s in (0.0103, 0.0096, 0.0099, 0.0104, 0.0095, 0.0099):
+        pause(in_pause_s)
+    assert paused._ratios and len(paused._ratios) == 6
+    assert paused.measured() is None
+    for _ in range(9):  # then the pauses agree: 2% faster every time
+        pause(0.0098)
+    measured = paused.measured()
+    assert measured is not None and measured.pairs == 15
+    assert measured.step_share == pytest.approx(0.010 / 0.0098 - 1)
+
+
 def test_no_pause_for_slow_steps_or_while_a_window_is_open() -> None:
     clock = StepClock()
     paused = PausedSteps(clock=lambda: clock.now, every_s=10.0, pause_s=2.0)
