@@ -265,14 +265,16 @@ def self_measured(
     pauses = measured.step_share if measured is not None else float("nan")
     pairs = measured.pairs if measured is not None else 0
     if measured is not None:
-        said = f"its pauses {pauses:.2%} over {pairs} (paused against around)"
-    else:  # what the agent then shows: its threads' CPU and its hooks
-        said = f"its pauses nothing ({compared} comparisons, too far apart to say)"
-    print(
-        f"{'':10s} the agent measured itself at {pauses + hooks:.2%} of step time: {said},"
-        f" its hooks {hooks:.2%}",
-        flush=True,
-    )
+        said = (
+            f"the agent measured itself at {pauses + hooks:.2%} of step time: its pauses"
+            f" {pauses:.2%} over {pairs} (paused against around), its hooks {hooks:.2%}"
+        )
+    else:  # the agent then shows its threads' CPU and its hooks' time, as above
+        said = (
+            f"the agent's pauses said nothing ({compared} comparisons, too far apart to say);"
+            f" its hooks {hooks:.2%} of step time"
+        )
+    print(f"{'':10s} {said}", flush=True)
     return {
         "self_measured_step_share": pauses + hooks,
         "self_measured_pauses_share": pauses,
