@@ -313,7 +313,7 @@ class AgentStats(Message):
     #: steps in the pauses with those around them (``measured_pairs`` comparisons; their
     #: median, less one), plus ``hooks_share``. Includes the time a step waits for the GIL
     #: while the agent's threads hold it, which ``step_share`` cannot see. ``None`` until
-    #: measured.
+    #: measured, and while the comparisons (``measured_pairs`` so far) vary too much to say.
     measured_step_share: float | None = None
     measured_pairs: int | None = None
     #: The training thread's own time in the agent's hooks over the last second, as a share

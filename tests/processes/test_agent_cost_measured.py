@@ -42,11 +42,14 @@ def test_a_job_made_to_pay_sees_its_cost_measured_by_the_pauses() -> None:
     the sampler gets the GIL only at the interpreter's switch interval.)"""
     options = {"interval_s": 0.001, "cost_budget": 0, "ops": False, "nvml": False}
     stats = _stats_of({**options, "cost_pause_every_s": 3.0}, seconds=22)
-    measured = [s for s in stats if s.measured_step_share is not None]
-    assert measured, [(s.t, s.measured_pairs) for s in stats]
-    last = measured[-1]
-    assert last.measured_pairs is not None and last.measured_pairs >= 3
-    assert last.measured_step_share is not None and last.measured_step_share > 0
+    compared = [s for s in stats if (s.measured_pairs or 0) >= 3]
+    assert compared, [(s.t, s.measured_pairs) for s in stats]
+    last = compared[-1]
+    # The measure is said once the comparisons agree; on a loaded machine they may not (the
+    # unit tests hold both cases), and then nothing is said, never the noise. Said, it is a
+    # cost: the steps in the pauses ran faster.
+    measured = [s.measured_step_share for s in stats if s.measured_step_share is not None]
+    assert not measured or measured[-1] > 0, measured
     # Sampling goes on after each pause.
     assert stats[-1].ticks > last.ticks or stats[-1] is last
 

@@ -434,7 +434,7 @@ class Agent:
             cost_budget=self.cost.budget,
             interval_s=self.sampler.interval_s,
             measured_step_share=measured_share,
-            measured_pairs=measured.pairs if measured else None,
+            measured_pairs=self.paused_steps.compared if self.paused_steps is not None else None,
             hooks_share=None if cost.hooks_share is None else round(cost.hooks_share, 5),
         )
 
