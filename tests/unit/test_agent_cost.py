@@ -337,3 +337,6 @@ def test_the_hooks_part_of_the_cost_is_reported() -> None:
     assert agent_cost_line(summary).startswith(
         "torchtop's agent: 1.2% of step time (mean; its hooks in the training thread 0.7%)"
     )
+    # The job's last second took no step: the mean and the hooks' part of it stand.
+    model.apply(stats(1003.0, 0.009, None))
+    assert agent_cost_summary(model)["hooks_step_share"] == pytest.approx(0.007)  # type: ignore[index]

@@ -252,8 +252,9 @@ class JobModel:
     #: for its mean over the job.
     agent_step_share_sum: float = 0.0
     agent_step_share_count: int = 0
-    #: The sum of the hooks' part of those shares, from agents that give it.
-    agent_hooks_share_sum: float = 0.0
+    #: The sum of the hooks' part of those shares; ``None`` from an agent that does not time
+    #: its hooks.
+    agent_hooks_share_sum: float | None = None
 
     _open_phases: dict[int, Phase] = field(default_factory=dict, init=False, repr=False)
 
@@ -388,7 +389,10 @@ class JobModel:
             if message.step_share is not None:
                 self.agent_step_share_sum += message.step_share
                 self.agent_step_share_count += 1
-                self.agent_hooks_share_sum += message.hooks_share or 0.0
+                if message.hooks_share is not None:
+                    self.agent_hooks_share_sum = (
+                        self.agent_hooks_share_sum or 0.0
+                    ) + message.hooks_share
             # Shown to a tenth of a percent: a change below that redraws nothing.
             return changed or previous is None or _cost_key(previous) != _cost_key(message)
         if isinstance(message, SourceConnected):
@@ -692,7 +696,7 @@ def agent_cost_summary(model: JobModel) -> dict[str, float | None] | None:
         # The hooks' part of the mean (null from an agent that does not time its hooks).
         "hooks_step_share": (
             round(model.agent_hooks_share_sum / count, 5)
-            if count and stats.hooks_share is not None
+            if count and model.agent_hooks_share_sum is not None
             else None
         ),
     }
