@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import torchtop
 from torchtop.agent.loaders import LoaderTracker, batch_size_of, settings_of, wrap_next
-from torchtop.agent.steps import BATCH, PENDING, StepCollector
+from torchtop.agent.steps import BATCH, BEFORE_STEP, PENDING, StepCollector
 from torchtop.agent.training import TrainingMonitor, loaded
 from torchtop.protocol import MAX_STEP_DETAIL, LoaderInfo, StepStats, decode, encode
 
@@ -389,8 +389,9 @@ def test_uninstall_puts_everything_back(monitor: TrainingMonitor) -> None:
     assert not getattr(cls.__dict__["__next__"], "_torchtop", False)
     assert not getattr(cls.__dict__["__init__"], "_torchtop", False)
     assert not getattr(torch.amp.GradScaler.__dict__["step"], "_torchtop", False)
-    # Two pre-hooks: the step timer's and the one that notes the optimizer for the holders.
-    assert len(optim_module._global_optimizer_pre_hooks) == hooks[0] - 2
+    # One pre-hook: the step timer's, which also notes the optimizer for the holders.
+    assert len(optim_module._global_optimizer_pre_hooks) == hooks[0] - 1
+    assert BEFORE_STEP[0] is None  # the holders' reads are out with it
     assert len(optim_module._global_optimizer_post_hooks) == hooks[1] - 1
     # The module parameter registration hook that finds parameters under no optimizer.
     assert len(nn_module._global_parameter_registration_hooks) == hooks[2] - 1
@@ -427,15 +428,17 @@ def test_reinstalled_with_only_some_parts_the_others_stay_out(monitor: TrainingM
     cls = dl_module._BaseDataLoaderIter
     pre_hooks = len(optim_module._global_optimizer_pre_hooks)
     monitor.remove()
-    assert len(optim_module._global_optimizer_pre_hooks) == pre_hooks - 2
+    assert len(optim_module._global_optimizer_pre_hooks) == pre_hooks - 1
     monitor.reinstall(("dataloader",))
     assert getattr(cls.__dict__["__next__"], "_torchtop", False)
-    assert len(optim_module._global_optimizer_pre_hooks) == pre_hooks - 2
+    assert len(optim_module._global_optimizer_pre_hooks) == pre_hooks - 1
+    assert BEFORE_STEP[0] is None
     assert not getattr(torch.autograd.backward, "_torchtop", False)
     monitor.remove()
     monitor.reinstall(("optimizer",))
     assert not getattr(cls.__dict__["__next__"], "_torchtop", False)
     assert len(optim_module._global_optimizer_pre_hooks) == pre_hooks
+    assert BEFORE_STEP[0] is not None
     monitor.remove()
     monitor.reinstall()
     assert monitor.installed and getattr(torch.autograd.backward, "_torchtop", False)

@@ -1,7 +1,7 @@
 """What holds the memory: the bytes of the job's parameters, their gradients and optimizer state.
 
-The agent already hooks every optimizer's ``step``. Its step pre-hook here,
-:func:`optimizer_pre_hook`, runs in the thread that steps the optimizer and, at most once per
+The agent already hooks every optimizer's ``step``. Its step pre-hook calls
+:func:`step_seen` here, in the thread that steps the optimizer, which, at most once per
 :data:`READ_INTERVAL_S` and only as often as :data:`READ_BUDGET` allows, reads that optimizer:
 its parameters, each parameter's ``.grad`` and every tensor in ``optimizer.state``, summed per
 device by **unique storage** (keyed by the storage's data pointer and device), so tied or shared
@@ -123,7 +123,7 @@ _STEPPING = [0]
 #: The optimizer of the last step pre-hook (a weak reference) and its record.
 _LAST: list[Any] = [None, None]
 _get_ident = threading.get_ident
-_monotonic = time.monotonic
+_clock = time.perf_counter
 #: Bumped by each read, so that the sampler sends a frame only when there is something new.
 _VERSION = [0]
 #: Reads that raised (an odd optimizer); the job never sees it.
@@ -162,12 +162,11 @@ def next_read_at(now: float, cost_s: float, interval_s: float, budget: float) ->
     return now + max(interval_s, cost_s / budget if budget > 0 else interval_s)
 
 
-def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """The global step pre-hook: note the optimizer and read it when due; change nothing.
-
-    Runs in the thread that steps the optimizer, the only one where its tensors may be read.
-    """
-    now = _monotonic()
+def step_seen(optimizer: Any, now: float) -> None:
+    """An optimizer's step is about to run (``now``: ``time.perf_counter()``): note the
+    optimizer, and read it when due. Called by the agent's step pre-hook
+    (:data:`torchtop.agent.steps.BEFORE_STEP`), in the thread that steps the optimizer, the only
+    one where its tensors may be read; within that hook's own time."""
     try:
         # Once a step, with the hook's code and data cold after the step's ops: the usual case
         # (the optimizer of the last step) costs a weak reference's call, not a weak dict's
@@ -185,8 +184,16 @@ def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
         read_due(optimizer, noted, READ_INTERVAL_S, READ_BUDGET)
     except Exception:  # cannot be weakly referenced, an odd optimizer: never the job's failure
         FAILURES[0] += 1
+
+
+def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """:func:`step_seen` as a step pre-hook of its own (the agent calls it from its step
+    pre-hook instead: one hook a step, not two); changes nothing."""
+    now = _clock()
+    try:
+        step_seen(optimizer, now)
     finally:  # the hook's time, its reads included, is part of the hooks' cost on the step
-        HOOK_S[0] += _monotonic() - now
+        HOOK_S[0] += _clock() - now
 
 
 def _note(optimizer: Any) -> _Noted:
@@ -205,15 +212,16 @@ def read_due(
     budget: float = READ_BUDGET,
 ) -> None:
     """Read one optimizer now (in the thread that steps it) and schedule the next read."""
-    start = time.perf_counter()
+    start = _clock()
     noted.states = len(optimizer.state)
     try:
         holders = read_holders([optimizer])
     except Exception:
         holders = None
         FAILURES[0] += 1
-    noted.cost_s = time.perf_counter() - start
-    noted.next_at = next_read_at(time.monotonic(), noted.cost_s, interval_s, budget)
+    now = _clock()
+    noted.cost_s = now - start
+    noted.next_at = next_read_at(now, noted.cost_s, interval_s, budget)
     if holders is None:
         return
     noted.read = holders

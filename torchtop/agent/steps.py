@@ -48,6 +48,10 @@ _append = PENDING.append
 #: an op-timing window is armed or open (:mod:`torchtop.agent.ops`); ``None`` otherwise, so the
 #: hooks pay one list lookup.
 BOUNDARY: list[Callable[[int | str], None] | None] = [None]
+#: Called with the optimizer and the step's start (``perf_counter``) by the step pre-hook: the
+#: read of what holds the memory, when due (:func:`torchtop.agent.holders.step_seen`), within
+#: this hook's call and time rather than in a hook of its own; ``None`` while the agent is out.
+BEFORE_STEP: list[Callable[[Any, float], None] | None] = [None]
 #: When each optimizer's step began, from its pre hook to its post hook: one event per step.
 _began: dict[int, float] = {}
 #: Seconds each optimizer's current step has spent in its closure (forward and backward).
@@ -89,6 +93,9 @@ def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> Any:
         changed = (args[0], _timed_closure(args[1], key), *args[2:]), kwargs
     elif kwargs and callable(closure := kwargs.get("closure")):
         changed = args, {**kwargs, "closure": _timed_closure(closure, key)}
+    before = BEFORE_STEP[0]
+    if before is not None:
+        before(optimizer, began)
     HOOK_S[0] += _clock() - began
     return changed
 

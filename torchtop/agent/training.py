@@ -225,8 +225,13 @@ class TrainingMonitor:
         optimizer = loaded(OPTIMIZER_MODULE)
         pre = optimizer.register_optimizer_step_pre_hook(step_hooks.optimizer_pre_hook)
         post = optimizer.register_optimizer_step_post_hook(step_hooks.optimizer_post_hook)
-        note = optimizer.register_optimizer_step_pre_hook(holder_hooks.optimizer_pre_hook)
-        return [pre.remove, post.remove, note.remove, holder_hooks.forget_all]
+        step_hooks.BEFORE_STEP[0] = holder_hooks.step_seen  # one pre-hook a step, not two
+
+        def forget() -> None:
+            step_hooks.BEFORE_STEP[0] = None
+            holder_hooks.forget_all()
+
+        return [pre.remove, post.remove, forget]
 
     def _install_modules(self) -> list[Callable[[], None]]:
         return holder_hooks.install_module_hook(loaded(MODULE_MODULE), self._watcher is not None)
