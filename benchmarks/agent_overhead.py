@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -124,37 +125,60 @@ def alternating(
     rounds: int,
     hooks_only: bool = False,
 ) -> tuple[list[float], list[float], list[float]]:
-    """``rounds`` pairs of blocks, agent off then on: the step times of each arm, and each
-    pair's ratio of medians. The "off" blocks pause the sampler and remove the hooks, so the
-    arms differ only by the agent's work (hooks, sampling, encoding, serving), not by process
-    start-up."""
+    """``rounds`` pairs of blocks, one with the agent off and one with it on: the step times of
+    each arm, and each pair's ratio of medians. The "off" blocks pause the sampler and remove
+    the hooks, so the arms differ only by the agent's work (hooks, sampling, encoding,
+    serving), not by process start-up. Every other pair runs its "on" block first (off on, on
+    off, off on, ...): a machine that speeds up or slows down within a pair, and whatever one
+    block leaves to the next (a sampler tick due, caches), fall on both arms alike."""
     off: list[float] = []
     on: list[float] = []
     pair_ratios: list[float] = []
     agent.self_measured = []  # type: ignore[attr-defined]
     agent.hooks_measured = []  # type: ignore[attr-defined]
-    for _ in range(rounds):
+
+    def off_block() -> list[float]:
         if not hooks_only:
             agent.sampler.pause()
         agent.training.remove()  # not put back by the sampler's ticks in the block
         paused = time.monotonic()
-        off_block = run_block()
+        times = run_block()
         agent.training.reinstall()
         agent.sampler.resume()
         if not hooks_only and agent.ops is not None:
             agent.ops.resumed_after(time.monotonic() - paused)
+        return times
+
+    def on_block() -> list[float]:
         cpu_before, hooks_before, began = agent_cpu_s(), HOOK_S[0], time.perf_counter()
-        on_block = run_block()
+        times = run_block()
         cpu_after, hooks_after, ended = agent_cpu_s(), HOOK_S[0], time.perf_counter()
         if cpu_before is not None and cpu_after is not None:
             # What the agent's threads used in the "on" block, as it measures itself.
             agent.self_measured.append((cpu_after - cpu_before) / (ended - began))  # type: ignore[attr-defined]
         # And what its hooks took of the training thread's time, as they measure themselves.
         agent.hooks_measured.append((hooks_after - hooks_before) / (ended - began))  # type: ignore[attr-defined]
-        off += off_block
-        on += on_block
-        pair_ratios.append(statistics.median(on_block) / statistics.median(off_block))
+        return times
+
+    for i in range(rounds):
+        if i % 2 == 0:
+            off_times = off_block()
+            on_times = on_block()
+        else:
+            on_times = on_block()
+            off_times = off_block()
+        off += off_times
+        on += on_times
+        pair_ratios.append(statistics.median(on_times) / statistics.median(off_times))
     return off, on, pair_ratios
+
+
+def interval95(values: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval for the median of ``values`` (the pairs drawn again with
+    replacement, ``draws`` times; seeded, so that a run's figures can be read again)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
 def summarize(
@@ -168,6 +192,7 @@ def summarize(
     """The arms' figures (``on_seconds``: how long the agent ran), printed and returned."""
     rounds = len(pair_ratios)
     ratio = statistics.median(on) / statistics.median(off)
+    low, high = interval95(pair_ratios)
     costs = list(agent.ops.costs) if agent.ops is not None else []
     result = {
         "model": name,
@@ -177,6 +202,9 @@ def summarize(
         "steps_on": len(on),
         "ratio": ratio,
         "median_pair_ratio": statistics.median(pair_ratios),
+        # Where the paired median could lie, given how much the pairs vary (95%).
+        "median_pair_ratio_low": low,
+        "median_pair_ratio_high": high,
         "mean_ratio": statistics.fmean(on) / statistics.fmean(off),
         "op_windows": len(costs),
         "window_start_ms": _median_ms([c[0] for c in costs]),
@@ -197,8 +225,8 @@ def summarize(
     print(
         f"{name:10s} off {result['median_step_off_ms']:8.3f} ms"
         f"  on {result['median_step_on_ms']:8.3f} ms"
-        f"  ratio {ratio:.4f}  (median of {rounds} paired blocks {result['median_pair_ratio']:.4f};"
-        f" {len(off)} / {len(on)} steps)\n"
+        f"  ratio {ratio:.4f}  (median of {rounds} paired blocks {result['median_pair_ratio']:.4f},"
+        f" 95% {low:.4f} to {high:.4f}; {len(off)} / {len(on)} steps)\n"
         f"{'':10s} mean ratio {result['mean_ratio']:.4f}; {len(costs)} op windows, one costs"
         f" {result['window_cost_ms']:.2f} ms (profiler start {result['window_start_ms']:.2f} ms,"
         f" stop {result['window_stop_ms']:.2f} ms); the windows cost"
