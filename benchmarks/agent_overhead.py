@@ -225,6 +225,7 @@ def summarize(
         # (the "on" blocks; paused time does not count toward the spacing): the budget
         # (``--ops-budget``, 1% by default) holds when this does.
         "windows_share": sum(c[2] for c in costs) / on_seconds,
+        "on_seconds": on_seconds,
         # The agent's threads' CPU in the "on" blocks, as the agent measures its own cost
         # (its threads' CPU clocks), and its sampling interval at the end (its budget may
         # have slowed it).
@@ -433,12 +434,19 @@ def across_processes(args: argparse.Namespace) -> None:
             values = [float(r[key]) for r in runs if key in r]
             if values:
                 summary[key] = statistics.median(values)
+        # The op windows of all the processes' on blocks together: at the default budget a
+        # process's blocks hold about one window after the first, or none.
+        windows = sum(int(r["op_windows"]) for r in runs)
+        seconds = [r["on_seconds"] for r in runs]
+        costs = sum(float(r["windows_share"]) * s for r, s in zip(runs, seconds, strict=True))
+        summary["windows_share"] = costs / sum(seconds)
         shown = " · ".join(f"{r['median_pair_ratio']:.4f}" for r in runs)
         means = " · ".join(f"{r['mean_ratio']:.4f}" for r in runs)
         print(
             f"{name:10s} across {len(runs)} processes: paired median"
             f" {summary['median_pair_ratio']:.4f} ({shown});"
-            f" mean ratio {summary['mean_ratio']:.4f} ({means})",
+            f" mean ratio {summary['mean_ratio']:.4f} ({means}); {windows} op windows after"
+            f" the first, {summary['windows_share']:.2%} of the on blocks' time",
             flush=True,
         )
         results.append(summary)
