@@ -5,7 +5,8 @@ the global optimizer step pre/post hooks (every ``torch.optim`` optimizer, and s
 HF Trainer and ``GradScaler.step``), a wrapper around ``GradScaler.step`` that lets a skipped
 step (inf or NaN gradients) be told apart, and the DataLoader hooks of
 :mod:`torchtop.agent.loaders`. Each costs a timestamp and a ``deque.append``: about a
-microsecond (the pre hook only notes the time; the post hook sends one event per step).
+microsecond (the pre hook notes the time, and calls the holders' read when one is due; the post
+hook sends one event per step).
 :class:`StepCollector`, in the sampler thread, turns the events into steps.
 
 A step ends when the *step clock* finishes a step: the first optimizer that steps in the job

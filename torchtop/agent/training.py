@@ -477,6 +477,7 @@ def _uninstall_in_child() -> None:
     if monitor is not None:
         monitor._running = False
         step_hooks.BOUNDARY[0] = None
+        step_hooks.BEFORE_STEP[0] = None
         if monitor.ops is not None:
             monitor.ops.forget_in_child()
         # Another thread may have held the lock at the fork; in the child it never will again.

@@ -2,7 +2,7 @@
 
 The profiler costs too much to leave on (a small model runs 1.5 times slower or worse), so
 the agent samples it: a *window* of a step or two, then a pause long enough that the
-windows' measured cost stays within a budget (1 % by default). The profiler records the ops
+windows' measured cost stays within a budget (0.5% by default). The profiler records the ops
 of the thread that starts it, so windows open and close in the training thread, at step
 boundaries: the sampler thread *arms* a window and the step hook of
 :mod:`torchtop.agent.steps` opens it at the next boundary of the step clock and closes it
