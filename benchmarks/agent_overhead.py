@@ -17,7 +17,7 @@ profiler in the training thread, and the whole (those, the profiled steps' slowd
 reading the window). The agent's first window, which opens as soon as a job steps, runs before
 the blocks: once a job, it is no part of the steady state they measure.
 
-    python -m benchmarks.agent_overhead            # about 3 minutes
+    python -m benchmarks.agent_overhead            # about 6 minutes
     python -m benchmarks.agent_overhead --quick    # a smoke run
     python -m benchmarks.agent_overhead --hooks-only  # the sampler on in both arms: the
                                                      # step and DataLoader hooks' share alone
@@ -223,7 +223,7 @@ def summarize(
         "window_cost_ms": _median_ms([c[2] for c in costs]),
         # The windows' measured cost (on the job's own steps) against the time the agent ran
         # (the "on" blocks; paused time does not count toward the spacing): the budget
-        # (``--ops-budget``, 1% by default) holds when this does.
+        # (``--ops-budget``, 0.5% by default) holds when this does.
         "windows_share": sum(c[2] for c in costs) / on_seconds,
         "on_seconds": on_seconds,
         # The agent's threads' CPU in the "on" blocks, as the agent measures its own cost
@@ -274,9 +274,11 @@ def measure(
     ops: bool = True,
     settings: dict[str, float] | None = None,
     self_measure: bool = True,
+    first_apart: bool = True,
 ) -> dict[str, float]:
     """The model's figures; ``self_measure``: then the agent's own measure of its cost too
-    (:func:`self_measured`, at least 48 s more)."""
+    (:func:`self_measured`, at least 48 s more); ``first_apart``: the first op window runs
+    before the blocks (:func:`first_window`)."""
     torch.manual_seed(0)
     step = make_step(*build())
     block(step, 1.0)  # warm up
@@ -287,7 +289,7 @@ def measure(
     viewer = attach_viewer(agent.info.address)
     time.sleep(1.0)  # the viewer connects and takes the history replay
     try:
-        first = first_window(agent, step)
+        first = first_window(agent, step) if first_apart else 0
         off, on, pair_ratios = alternating(agent, lambda: block(step, seconds), rounds, hooks_only)
     finally:
         viewer.kill()
@@ -426,9 +428,11 @@ def across_processes(args: argparse.Namespace) -> None:
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             text, _, found = done.stdout.partition("\n[\n")
             print("\n".join(line for line in text.splitlines() if line.strip()), flush=True)
-            if done.returncode != 0 or not found:
+            try:
+                result, _ = json.JSONDecoder().raw_decode("[\n" + found)
+                runs.append(result[0])
+            except (ValueError, IndexError):
                 sys.exit(f"process {k + 1} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-            runs.append(json.loads("[\n" + found)[0])
         summary: dict[str, Any] = {"model": name, "processes": runs}
         for key in ACROSS:
             values = [float(r[key]) for r in runs if key in r]

@@ -210,12 +210,12 @@ def main() -> None:
     # Agents of this benchmark only: the exporter must not follow other jobs of this user.
     os.environ["TORCHTOP_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="tt-bench-") + "/run"
     print("agent overhead without an exporter:", flush=True)
-    without = measure("mlp", mlp, rounds, seconds, ops=False)
+    without = measure("mlp", mlp, rounds, seconds, ops=False, self_measure=False)
     exporter, address = start_exporter()
     scraper = subprocess.Popen([sys.executable, "-c", SCRAPER, f"http://{address}/metrics"])
     try:
         print(f"with torchtop export on {address} and a 1 s scraper:", flush=True)
-        with_exporter = measure("mlp", mlp, rounds, seconds, ops=False)
+        with_exporter = measure("mlp", mlp, rounds, seconds, ops=False, self_measure=False)
         stop(scraper)
         flood = hostile(address, max(3, rounds // 3), seconds)
     finally:

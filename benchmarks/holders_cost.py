@@ -1,8 +1,10 @@
 """What reading "what holds the memory" costs the training thread, measured on the hook itself.
 
-The reads happen in the optimizer's step pre-hook, in the training thread (the agent's threads
-never touch the job's tensors: see ``torchtop.agent.holders``). This measures, by timing each
-call of that hook as torch makes it:
+The reads happen in the agent's optimizer step pre-hook (it calls ``holders.step_seen``), in
+the training thread (the agent's threads never touch the job's tensors: see
+``torchtop.agent.holders``). This measures, by timing each call of
+``holders.optimizer_pre_hook`` (the same reads, as a step pre-hook of their own) as torch makes
+it:
 
 - the MLP of ``benchmarks.agent_overhead`` with Adam: the hook's total time over the run's
   wall time (the share of the training thread it took), its cost per step when no read is due,
@@ -31,7 +33,7 @@ from torchtop.agent import holders
 
 
 def timed_hook(spent: list[tuple[float, bool]]) -> object:
-    """The agent's pre-hook, timed call by call, with whether the call read."""
+    """The holders' pre-hook, timed call by call, with whether the call read."""
 
     def hook(optimizer: object, args: object, kwargs: object) -> None:
         version = holders._VERSION[0]

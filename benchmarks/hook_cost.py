@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from torchtop.agent import holders
 from torchtop.agent import steps as step_hooks
 from torchtop.agent.loaders import wrap_next
 from torchtop.agent.steps import PENDING
@@ -88,7 +89,13 @@ def main() -> None:
         step_hooks.optimizer_pre_hook(opt, call_args, call_kwargs)
         step_hooks.optimizer_post_hook(opt, call_args, call_kwargs)
 
-    results["optimizer hooks (pre + post)"] = paired(hooks, lambda: None, calls, rounds)
+    # The pre hook calls the holders' read as the agent installs it (not due, once a second).
+    step_hooks.BEFORE_STEP[0] = holders.step_seen
+    try:
+        results["optimizer hooks (pre + post)"] = paired(hooks, lambda: None, calls, rounds)
+    finally:
+        step_hooks.BEFORE_STEP[0] = None
+        holders.forget_all()
 
     batch = (torch.zeros(8, 4), torch.zeros(8))
 

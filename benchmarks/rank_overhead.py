@@ -139,7 +139,11 @@ def spawn_ranks(world: int, model: str, rounds: int, seconds: float, out: Path) 
 
 def single_worker(model: str, rounds: int, seconds: float, out: Path) -> None:
     torch.set_num_threads(1)
-    out.write_text(json.dumps(measure("single", MODELS[model], rounds, seconds)))
+    # As the ranks measure: their first op window in the blocks, and no self-measure.
+    result = measure(
+        "single", MODELS[model], rounds, seconds, self_measure=False, first_apart=False
+    )
+    out.write_text(json.dumps(result))
 
 
 def run(args: list[str], env: dict[str, str] | None = None) -> None:
