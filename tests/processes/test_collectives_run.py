@@ -77,6 +77,9 @@ def test_the_rank_slow_inside_backward_is_named_by_its_arrivals(tmp_path: Path) 
     }
     late = lateness(records)[2]
     assert late.joined == 120
+    # The agents sent every collective, the last second's too (read as the job ends).
+    joined = {r["rank"]: r["collectives"]["joined"] for r in report["ranks"]}
+    assert joined == {r: len(d["collectives"]) for r, d in ranks.items()}
     assert sum(0.020 <= s <= 0.040 for s in late.samples) >= 0.9 * late.joined
     assert report["ranks"][2]["collectives"]["last_share"] >= 0.9
     # The three others spend most of their time waiting for rank 2; the run's share of it.

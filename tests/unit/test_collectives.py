@@ -282,6 +282,23 @@ def test_the_monitor_sends_new_entries_in_one_frame_after_the_group_exists() -> 
     assert CollectiveMonitor().tick(1.0) == []
 
 
+def test_the_agents_last_tick_reads_the_collectives_of_the_jobs_last_second() -> None:
+    # A short job's last all-reduces come within the second after a read: the agent's last
+    # tick, as the job ends, reads them whatever the spacing, else they are never sent.
+    data = json.loads(raw(0))
+    dumps = [dict(data, entries=data["entries"][:2])]
+    reader = CollectiveReader(dump=lambda: json.dumps(dumps[0]).encode(), clock=lambda: 5.0)
+    monitor = CollectiveMonitor(reader)
+    (first,) = monitor.tick(5.0)
+    assert isinstance(first, CollectivesSeen) and len(first.entries) == 2
+    dumps[0] = data
+    assert monitor.tick(5.2) == []  # a sampler tick within the second reads nothing
+    (last,) = monitor.tick(5.3, final=True)
+    assert isinstance(last, CollectivesSeen)
+    assert [(e.pg, e.seq) for e in last.entries] == [("0", 3), ("1", 1), ("0", 4)]
+    assert monitor.tick(5.4, final=True) == []  # nothing twice
+
+
 def test_a_launched_jobs_environment_turns_the_recorder_on_but_keeps_the_users_size() -> None:
     assert job_environment({}, {})[BUFFER_ENV] == str(DEFAULT_RING)
     assert job_environment({BUFFER_ENV: "300"}, {})[BUFFER_ENV] == "300"

@@ -73,6 +73,7 @@ import json
 import os
 import pickle
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -118,6 +119,8 @@ MAX_RETRIES = 3
 MAX_PENDING = 4000
 #: The probe whose status line says how the reads are spaced.
 PROBE = "collectives"
+#: How long the agent's last read waits for a sampler tick's read still under way.
+FINAL_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -411,13 +414,14 @@ class CollectiveReader:
         self._given_up.update(missing)
         return status
 
-    def poll(self) -> list[Collective]:
+    def poll(self, final: bool = False) -> list[Collective]:
         """New collectives since the last poll; empty when read less than a second ago (or
-        less than the last read's cost allows), or when nothing changed."""
+        less than the last read's cost allows), or when nothing changed. ``final``: the job is
+        ending, read now whatever the spacing (its last collectives, else never sent)."""
         if self._dump is None:
             return []
         now = self._clock()
-        if now < self._next_read:
+        if now < self._next_read and not final:
             return []
         self._next_read = now + READ_INTERVAL
         status = self._group_status_now()
@@ -495,6 +499,8 @@ class CollectiveMonitor:
         self.share = share
         self._told_spaced = False
         self._told_lost = False
+        #: One read at a time: the agent's last one may come while a sampler tick's goes on.
+        self._reading = threading.Lock()
 
     @property
     def readers(self) -> list[CollectiveReader]:
@@ -516,7 +522,17 @@ class CollectiveMonitor:
             "lost": sum(r.lost for r in readers),
         }
 
-    def tick(self, now: float) -> list[CollectivesSeen | ProbeStatus]:
+    def tick(self, now: float, final: bool = False) -> list[CollectivesSeen | ProbeStatus]:
+        """What is new in the rings. ``final``: the agent's last tick at the job's end, which
+        reads the rings whatever the spacing, once a read under way (if any) is done."""
+        if not self._reading.acquire(timeout=FINAL_WAIT_S if final else -1):
+            return []
+        try:
+            return self._tick(now, final)
+        finally:
+            self._reading.release()
+
+    def _tick(self, now: float, final: bool) -> list[CollectivesSeen | ProbeStatus]:
         if self._readers is None:
             if not _group_ready():
                 return []
@@ -528,7 +544,7 @@ class CollectiveMonitor:
             self._readers = [
                 CollectiveReader(r.read, status=r.status, share=share) for r in recorders
             ]
-        fresh = [c for reader in self._readers for c in reader.poll()]
+        fresh = [c for reader in self._readers for c in reader.poll(final)]
         told = self._tell()
         out: list[CollectivesSeen | ProbeStatus] = [told] if told is not None else []
         if not fresh:

@@ -535,7 +535,7 @@ class Agent:
         self.oom.stop()
         self.sampler.stop()
         with contextlib.suppress(Exception):
-            self.sampler.tick()  # one last sample: the state at the end
+            self.sampler.tick(final=True)  # one last sample: the state at the end
         with contextlib.suppress(Exception):
             for message in self.training.stop(time.time()):  # hooks out; the last steps
                 self.publish(message)

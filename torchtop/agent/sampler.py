@@ -240,7 +240,9 @@ class Sampler:
                 message = Marked(t=t, name=name)
             self._publish(message)
 
-    def tick(self) -> None:
+    def tick(self, final: bool = False) -> None:
+        """One sample of every probe. ``final``: the agent's last, at the job's end (the
+        collectives' rings are read whatever their spacing)."""
         self.drain_events()
         now = time.time()
         outside = self._outside
@@ -282,5 +284,6 @@ class Sampler:
             for message in self._guards["training"].call(self._training.tick, now) or ():
                 self._publish(message)
         if self._collectives is not None and self._torch_seen:
-            for message in self._guards["collectives"].call(self._collectives.tick, now) or ():
+            seen = self._guards["collectives"].call(self._collectives.tick, now, final)
+            for message in seen or ():
                 self._publish(message)
