@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -8,6 +9,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,6 +69,20 @@ def torchtop(
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def kill_tree(process: subprocess.Popen[Any]) -> None:
+    """Kill ``process`` and everything it started, and reap it. A ``torchtop run`` killed
+    alone leaves its job running (it cannot forward a SIGKILL): a test's job left behind takes
+    the CPU of the tests after it."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    process.kill()
+    process.wait()
 
 
 def report_json(path: Path) -> dict[str, object]:

@@ -4,7 +4,6 @@ recorder and the run model joins the ranks on (process group, sequence id). The 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -12,10 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
-from tests.conftest import SCRIPTS, report_json
+from tests.conftest import SCRIPTS, kill_tree, report_json
 from torchtop.agent.collectives import DEFAULT_RING
 from torchtop.model.collectives import CollectiveRecord, lateness
 
@@ -40,11 +38,7 @@ def run(
         _, err = job.communicate(timeout=240)
     finally:
         if job.poll() is None:  # a failed test leaves no launcher or rank behind
-            with contextlib.suppress(psutil.Error):
-                for process in psutil.Process(job.pid).children(recursive=True):
-                    process.kill()
-            job.kill()
-            job.wait()
+            kill_tree(job)
     assert job.returncode == 0, err
     ranks = {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)}
     return dict(report_json(record)), ranks

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import torchtop
+from tests.conftest import kill_tree, torchtop
 from tests.processes.test_compare_run import JOB, finish, record
 from torchtop.transport import list_agents
 
@@ -23,8 +23,7 @@ def running() -> Iterator[list[subprocess.Popen[bytes]]]:
     jobs: list[subprocess.Popen[bytes]] = []
     yield jobs
     for job in jobs:
-        job.kill()
-        job.wait(timeout=60)
+        kill_tree(job)
 
 
 def _start(jobs: list[subprocess.Popen[bytes]], *argv: str) -> int:
@@ -66,7 +65,6 @@ def test_a_running_job_without_steps_and_no_such_pid(tmp_path: Path, running: li
     out = torchtop("compare", str(before), str(pid), "--live-s", "0.5")
     assert out.returncode == 1
     assert f"pid {pid} has 0 timed steps so far" in out.stderr and "run longer" in out.stderr
-    running[0].kill()
-    running[0].wait(timeout=60)
+    kill_tree(running[0])
     out = torchtop("compare", str(before), "999999999")
     assert out.returncode == 1 and "torchtop ps" in out.stderr and "Traceback" not in out.stderr

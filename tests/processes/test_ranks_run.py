@@ -3,7 +3,6 @@ launcher or a DataLoader worker, and every rank in one recording and its report.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -14,10 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
-from tests.conftest import SCRIPTS, report_json, torchtop
+from tests.conftest import SCRIPTS, kill_tree, report_json, torchtop
 from torchtop.agent.rank_start import (
     OWNER_ENV,
     OWNER_RANK_ENV,
@@ -303,11 +301,7 @@ def test_a_rank_blocked_before_a_collective_is_named_with_its_line_and_a_killed_
         job.wait(180)
     finally:
         if job.poll() is None:  # a failed test leaves no launcher or rank blocked forever
-            with contextlib.suppress(psutil.Error):
-                for process in psutil.Process(job.pid).children(recursive=True):
-                    process.kill()
-            job.kill()
-            job.wait()
+            kill_tree(job)
     report = dict(report_json(record))
     # (A machine slow enough to pause a step for 3 s may add a brief hang before it.)
     *_, hang_finding = [f for f in _named(report, "hang") if f["rank"] == 1]

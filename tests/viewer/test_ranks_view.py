@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import SCRIPTS
+from tests.conftest import SCRIPTS, kill_tree
 from tests.processes.test_ranks_output import _heights
 from tests.viewer.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
 from torchtop.transport import list_agents
@@ -252,11 +252,7 @@ def test_attach_with_no_pid_opens_the_run_and_q_leaves_it_running(
         # Detached: the job runs on.
         assert launcher.poll() is None and all(psutil.pid_exists(p) for p in ranks.values())
     finally:
-        with contextlib.suppress(psutil.Error):
-            for process in psutil.Process(launcher.pid).children(recursive=True):
-                process.kill()
-        launcher.kill()
-        launcher.wait()
+        kill_tree(launcher)
 
 
 def test_mp_spawn_ranks_show_live_in_the_run_view(
