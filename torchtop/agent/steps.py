@@ -260,6 +260,11 @@ class StepCollector:
         it in the closure passed to it (forward and backward: compute, not optimizer time)."""
         if began is not None:
             self._interval.optimizer += max(0.0, t - began - in_closure)
+        if self.clock == optimizer and not self._others and not self._scaler_open:
+            # The usual step (one optimizer, no scaler between): :meth:`_clock_step` in short.
+            self._clock_last = t
+            self._end_step(t, False)
+            return
         if optimizer in self._scaler_open:
             self._scaler_open[optimizer] = True
         if self.clock is None:
@@ -279,7 +284,7 @@ class StepCollector:
             self._interval = merged
             self._others = []
         self._clock_last = t
-        self._end_step(t, skipped=skipped)
+        self._end_step(t, skipped)
 
     def _other_step(self, t: float, optimizer: int) -> None:
         """A step of an optimizer that is not the clock; the clock moves to it if the clock
@@ -333,7 +338,7 @@ class StepCollector:
         self.clock = "explicit"
         self._clock_step(t, skipped=False)
 
-    def batch(self, wait: float, *, first: bool, loader: int | None, samples: int | None) -> None:
+    def batch(self, wait: float, first: bool, loader: int | None, samples: int | None) -> None:
         """A batch the training thread waited ``wait`` seconds for."""
         interval = self._interval
         if first:
@@ -361,7 +366,7 @@ class StepCollector:
         self._clock_last = None
         self._scaler_open.clear()
 
-    def _end_step(self, t: float, *, skipped: bool) -> None:
+    def _end_step(self, t: float, skipped: bool) -> None:
         interval = self._interval
         duration = t - self._last_end if self._last_end is not None else None
         if duration is not None:
@@ -374,14 +379,14 @@ class StepCollector:
             samples = interval.samples.get(interval.last_loader, 0)
         self._records.append(
             StepRecord(
-                end=t,
-                duration=duration,
-                wait=interval.wait,
-                startup=interval.startup,
-                optimizer=interval.optimizer,
-                samples=samples,
-                skipped=skipped,
-                backward=interval.backward,
+                t,
+                duration,
+                interval.wait,
+                interval.startup,
+                interval.optimizer,
+                samples,
+                skipped,
+                interval.backward,
             )
         )
         self.total += 1

@@ -433,24 +433,29 @@ class TrainingMonitor:
 
     def drain(self) -> None:
         pending = PENDING
+        popleft = pending.popleft
         steps = self.steps
         loaders = self.loaders
+        # The three events of every step, called through locals: the sampler holds the GIL
+        # (and the training thread waits) for the whole drain, a few microseconds a step.
+        loader_batch, step_batch = loaders.batch, steps.batch
+        optimizer_step, backward = steps.optimizer_step, steps.backward
         while pending:
             try:
-                event = pending.popleft()
+                event = popleft()
             except IndexError:
                 return
             kind = event[0]
             if kind == BATCH:
                 _, began, ended, iterator, size, grad = event
                 wait = ended - began
-                first, index = loaders.batch(iterator, wait, size, grad)
-                steps.batch(wait, first=first, loader=index, samples=size)
+                first, index = loader_batch(iterator, wait, size, grad)
+                step_batch(wait, first, index, size)
                 steps.last_batch = ended
             elif kind == OPT_STEP:
-                steps.optimizer_step(event[1], event[2], event[3], event[4])
+                optimizer_step(event[1], event[2], event[3], event[4])
             elif kind == BACKWARD:
-                steps.backward(event[1], event[2])
+                backward(event[1], event[2])
             elif kind == ITERATOR:
                 loaders.iterator_created(*event[2:])
             elif kind == EXHAUSTED:
