@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import pickle
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 from torchtop.agent.collectives import (
     BUFFER_ENV,
     DEFAULT_RING,
+    FINAL_WAIT_S,
     LEGACY_BUFFER_ENV,
     CollectiveMonitor,
     CollectiveReader,
@@ -21,6 +24,7 @@ from torchtop.agent.collectives import (
     parse_dump,
 )
 from torchtop.agent.rank_start import job_environment
+from torchtop.agent.sampler import Sampler
 from torchtop.model.collectives import (
     MIN_LATE_S,
     CollectiveRecord,
@@ -297,6 +301,57 @@ def test_the_agents_last_tick_reads_the_collectives_of_the_jobs_last_second() ->
     assert isinstance(last, CollectivesSeen)
     assert [(e.pg, e.seq) for e in last.entries] == [("0", 3), ("1", 1), ("0", 4)]
     assert monitor.tick(5.4, final=True) == []  # nothing twice
+
+
+class _Nothing:
+    """The host and CPU probes of a sampler that only reads collectives."""
+
+    def read(self, *args: object) -> None:
+        return None
+
+
+def test_the_samplers_thread_makes_the_last_read_and_a_dump_that_hangs_never_holds_the_exit() -> (
+    None
+):
+    data = json.loads(raw(0))
+    dumps = [dict(data, entries=data["entries"][:2])]
+    monitor = CollectiveMonitor(
+        CollectiveReader(dump=lambda: json.dumps(dumps[0]).encode(), clock=time.monotonic)
+    )
+    sent: list[object] = []
+    sampler = Sampler(
+        sent.append, host=_Nothing(), cpu_memory=_Nothing(), cuda_memory=None, nvml=None,
+        interval_s=0.05, collectives=monitor,
+    )  # fmt: skip
+    sampler._torch_seen = True
+    sampler.start()
+    deadline = time.monotonic() + 10
+    while not any(isinstance(m, CollectivesSeen) for m in sent):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    dumps[0] = data  # the job's last all-reduces, within a second of the read before
+    sampler.stop(timeout=FINAL_WAIT_S, final=True)
+    seqs = [(e.pg, e.seq) for m in sent if isinstance(m, CollectivesSeen) for e in m.entries]
+    assert seqs == [("0", 1), ("0", 2), ("0", 3), ("1", 1), ("0", 4)]
+    # The last sample, from the thread ending the job, leaves the collectives to that read.
+    sampler.tick(final=True)
+    assert monitor.readers[0].reads == 2
+
+    # A dump that hangs (a stuck NCCL communicator) holds up the sampler's thread, not the exit.
+    release = threading.Event()
+    stuck = Sampler(
+        sent.append, host=_Nothing(), cpu_memory=_Nothing(), cuda_memory=None, nvml=None,
+        interval_s=60, collectives=CollectiveMonitor(
+            CollectiveReader(dump=lambda: (release.wait(30), raw(0))[1], clock=time.monotonic)
+        ),
+    )  # fmt: skip
+    stuck._torch_seen = True
+    stuck.start()
+    time.sleep(0.2)  # its first tick's read is stuck
+    began = time.monotonic()
+    stuck.stop(timeout=0.3, final=True)
+    assert time.monotonic() - began < 2.0
+    release.set()
 
 
 def test_a_launched_jobs_environment_turns_the_recorder_on_but_keeps_the_users_size() -> None:

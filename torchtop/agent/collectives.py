@@ -73,7 +73,6 @@ import json
 import os
 import pickle
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -119,7 +118,7 @@ MAX_RETRIES = 3
 MAX_PENDING = 4000
 #: The probe whose status line says how the reads are spaced.
 PROBE = "collectives"
-#: How long the agent's last read waits for a sampler tick's read still under way.
+#: How long the job's exit waits for the sampler's last read of the rings.
 FINAL_WAIT_S = 2.0
 
 
@@ -499,8 +498,6 @@ class CollectiveMonitor:
         self.share = share
         self._told_spaced = False
         self._told_lost = False
-        #: One read at a time: the agent's last one may come while a sampler tick's goes on.
-        self._reading = threading.Lock()
 
     @property
     def readers(self) -> list[CollectiveReader]:
@@ -523,14 +520,11 @@ class CollectiveMonitor:
         }
 
     def tick(self, now: float, final: bool = False) -> list[CollectivesSeen | ProbeStatus]:
-        """What is new in the rings. ``final``: the agent's last tick at the job's end, which
-        reads the rings whatever the spacing, once a read under way (if any) is done."""
-        if not self._reading.acquire(timeout=FINAL_WAIT_S if final else -1):
-            return []
-        try:
-            return self._tick(now, final)
-        finally:
-            self._reading.release()
+        """What is new in the rings. ``final``: the last read, at the job's end, whatever the
+        spacing. Called from the sampler's thread alone: the dump takes torch's locks (NCCL's
+        walks its communicators), and a hung job's dump must never hold up the job's exit,
+        which waits for that thread a bounded time."""
+        return self._tick(now, final)
 
     def _tick(self, now: float, final: bool) -> list[CollectivesSeen | ProbeStatus]:
         if self._readers is None:

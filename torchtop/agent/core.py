@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
-from torchtop.agent.collectives import BUDGET_PART, CollectiveMonitor
+from torchtop.agent.collectives import BUDGET_PART, FINAL_WAIT_S, CollectiveMonitor
 from torchtop.agent.cost import MAX_INTERVAL_S, CostMeter, Measured, PausedSteps
 from torchtop.agent.identity import rank_identity
 from torchtop.agent.oom import OomController
@@ -533,7 +533,7 @@ class Agent:
                 return
             self.finished = True
         self.oom.stop()
-        self.sampler.stop()
+        self.sampler.stop(timeout=FINAL_WAIT_S, final=True)  # its last collectives read
         with contextlib.suppress(Exception):
             self.sampler.tick(final=True)  # one last sample: the state at the end
         with contextlib.suppress(Exception):

@@ -132,6 +132,8 @@ class Sampler:
         self._collectives = collectives
         self._guards["collectives"] = _Guarded("collectives", publish)
         self._stop = threading.Event()
+        #: Set by :meth:`stop` at the job's end: the thread's last read of the collectives.
+        self._final = False
         self._resumed = threading.Event()
         self._resumed.set()
         self._thread = agent_thread(self._run, "torchtop-sampler")
@@ -173,13 +175,25 @@ class Sampler:
     def resume(self) -> None:
         self._resumed.set()
 
-    def stop(self, timeout: float = 1.0) -> None:
+    def stop(self, timeout: float = 1.0, final: bool = False) -> None:
+        """Stop the thread, waiting ``timeout`` at most. ``final``: the job is ending; the
+        thread reads the collectives' rings a last time before it ends (their last second,
+        else never sent), a read that no other thread makes (see :meth:`tick`)."""
+        self._final = self._final or final
         self._stop.set()
         self._resumed.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.drain_events()
+            if self._final:
+                self._read_collectives(time.time(), final=True)
+
+    def _loop(self) -> None:
         # Ticks fall on start + k * interval: a slow tick delays one sample but never shifts
         # the schedule, and ticks missed entirely are skipped, not bunched.
         start = time.monotonic()
@@ -205,7 +219,6 @@ class Sampler:
                 k += missed
                 due = start + k * self.interval_s
             self._stop.wait(max(0.0, due - now))
-        self.drain_events()
 
     def _timed_tick(self) -> None:
         began = time.monotonic()
@@ -241,8 +254,9 @@ class Sampler:
             self._publish(message)
 
     def tick(self, final: bool = False) -> None:
-        """One sample of every probe. ``final``: the agent's last, at the job's end (the
-        collectives' rings are read whatever their spacing)."""
+        """One sample of every probe. ``final``: the agent's last, from the thread that ends
+        the job, after :meth:`stop`: the collectives are left out, read by the sampler's own
+        thread as it ends (a dump that hangs holds up a daemon thread, never the exit)."""
         self.drain_events()
         now = time.time()
         outside = self._outside
@@ -283,6 +297,10 @@ class Sampler:
         if self._training is not None:
             for message in self._guards["training"].call(self._training.tick, now) or ():
                 self._publish(message)
+        if not final:
+            self._read_collectives(now)
+
+    def _read_collectives(self, now: float, final: bool = False) -> None:
         if self._collectives is not None and self._torch_seen:
             seen = self._guards["collectives"].call(self._collectives.tick, now, final)
             for message in seen or ():
