@@ -25,10 +25,10 @@ JOB = [
 ]  # fmt: skip
 
 
-def record(path: Path, workers: int) -> subprocess.Popen[str]:
+def record(path: Path, workers: int, batches: int = 80) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "torchtop", "run", "--headless", "--record", str(path)]
     return subprocess.Popen(
-        [*command, *JOB, "--workers", str(workers)],
+        [*command, *JOB, "--workers", str(workers), "--batches", str(batches)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -57,10 +57,12 @@ def test_workers_make_the_step_faster_and_the_same_job_twice_is_noise(tmp_path: 
     # 2-core machine's training thread: with two, the step still waited half its time, and
     # the drop in data wait sat at the edge of the noise.
     none, two, again = tmp_path / "w0.ttr", tmp_path / "w4.ttr", tmp_path / "w4b.ttr"
-    finish(record(none, 0))
+    # Runs of several seconds each: under CI's load the steps of an 80-step run settled only
+    # after 40 of them, and two 1.2 s runs side by side could each meet a different burst.
+    finish(record(none, 0, batches=160))
     # The same job twice runs side by side: whatever else the machine does meanwhile slows
     # both alike (one after the other, a busy minute made the second twice as slow).
-    twins = [record(two, 4), record(again, 4)]
+    twins = [record(two, 4, batches=320), record(again, 4, batches=320)]
     for job in twins:
         finish(job)
 
