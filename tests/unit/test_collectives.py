@@ -334,7 +334,7 @@ def test_the_samplers_thread_makes_the_last_read_and_a_dump_that_hangs_never_hol
     seqs = [(e.pg, e.seq) for m in sent if isinstance(m, CollectivesSeen) for e in m.entries]
     assert seqs == [("0", 1), ("0", 2), ("0", 3), ("1", 1), ("0", 4)]
     # The last sample, from the thread ending the job, leaves the collectives to that read.
-    sampler.tick(final=True)
+    sampler.tick(collectives=False)
     assert monitor.readers[0].reads == 2
 
     # A dump that hangs (a stuck NCCL communicator) holds up the sampler's thread, not the exit.

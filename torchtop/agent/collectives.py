@@ -524,9 +524,6 @@ class CollectiveMonitor:
         spacing. Called from the sampler's thread alone: the dump takes torch's locks (NCCL's
         walks its communicators), and a hung job's dump must never hold up the job's exit,
         which waits for that thread a bounded time."""
-        return self._tick(now, final)
-
-    def _tick(self, now: float, final: bool) -> list[CollectivesSeen | ProbeStatus]:
         if self._readers is None:
             if not _group_ready():
                 return []

@@ -535,7 +535,7 @@ class Agent:
         self.oom.stop()
         self.sampler.stop(timeout=FINAL_WAIT_S, final=True)  # its last collectives read
         with contextlib.suppress(Exception):
-            self.sampler.tick(final=True)  # one last sample: the state at the end
+            self.sampler.tick(collectives=False)  # one last sample: the state at the end
         with contextlib.suppress(Exception):
             for message in self.training.stop(time.time()):  # hooks out; the last steps
                 self.publish(message)

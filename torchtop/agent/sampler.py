@@ -178,7 +178,8 @@ class Sampler:
     def stop(self, timeout: float = 1.0, final: bool = False) -> None:
         """Stop the thread, waiting ``timeout`` at most. ``final``: the job is ending; the
         thread reads the collectives' rings a last time before it ends (their last second,
-        else never sent), a read that no other thread makes (see :meth:`tick`)."""
+        else never sent), a read that no other thread makes: the thread ending the job takes
+        its last sample with ``tick(collectives=False)``."""
         self._final = self._final or final
         self._stop.set()
         self._resumed.set()
@@ -253,10 +254,10 @@ class Sampler:
                 message = Marked(t=t, name=name)
             self._publish(message)
 
-    def tick(self, final: bool = False) -> None:
-        """One sample of every probe. ``final``: the agent's last, from the thread that ends
-        the job, after :meth:`stop`: the collectives are left out, read by the sampler's own
-        thread as it ends (a dump that hangs holds up a daemon thread, never the exit)."""
+    def tick(self, collectives: bool = True) -> None:
+        """One sample of every probe; ``collectives``: the collectives' rings too (left to the
+        sampler's own thread at the job's end, where a dump that hangs holds up a daemon
+        thread, never the exit: see :meth:`stop`)."""
         self.drain_events()
         now = time.time()
         outside = self._outside
@@ -297,7 +298,7 @@ class Sampler:
         if self._training is not None:
             for message in self._guards["training"].call(self._training.tick, now) or ():
                 self._publish(message)
-        if not final:
+        if collectives:
             self._read_collectives(now)
 
     def _read_collectives(self, now: float, final: bool = False) -> None:

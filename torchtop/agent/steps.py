@@ -260,11 +260,6 @@ class StepCollector:
         it in the closure passed to it (forward and backward: compute, not optimizer time)."""
         if began is not None:
             self._interval.optimizer += max(0.0, t - began - in_closure)
-        if self.clock == optimizer and not self._others and not self._scaler_open:
-            # The usual step (one optimizer, no scaler between): :meth:`_clock_step` in short.
-            self._clock_last = t
-            self._end_step(t, False)
-            return
         if optimizer in self._scaler_open:
             self._scaler_open[optimizer] = True
         if self.clock is None:
