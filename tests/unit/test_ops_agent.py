@@ -796,6 +796,41 @@ def test_a_window_that_cannot_open_leaves_nothing_armed(
     assert sampler._state == IDLE and step_hooks.BOUNDARY[0] is None
 
 
+def test_a_window_before_any_tick_read_the_clock_counts_every_step_in_it(
+    sampler: OpsSampler,
+) -> None:
+    """A demo's first phase can take its profiled call before the sampler's first tick has
+    read the step clock (its steps are fast; on a busy machine the tick comes late): the
+    window counts all its steps, not those after the tick, and its ops per step are right."""
+    model, opt = _model()
+    with sampler.window() as opened:
+        assert opened
+        for i in range(6):
+            _train_steps(model, opt, 1)
+            _boundary(7)
+            if i == 1:  # a tick before the collector has drained a step: no clock yet
+                sampler.tick(time.time(), FakeSteps(clock=None))
+            if i == 3:  # the collector has the clock now
+                sampler.tick(time.time(), FakeSteps(clock=7))
+    (frame,) = [
+        m for m in sampler.tick(time.time(), FakeSteps(clock=7)) if isinstance(m, OpsWindow)
+    ]
+    assert frame.steps == 6 and frame.total_steps == 6
+    # Six steps of the same model: each op ran a whole number of times a step.
+    for op in frame.ops:
+        assert op.calls % 6 == 0, op
+    # A step of another optimizer does not count once the first has the clock.
+    assert sampler.clock == 7
+    with sampler.window() as opened:
+        _train_steps(model, opt, 2)
+        _boundary(7)
+        _boundary(8)
+    (frame,) = [
+        m for m in sampler.tick(time.time(), FakeSteps(clock=7)) if isinstance(m, OpsWindow)
+    ]
+    assert frame.steps == 1
+
+
 def test_requested_windows_are_rate_limited_and_their_traces_bounded(
     sampler: OpsSampler, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -205,7 +205,13 @@ class OpsSampler:
         """A step ended (the optimizer post hook or ``torchtop.step()``). Never raises."""
         try:
             if key != self.clock:
-                return
+                if self.clock is not None:
+                    return
+                # No tick has read the step clock yet (the job's first steps, or a sampler
+                # held up on a busy machine): the first to step is the clock, as the step
+                # collector decides. Else a window over those steps would count none of them,
+                # or some, and its ops per step would read high.
+                self.clock = key
             if self._state == ARMED:
                 if _paused[0]:
                     return
@@ -469,7 +475,8 @@ class OpsSampler:
 
     def _tick(self, now: float, steps: Any) -> list[Message]:
         messages: list[Message] = []
-        self.clock = steps.clock
+        if steps.clock is not None:  # else the clock the boundaries took (at_boundary)
+            self.clock = steps.clock
         self._recent_steps = steps.recent
         monotonic = time.monotonic()
         while self._closed:
