@@ -67,7 +67,10 @@ WORKERS ?= 2
 # gpu (recorded GPU data, a fake NVML), viewer (Pilot, snapshots, tmux), processes (real jobs,
 # launchers, servers). `make test TESTS=tests/viewer` runs one; `make test-fast`, the quick two.
 TESTS ?= tests
+# The suite starts some 700 Python processes. Where PYTHONDONTWRITEBYTECODE is set, each would
+# compile torchtop's modules again: they are compiled once, first.
 test: setup $(if $(filter true 1,$(CI)),system-deps)
+	$(BIN)/python -m compileall -q torchtop demos tests >/dev/null
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=15 $(TESTS) || { \
 	  echo "make: the tests that failed run once more, one at a time: failing again fails the run"; \
 	  $(BIN)/python -m pytest -q -p no:xdist --last-failed --last-failed-no-failures none $(TESTS); }
