@@ -36,10 +36,11 @@ def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(path.parent, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fleet_recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One process's recording of a short real job, for the fleet simulator to replay
-    (``benchmarks/fleet.py``)."""
+    (``benchmarks/fleet.py``); made once for all the test files (of one worker) that replay
+    it, none of which changes it."""
     path = tmp_path_factory.mktemp("fleet") / "one.ttr"
     out = torchtop(
         "run", "--headless", "--record", str(path), "--no-ops", str(SCRIPTS / "train_mlp.py"),
