@@ -100,10 +100,15 @@ def test_bad_op_options_are_one_line_errors(tmp_path: Path) -> None:
 def test_time_based_windows_under_the_memory_limit_emulation(tmp_path: Path) -> None:
     """No optimizer: windows open between bytecodes of the main thread, never inside the
     emulation's dispatch mode or the autograd engine (where starting the profiler crashed)."""
+    # The main thread takes a window's opening call only between the emulation's dispatches:
+    # a tick every 20 ms asks five times as often, so that one opens within the job's seconds
+    # on a loaded machine too (at 0.1 s, once in ~13 CI runs none did before the loop ended).
     _, report = _run(
         tmp_path,
         "--memory-limit",
         "1GiB",
+        "--interval",
+        "0.02",
         script_args=("--no-optimizer", "--backward", "--seconds", "7"),
     )
     assert report["profile_windows"] >= 1

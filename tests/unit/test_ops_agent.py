@@ -831,6 +831,28 @@ def test_a_window_before_any_tick_read_the_clock_counts_every_step_in_it(
     assert frame.steps == 1
 
 
+def test_a_time_window_the_jobs_end_cut_before_any_op_is_not_sent(sampler: OpsSampler) -> None:
+    """A job with no steps may take its time window's opening call only as it leaves its loop
+    (under the memory limit's dispatch mode, say): the window the exit then cuts holds no op
+    and is no window at all; one cut as short that recorded ops still is."""
+    sampler._open(time_based=True)
+    assert sampler._state == OPEN
+    assert [m for m in sampler.stop(time.time()) if isinstance(m, OpsWindow)] == []
+    assert sampler.windows == 1  # it was read, then left out
+
+
+def test_a_time_window_cut_short_with_ops_in_it_is_sent(tmp_path: Path) -> None:
+    sampler = OpsSampler(trace_dir=tmp_path, trace_prefix="job.", min_spacing_s=0.0)
+    try:
+        sampler._open(time_based=True)
+        torch.randn(8, 8) @ torch.randn(8, 8)
+        (frame,) = [m for m in sampler.stop(time.time()) if isinstance(m, OpsWindow)]
+        assert frame.steps is None and frame.duration_s < sampler.time_window_s
+        assert "aten::mm" in {op.name for op in frame.ops}
+    finally:
+        step_hooks.BOUNDARY[0] = None
+
+
 def test_requested_windows_are_rate_limited_and_their_traces_bounded(
     sampler: OpsSampler, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

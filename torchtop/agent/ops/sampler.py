@@ -611,9 +611,18 @@ class OpsSampler:
             messages: list[Message] = []
             while self._closed:
                 with contextlib.suppress(Exception):
-                    frame = self._frame(self._closed.popleft(), None)
-                    if frame is not None:
+                    closed = self._closed.popleft()
+                    frame = self._frame(closed, None)
+                    if frame is not None and not _cut_empty(closed, frame, self.time_window_s):
                         messages.append(frame)
             messages.extend(self._measured(None, final=True))
             self._stopped = True
             return messages
+
+
+def _cut_empty(closed: Closed, frame: OpsWindow, window_s: float) -> bool:
+    """A window over no steps that the job's end cut short (it ran under ``window_s``) and
+    that recorded no op: one that opened as the job's last bytecodes ran (the main thread may
+    take a time-based window's opening call only as it leaves its loop). It says nothing of
+    the job: it is not sent, nor counted as a window in the report."""
+    return closed.steps is None and closed.wall_s < window_s and not frame.ops
