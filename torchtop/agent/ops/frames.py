@@ -126,11 +126,17 @@ class FrameMaker:
         self._site_of: Callable[[str], str | None] | None = None
 
     def make(
-        self, closed: Closed, recent_steps: deque[float], spacing_s: float
-    ) -> tuple[OpsWindow, float, int]:
+        self, closed: Closed, recent_steps: deque[float], spacing_s: float, cut_s: float = 0.0
+    ) -> tuple[OpsWindow, float, int] | None:
         """The window's frame, what it cost the job as far as known now, and how many events
         it held. ``recent_steps`` are the latest steps' durations; ``spacing_s`` is the spacing
-        the frame reports until its cost sets the next."""
+        the frame reports until its cost sets the next.
+
+        ``None`` for a window not over steps that was cut short (it ran under ``cut_s``) before
+        any op ran: say one that opened on a job's last bytecodes, which the exit then closed
+        (the main thread may take a time window's opening call only as it leaves its loop).
+        It says nothing of the job: no frame, no trace (``ops-last.json`` keeps the last
+        window's), and it counts in no total."""
         t0 = time.perf_counter()
         events = read_events(
             closed.result,
@@ -139,6 +145,9 @@ class FrameMaker:
             python=self.with_stack,
             dtypes=closed.inputs,
         )
+        if not events and closed.steps is None and closed.wall_s < cut_s:
+            closed.result = None
+            return None
         if self.with_stack and self._site_of is None:
             self._site_of = site_reader(_library_dirs())
         window = aggregate(events, site_of=self._site_of)

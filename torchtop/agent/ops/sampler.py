@@ -550,7 +550,10 @@ class OpsSampler:
     def _frame(self, closed: Closed, ends: deque[tuple[float, float]] | None) -> OpsWindow | None:
         """The window's frame; ``None`` while its cost is being measured (see
         :meth:`_measured`). ``ends`` are the latest steps' (end, duration)."""
-        frame, cost, events = self._frames.make(closed, self._recent_steps, self.spacing_s)
+        made = self._frames.make(closed, self._recent_steps, self.spacing_s, self.time_window_s)
+        if made is None:  # cut short before any op ran: no window
+            return None
+        frame, cost, events = made
         usual = usual_step(ends, closed.opened_at) if closed.steps else None
         if usual is None:
             return self._priced(frame, closed.start_cost_s, closed.stop_cost_s, cost)
@@ -611,18 +614,9 @@ class OpsSampler:
             messages: list[Message] = []
             while self._closed:
                 with contextlib.suppress(Exception):
-                    closed = self._closed.popleft()
-                    frame = self._frame(closed, None)
-                    if frame is not None and not _cut_empty(closed, frame, self.time_window_s):
+                    frame = self._frame(self._closed.popleft(), None)
+                    if frame is not None:
                         messages.append(frame)
             messages.extend(self._measured(None, final=True))
             self._stopped = True
             return messages
-
-
-def _cut_empty(closed: Closed, frame: OpsWindow, window_s: float) -> bool:
-    """A window over no steps that the job's end cut short (it ran under ``window_s``) and
-    that recorded no op: one that opened as the job's last bytecodes ran (the main thread may
-    take a time-based window's opening call only as it leaves its loop). It says nothing of
-    the job: it is not sent, nor counted as a window in the report."""
-    return closed.steps is None and closed.wall_s < window_s and not frame.ops
