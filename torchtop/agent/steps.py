@@ -333,7 +333,7 @@ class StepCollector:
         self.clock = "explicit"
         self._clock_step(t, skipped=False)
 
-    def batch(self, wait: float, first: bool, loader: int | None, samples: int | None) -> None:
+    def batch(self, wait: float, *, first: bool, loader: int | None, samples: int | None) -> None:
         """A batch the training thread waited ``wait`` seconds for."""
         interval = self._interval
         if first:
@@ -374,14 +374,14 @@ class StepCollector:
             samples = interval.samples.get(interval.last_loader, 0)
         self._records.append(
             StepRecord(
-                t,
-                duration,
-                interval.wait,
-                interval.startup,
-                interval.optimizer,
-                samples,
-                skipped,
-                interval.backward,
+                end=t,
+                duration=duration,
+                wait=interval.wait,
+                startup=interval.startup,
+                optimizer=interval.optimizer,
+                samples=samples,
+                skipped=skipped,
+                backward=interval.backward,
             )
         )
         self.total += 1

@@ -450,7 +450,7 @@ class TrainingMonitor:
                 _, began, ended, iterator, size, grad = event
                 wait = ended - began
                 first, index = loader_batch(iterator, wait, size, grad)
-                step_batch(wait, first, index, size)
+                step_batch(wait, first=first, loader=index, samples=size)
                 steps.last_batch = ended
             elif kind == OPT_STEP:
                 optimizer_step(event[1], event[2], event[3], event[4])
