@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +64,91 @@ def torchtop(
     *args: str, timeout: float = 120, **kwargs: object
 ) -> subprocess.CompletedProcess[str]:
     """Run the real command line in a subprocess, as a user would."""
-    return subprocess.run(
+    return run_tree(
         [sys.executable, "-m", "torchtop", *args],
-        capture_output=True,
-        text=True,
         timeout=timeout,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,
     )
+
+
+def run_tree(command: list[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(command, capture_output=True, text=True, timeout=timeout)``, except
+    that past ``timeout`` it kills what the command started as well: ``torchtop run`` and
+    ``torchtop demo`` start the job as a child, which the command's death alone would leave
+    running (taking the CPU of the tests after it, and holding the pipes open)."""
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(process)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.communicate(timeout=10)
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def tmux(*args: str, check: bool = True, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """One tmux command, its output captured; bounded, so that a wedged tmux server fails the
+    test rather than holding the suite."""
+    return subprocess.run(
+        ["tmux", *args], capture_output=True, text=True, timeout=30, check=check, **kwargs
+    )
+
+
+class Forked:
+    """A forked copy of this process running ``body(self)``, which the parent talks to a byte
+    string at a time (:meth:`send`, :meth:`receive`, on either side).
+
+    The child always ends in ``os._exit``, whatever ``body`` raises: it never goes on as a
+    second copy of the test run. The parent never waits on it without a bound: :meth:`receive`
+    raises after ``timeout`` seconds, and leaving the ``with`` block kills a child still
+    running (one that deadlocked on a lock another thread held at the fork) and reaps it."""
+
+    def __init__(self, body: Callable[[Forked], None]) -> None:
+        self._down_r, self._down_w = os.pipe()  # parent -> child
+        self._up_r, self._up_w = os.pipe()  # child -> parent
+        self.pid = os.fork()
+        # Each side keeps its own ends only: a side that ends is then seen to (end of file).
+        mine, theirs = (
+            ((self._down_r, self._up_w), (self._up_r, self._down_w))
+            if self.pid == 0
+            else ((self._up_r, self._down_w), (self._down_r, self._up_w))
+        )
+        for fd in theirs:
+            os.close(fd)
+        self._read, self._write = mine
+        if self.pid == 0:
+            code = 1
+            try:
+                body(self)
+                code = 0
+            except BaseException:
+                traceback.print_exc()  # the parent sees the end of file; pytest, this
+            finally:
+                os._exit(code)
+
+    def send(self, data: bytes) -> None:
+        os.write(self._write, data)
+
+    def receive(self, timeout: float = 60) -> bytes:
+        """What the other side sent next; ``b""`` if the child ended without sending."""
+        if not select.select([self._read], [], [], timeout)[0]:
+            raise TimeoutError(f"the forked child (pid {self.pid}) said nothing in {timeout} s")
+        return os.read(self._read, 64)
+
+    def __enter__(self) -> Forked:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+        os.close(self._read)
+        os.close(self._write)
 
 
 def kill_tree(process: subprocess.Popen[Any]) -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.conftest import run_tree
 from torchtop.model import JobModel
 from torchtop.protocol import PhaseBegan
 from torchtop.streams.recording import read_recording
@@ -39,13 +39,7 @@ def run_demo(
     with tempfile.TemporaryDirectory(dir=tmp_path) as folder:
         record = Path(folder) / f"{name}.ttr"
         command = [sys.executable, "-m", "torchtop", "demo", name, "--headless", "--quick"]
-        proc = subprocess.run(
-            [*command, "--record", str(record)],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            env=env,
-        )
+        proc = run_tree([*command, "--record", str(record)], timeout=180, env=env)
         assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
         check_phase_descriptions(record)
         false = false_findings(name, record)

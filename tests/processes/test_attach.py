@@ -3,6 +3,7 @@ with gdb (Python 3.10-3.13), and every refusal says what to do. Real processes, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import SCRIPTS, torchtop
+from tests.conftest import SCRIPTS, kill_tree, torchtop
 from tests.viewer.test_tui_tmux import Terminal, terminal  # noqa: F401 - the tmux fixture
 from torchtop.attach import inject
 from torchtop.protocol import OpsWindow, ProbeStatus, Sample, StepStats
@@ -77,8 +78,9 @@ class Job:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
+            kill_tree(self.proc)  # its DataLoader workers too: they hold its pipes
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.communicate(timeout=30)
 
 
 @pytest.fixture
@@ -394,9 +396,15 @@ def _pythons() -> list[str]:
         name = shutil.which(f"python3.{minor}")
         if name is None:
             continue
-        probe = subprocess.run(
-            [name, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True
-        )
+        try:
+            probe = subprocess.run(
+                [name, "-c", "import sys; print(sys.executable)"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        except subprocess.TimeoutExpired:  # a broken shim: that Python is left out
+            continue
         if probe.returncode == 0 and probe.stdout.strip():
             found.append(probe.stdout.strip())
     return found

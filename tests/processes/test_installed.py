@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SCRIPTS
+from tests.conftest import REPO, SCRIPTS, tmux
 from torchtop.protocol import OutOfMemory
 from torchtop.streams.recording import read_recording
 
@@ -222,18 +222,14 @@ def test_the_installed_viewer_in_a_real_terminal(installed: Installed) -> None:
     shutil.copy(SCRIPTS / "train_mlp.py", installed.work / "view.py")
     session = f"torchtop-installed-{uuid.uuid4().hex[:8]}"
     command = "torchtop run view.py --steps 400 --sleep 0.02; echo EXIT=$?"
-    subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "30", "-c",
-         str(installed.work), "bash", "--norc", "--noprofile"],
-        check=True, env=installed.environ,
+    tmux(
+        "new-session", "-d", "-s", session, "-x", "160", "-y", "30", "-c", str(installed.work),
+        "bash", "--norc", "--noprofile", env=installed.environ,
     )  # fmt: skip
 
     def screen() -> str:
-        return subprocess.run(
-            ["tmux", "capture-pane", "-p", "-J", "-t", session],
-            capture_output=True,
-            text=True,
-            env=installed.environ,
+        return tmux(
+            "capture-pane", "-p", "-J", "-t", session, check=False, env=installed.environ
         ).stdout
 
     def wait_for(pattern: str, timeout: float = 90) -> str:
@@ -247,21 +243,17 @@ def test_the_installed_viewer_in_a_real_terminal(installed: Installed) -> None:
         raise AssertionError(f"timed out waiting for {pattern!r}; the screen shows:\n{shown}")
 
     try:
-        subprocess.run(
-            ["tmux", "send-keys", "-t", session, command, "Enter"],
-            check=True,
-            env=installed.environ,
-        )
+        tmux("send-keys", "-t", session, command, "Enter", env=installed.environ)
         # The header comes in the first frame, the panels in the next ones: wait for all.
         live = wait_for(r"(?s)(?=.*Host)(?=.*RSS)(?=.*view\.py).*running .*pid \d+")
         assert "view.py" in live and "Host" in live and "RSS" in live
         wait_for(r"step \d+ loss")
-        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True, env=installed.environ)
+        tmux("send-keys", "-t", session, "q", env=installed.environ)
         wait_for(r"still running")
-        subprocess.run(["tmux", "send-keys", "-t", session, "s"], check=True, env=installed.environ)
+        tmux("send-keys", "-t", session, "s", env=installed.environ)
         wait_for(r"EXIT=\d+", timeout=30)
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        tmux("kill-session", "-t", session, check=False, env=installed.environ)
 
 
 def test_the_otel_extra_installs_and_pushes(installed: Installed) -> None:

@@ -7,7 +7,6 @@ torch of the test process, installed and removed by each test.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import torchtop
+from tests.conftest import Forked
 from torchtop.agent.loaders import LoaderTracker, batch_size_of, settings_of, wrap_next
 from torchtop.agent.steps import BATCH, BEFORE_STEP, PENDING, StepCollector
 from torchtop.agent.training import TrainingMonitor, loaded
@@ -498,17 +498,15 @@ def test_steps_with_no_agent_cost_nothing_and_grow_nothing() -> None:
 
 
 def test_forked_children_run_no_hooks(monitor: TrainingMonitor) -> None:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: as a DataLoader worker would be
+
+    def child(parent: Forked) -> None:  # as a DataLoader worker would be
         from torch.utils.data import dataloader as dl_module
 
         hooked = getattr(dl_module._BaseDataLoaderIter.__dict__["__next__"], "_torchtop", False)
-        os.write(w, b"1" if hooked else b"0")
-        os._exit(0)
-    os.close(w)
-    assert os.read(r, 1) == b"0"
-    os.waitpid(pid, 0)
+        parent.send(b"1" if hooked else b"0")
+
+    with Forked(child) as worker:
+        assert worker.receive() == b"0"
     from torch.utils.data import dataloader as dl_module
 
     assert getattr(dl_module._BaseDataLoaderIter.__dict__["__next__"], "_torchtop", False)

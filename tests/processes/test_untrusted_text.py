@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import torchtop
+from tests.conftest import tmux, torchtop
 from tests.fakes.untrusted import (
     ATTACK_BYTES,
     CLEAR,
@@ -325,7 +325,7 @@ def test_replay_in_tmux_writes_none_of_the_recordings_escapes(
     from tests.processes.test_untrusted_property import FORBIDDEN_IN_VIEWER
 
     log = tmp_path / "pane.log"
-    subprocess.run(["tmux", "pipe-pane", "-o", "-t", terminal.session, f"cat >> {log}"], check=True)
+    tmux("pipe-pane", "-o", "-t", terminal.session, f"cat >> {log}")
     terminal.keys(f"{sys.executable} -m torchtop replay {recording}; echo EXIT=$?", "Enter")
     terminal.wait_for(lambda s: "Log" in s and "Memory" in s)
     terminal.keys("e")  # the end of the recording: every message shown
@@ -333,11 +333,7 @@ def test_replay_in_tmux_writes_none_of_the_recordings_escapes(
     terminal.keys("l")  # the log alone, full width
     log_screen = terminal.wait_for(lambda s: "epoch 1 loss" in s and "warning" in s)
     assert "[link=https://example.com/x]click[/link]" in log_screen
-    title = subprocess.run(
-        ["tmux", "display-message", "-p", "-t", terminal.session, "#{pane_title}"],
-        capture_output=True,
-        text=True,
-    ).stdout
+    title = tmux("display-message", "-p", "-t", terminal.session, "#{pane_title}").stdout
     terminal.keys("q")
     terminal.wait_for(lambda s: "EXIT=0" in s, timeout=15)
     written = log.read_bytes()

@@ -3,10 +3,9 @@ private memory (USS) page by page; the same data as one NumPy array stays shared
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from tests.conftest import Forked
 from torchtop.streams.worker_memory import read_worker
 
 MB = 1 << 20
@@ -14,30 +13,23 @@ MB = 1 << 20
 
 def _uss_growth_after_reading(data: object, read) -> int:  # type: ignore[no-untyped-def]
     """Fork, read ``data`` in the child, and return how much the child's USS grew (bytes)."""
-    ready_r, ready_w = os.pipe()
-    go_r, go_w = os.pipe()
-    done_r, done_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: a DataLoader worker's life, in short
-        os.write(ready_w, b"r")
-        os.read(go_r, 1)
+
+    def child(parent: Forked) -> None:  # a DataLoader worker's life, in short
+        parent.send(b"r")
+        parent.receive()
         read(data)
-        os.write(done_w, b"d")
-        os.read(go_r, 1)
-        os._exit(0)
-    try:
-        os.read(ready_r, 1)
-        before = read_worker(pid)
-        os.write(go_w, b"g")
-        os.read(done_r, 1)
-        after = read_worker(pid)
+        parent.send(b"d")
+        parent.receive()
+
+    with Forked(child) as worker:
+        assert worker.receive() == b"r"
+        before = read_worker(worker.pid)
+        worker.send(b"g")
+        assert worker.receive() == b"d", "the child failed to read the data"
+        after = read_worker(worker.pid)
+        worker.send(b"g")
         assert before is not None and after is not None
         return after.uss - before.uss
-    finally:
-        os.write(go_w, b"g")
-        os.waitpid(pid, 0)
-        for fd in (ready_r, ready_w, go_r, go_w, done_r, done_w):
-            os.close(fd)
 
 
 def _touch_dicts(rows: list[dict[str, object]]) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.conftest import Forked
 from torchtop.agent import ops as ops_module
 from torchtop.agent import steps as step_hooks
 from torchtop.agent.ops import (
@@ -571,7 +572,6 @@ def test_the_first_window_over_steps_comes_as_soon_as_steps_do(sampler: OpsSampl
 
 def test_a_child_forked_during_a_window_inherits_no_profiler(tmp_path: Path) -> None:
     """A DataLoader worker forked mid-window: the window closes before the fork."""
-    import os
 
     sampler = OpsSampler(trace_dir=tmp_path, trace_prefix="", min_spacing_s=0.0)
     monitor = TrainingMonitor(ops=sampler)
@@ -582,14 +582,10 @@ def test_a_child_forked_during_a_window_inherits_no_profiler(tmp_path: Path) -> 
         sampler.tick(time.time(), steps)
         _train_steps(model, opt, 1)  # the real optimizer hook opens the window
         assert sampler._state == OPEN
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.write(w, b"1" if torch._C._autograd._profiler_enabled() else b"0")
-            os._exit(0)
-        os.close(w)
-        assert os.read(r, 1) == b"0"
-        os.waitpid(pid, 0)
+        with Forked(
+            lambda parent: parent.send(b"%d" % torch._C._autograd._profiler_enabled())
+        ) as child:
+            assert child.receive() == b"0"
         assert sampler._state == IDLE and not torch._C._autograd._profiler_enabled()
         frames = [m for m in sampler.tick(time.time(), steps) if isinstance(m, OpsWindow)]
         assert len(frames) == 1 and frames[0].steps == 0

@@ -6,14 +6,11 @@ stops the job and quits."""
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +19,7 @@ import pytest
 
 from tests.conftest import SCRIPTS, kill_tree
 from tests.processes.test_ranks_output import _heights
-from tests.viewer.test_tui_tmux import Terminal, terminal  # noqa: F401  (the fixture)
+from tests.viewer.test_tui_tmux import Terminal, terminal, tmux_terminal  # noqa: F401  (the fixture)
 from torchtop.transport import list_agents
 from torchtop.tui.screens.run import BARS, trend
 
@@ -140,20 +137,8 @@ def test_the_run_view_shows_each_rank_names_the_straggler_and_stops_the_job(
 @pytest.fixture
 def wide_terminal() -> Iterator[Terminal]:
     """A 160x50 terminal, the environment passed as the 80x24 one's."""
-    session = f"torchtop-test-{uuid.uuid4().hex[:8]}"
-    env = " ".join(
-        f"{k}={shlex.quote(v)}"
-        for k, v in os.environ.items()
-        if k in ("TORCHTOP_RUNTIME_DIR", "PATH", "PYTHONPATH", "HOME")
-    )
-    shell = f"env {env} TERM=xterm-256color PYTHONWARNINGS=ignore bash --norc --noprofile"
-    subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "50", shell], check=True
-    )
-    try:
-        yield Terminal(session)
-    finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+    with tmux_terminal(160, 50) as opened:
+        yield opened
 
 
 def test_a_rank_opens_in_the_full_viewer_and_closes_back_to_the_run(

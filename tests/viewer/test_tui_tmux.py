@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SCRIPTS
+from tests.conftest import SCRIPTS, tmux
 from torchtop.transport import list_agents
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
@@ -28,13 +28,10 @@ class Terminal:
         self.session = session
 
     def screen(self) -> str:
-        out = subprocess.run(
-            ["tmux", "capture-pane", "-p", "-J", "-t", self.session], capture_output=True, text=True
-        )
-        return out.stdout
+        return tmux("capture-pane", "-p", "-J", "-t", self.session, check=False).stdout
 
     def keys(self, *keys: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.session, *keys], check=True)
+        tmux("send-keys", "-t", self.session, *keys)
 
     def wait_for(self, predicate: Callable[[str], object], timeout: float = 60) -> str:
         deadline = time.monotonic() + timeout
@@ -47,33 +44,28 @@ class Terminal:
         raise AssertionError(f"timed out; the screen shows:\n{screen}")
 
 
-@pytest.fixture
-def terminal(tmp_path: object) -> Iterator[Terminal]:
+@contextlib.contextmanager
+def tmux_terminal(columns: int, rows: int) -> Iterator[Terminal]:
+    """A tmux session of that size running a plain bash, with this test's runtime directory,
+    PATH, PYTHONPATH and HOME; killed after."""
     session = f"torchtop-test-{uuid.uuid4().hex[:8]}"
     env = " ".join(
         f"{k}={shlex.quote(v)}"
         for k, v in os.environ.items()
         if k in ("TORCHTOP_RUNTIME_DIR", "PATH", "PYTHONPATH", "HOME")
     )
-    subprocess.run(
-        [
-            "tmux",
-            "new-session",
-            "-d",
-            "-s",
-            session,
-            "-x",
-            "80",
-            "-y",
-            "24",
-            f"env {env} TERM=xterm-256color PYTHONWARNINGS=ignore bash --norc --noprofile",
-        ],
-        check=True,
-    )
+    shell = f"env {env} TERM=xterm-256color PYTHONWARNINGS=ignore bash --norc --noprofile"
+    tmux("new-session", "-d", "-s", session, "-x", str(columns), "-y", str(rows), shell)
     try:
         yield Terminal(session)
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        tmux("kill-session", "-t", session, check=False)
+
+
+@pytest.fixture
+def terminal() -> Iterator[Terminal]:
+    with tmux_terminal(80, 24) as opened:
+        yield opened
 
 
 @pytest.fixture
