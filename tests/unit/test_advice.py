@@ -196,6 +196,29 @@ def test_eval_with_grad_from_a_loader_iterated_without_steps() -> None:
     assert fed(no_grad).advice.findings == []
 
 
+def test_eval_with_grad_when_the_last_steps_are_reported_after_the_evaluation_began() -> None:
+    """A recorded job on a loaded machine: steps come in frames every half second, the loaders'
+    counts every second. The last training steps (ended by 1.8 s) arrived at 2.08 s, after the
+    reading at 1.88 s that counted the evaluation loader's first 6 batches; by report, loader 1
+    then advanced alone (6 -> 47) while 13 steps were "taken", and was held a training loader."""
+    frames = [(0.52, 1, 19, 0.5), (1.04, 19, 29, 1.0), (1.56, 29, 47, 1.5), (2.08, 47, 60, 1.8)]
+    # The advisor evaluates once a second of the job's time, here at 1.95 s and 2.95 s.
+    messages: list[Message] = [Sample(T0 - 0.05 + i / 10, None, []) for i in range(80)]
+    for t, before, total, last_end in frames:
+        n = total - before
+        s = steps(T0 + t, total, n, 0.012, 0.0)
+        messages.append(
+            dataclasses.replace(s, ends=[T0 + last_end - 0.012 * (n - 1 - i) for i in range(n)])
+        )
+    messages.append(LoaderInfo(T0 + 0.88, [loader(26, 26)]))
+    for t, evaluated in [(1.88, 6), (2.90, 47), (3.90, 82), (4.92, 107), (5.94, 133), (6.96, 169)]:
+        messages.append(LoaderInfo(T0 + t, [loader(60, 60), loader(evaluated, evaluated, index=1)]))
+    messages.sort(key=lambda m: m.t)  # type: ignore[attr-defined]
+    model = fed(messages)
+    assert names(model) == ["eval-with-grad"]
+    assert model.advice.findings[0].evidence["loader"] == "loader 1"
+
+
 def test_a_loader_first_reported_after_its_steps_is_no_evaluation_when_steps_stop() -> None:
     """A DDP rank stuck in a hang: its 5 steps arrive at one evaluation, the loader's first
     report (its 6 batches, all fetched while those steps ran) at the next, and no step after.

@@ -275,6 +275,8 @@ class Advisor:
     #: Per loader index: its (batches, grad batches) at the previous evaluation.
     _loader_seen: dict[int, tuple[int, int]] = field(default_factory=dict)
     _steps_seen: int = 0
+    #: When the loaders' counts in :attr:`_loader_seen` were read (the agent's time).
+    _loaders_seen_t: float | None = None
     #: Loaders that advanced alone while steps were taken: training loaders.
     _training_loaders: set[int] = field(default_factory=set)
     #: The rules' checks that hold at the evaluation in progress (a symptom names its causes).
@@ -360,7 +362,17 @@ class Advisor:
 
     def _remember_loaders(self, model: JobView) -> None:
         training = model.training
-        stepped = training.total - self._steps_seen
+        if self._loaders_seen_t is None:
+            # The first reading of the loaders' counts: its batches were taken at times
+            # unknown. The steps reported since the previous evaluation stand for the interval.
+            stepped = training.total - self._steps_seen
+        else:
+            # The steps that ended between the two readings, whenever they were reported:
+            # steps come in frames about twice a second, the loaders' counts about once, so
+            # the last steps before an evaluation pass may arrive after a reading that already
+            # counts the evaluation loader's first batches. By report, that loader would have
+            # advanced alone "while steps were taken", and be held a training loader.
+            stepped = training.steps_ended_between(self._loaders_seen_t, training.loaders_t)
         advanced = {
             state.stats.index: state.stats.batches
             - self._loader_seen.get(state.stats.index, (0, 0))[0]
@@ -375,6 +387,7 @@ class Advisor:
             if stepped * TRAINING_BATCHES_PER_STEP >= batches:
                 self._training_loaders.add(index)
         self._steps_seen = training.total
+        self._loaders_seen_t = training.loaders_t
         self._loader_seen = {
             state.stats.index: (state.stats.batches, state.stats.grad_batches)
             for state in training.loader_states.values()
