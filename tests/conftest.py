@@ -25,14 +25,6 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
-# Torch's OpenMP threads (GNU OpenMP) spin while they wait for the next parallel op. The suite's
-# jobs run small ops between sleeps, two test files at once on two cores: the spinning was most
-# of their CPU, and the CPU is what the suite waits for (the creep job: 17.3 s of CPU in its
-# 39 s with the default policy, 6.8 s with passive waits). Set here, before torch is imported,
-# for this process and every job the tests start; it changes no thread count and no figure a
-# test checks. The installed-wheel tests run in a user's clean environment and do not get it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 
 @pytest.fixture(autouse=True)
 def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:

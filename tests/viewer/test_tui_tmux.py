@@ -52,7 +52,7 @@ def tmux_terminal(columns: int, rows: int) -> Iterator[Terminal]:
     env = " ".join(
         f"{k}={shlex.quote(v)}"
         for k, v in os.environ.items()
-        if k in ("TORCHTOP_RUNTIME_DIR", "PATH", "PYTHONPATH", "HOME", "OMP_WAIT_POLICY")
+        if k in ("TORCHTOP_RUNTIME_DIR", "PATH", "PYTHONPATH", "HOME")
     )
     shell = f"env {env} TERM=xterm-256color PYTHONWARNINGS=ignore bash --norc --noprofile"
     tmux("new-session", "-d", "-s", session, "-x", str(columns), "-y", str(rows), shell)
