@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import SCRIPTS, cuda_available, torchtop
+from tests.conftest import SCRIPTS, cuda_available, kill_tree, torchtop
 
 SCRIPT = str(SCRIPTS / "advice_jobs.py")
 
@@ -40,13 +40,18 @@ def _reports(tmp_path: Path, *jobs: list[str]) -> list[dict[str, Any]]:
         running.append((rec, subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                                               stderr=subprocess.PIPE, text=True)))  # fmt: skip
     reports = []
-    for rec, process in running:
-        # A few seconds alone; minutes on a machine shared by many jobs.
-        _, err = process.communicate(timeout=600)
-        assert process.returncode == 0, err
-        report = torchtop("report", str(rec), "--json")
-        assert report.returncode == 0, report.stderr
-        reports.append(json.loads(report.stdout))
+    try:
+        for rec, process in running:
+            # A few seconds alone; minutes on a machine shared by many jobs.
+            _, err = process.communicate(timeout=240)
+            assert process.returncode == 0, err
+            report = torchtop("report", str(rec), "--json")
+            assert report.returncode == 0, report.stderr
+            reports.append(json.loads(report.stdout))
+    finally:  # a run that failed or timed out leaves no job behind
+        for _, process in running:
+            if process.poll() is None:
+                kill_tree(process)
     return reports
 
 

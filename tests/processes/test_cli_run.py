@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SCRIPTS, cuda_available, torchtop
+from tests.conftest import SCRIPTS, cuda_available, kill_tree, torchtop
 from tests.conftest import report_json as _report
 from torchtop.launch import python_module
 from torchtop.protocol import AgentStats
@@ -303,7 +303,11 @@ def _interrupt(job: subprocess.Popen[str]) -> None:
     """Ctrl-C as a terminal sends it: to the job (the runner itself ignores SIGINT)."""
     for agent in list_agents():
         os.kill(agent.pid, signal.SIGINT)
-    job.communicate(timeout=30)
+    try:
+        job.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # it ignored the Ctrl-C: fail, and leave nothing running
+        kill_tree(job)
+        raise
 
 
 def test_job_killed_with_sigkill_is_reported(tmp_path: Path) -> None:
