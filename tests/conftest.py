@@ -108,18 +108,18 @@ class Forked:
     running (one that deadlocked on a lock another thread held at the fork) and reaps it."""
 
     def __init__(self, body: Callable[[Forked], None]) -> None:
-        self._down_r, self._down_w = os.pipe()  # parent -> child
-        self._up_r, self._up_w = os.pipe()  # child -> parent
+        down_r, down_w = os.pipe()  # parent -> child
+        up_r, up_w = os.pipe()  # child -> parent
         self.pid = os.fork()
         # Each side keeps its own ends only: a side that ends is then seen to (end of file).
-        mine, theirs = (
-            ((self._down_r, self._up_w), (self._up_r, self._down_w))
-            if self.pid == 0
-            else ((self._up_r, self._down_w), (self._down_r, self._up_w))
-        )
-        for fd in theirs:
-            os.close(fd)
-        self._read, self._write = mine
+        if self.pid == 0:
+            self._read, self._write = down_r, up_w
+            os.close(up_r)
+            os.close(down_w)
+        else:
+            self._read, self._write = up_r, down_w
+            os.close(down_r)
+            os.close(up_w)
         if self.pid == 0:
             code = 1
             try:

@@ -362,7 +362,8 @@ class Advisor:
 
     def _remember_loaders(self, model: JobView) -> None:
         training = model.training
-        if self._loaders_seen_t is None:
+        previous, latest = self._loaders_seen_t, training.loaders_t
+        if previous is None or latest is None:
             # The first reading of the loaders' counts: its batches were taken at times
             # unknown. The steps reported since the previous evaluation stand for the interval.
             stepped = training.total - self._steps_seen
@@ -372,7 +373,7 @@ class Advisor:
             # the last steps before an evaluation pass may arrive after a reading that already
             # counts the evaluation loader's first batches. By report, that loader would have
             # advanced alone "while steps were taken", and be held a training loader.
-            stepped = training.steps_ended_between(self._loaders_seen_t, training.loaders_t)
+            stepped = training.steps_ended_between(previous, latest)
         advanced = {
             state.stats.index: state.stats.batches
             - self._loader_seen.get(state.stats.index, (0, 0))[0]
@@ -387,7 +388,7 @@ class Advisor:
             if stepped * TRAINING_BATCHES_PER_STEP >= batches:
                 self._training_loaders.add(index)
         self._steps_seen = training.total
-        self._loaders_seen_t = training.loaders_t
+        self._loaders_seen_t = latest
         self._loader_seen = {
             state.stats.index: (state.stats.batches, state.stats.grad_batches)
             for state in training.loader_states.values()

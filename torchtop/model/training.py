@@ -340,14 +340,14 @@ class TrainingState:
         """Every loader's latest stats, in the order the job first iterated them."""
         return [x.stats for x in self.loader_list]
 
-    def steps_ended_between(self, start: float | None, end: float | None) -> int:
-        """Steps (weights) listed so far that ended in ``(start, end]`` (no bound where
-        ``None``), among the recent points: the latest :attr:`max_points` at most."""
+    def steps_ended_between(self, start: float, end: float) -> int:
+        """Steps (weights) listed so far that ended in ``(start, end]``, among the recent
+        points: the latest :attr:`max_points` at most."""
         n = 0
         for point in reversed(self.points):
-            if start is not None and point.t <= start:
+            if point.t <= start:
                 break
-            if end is None or point.t <= end:
+            if point.t <= end:
                 n += point.weight
         return n
 
