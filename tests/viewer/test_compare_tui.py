@@ -120,6 +120,21 @@ async def test_a_file_that_is_not_a_recording_is_one_line(tmp_path: Path) -> Non
         assert "is not a torchtop recording" in note.message and "\n" not in note.message
 
 
+def test_the_step_time_median_comes_first_when_only_other_figures_changed() -> None:
+    """A short panel (80x24) shows the first few figures: the step time median is one of them
+    even where it is within noise and the figures that changed come before it in the report."""
+    same_pace = recording(0.05, 0.05, seed=3)  # B: the same step time, far less data wait
+    b = against("w4.ttr", fold_messages(SLOW), same_pace, multi_rank=False)
+    assert b.report is not None
+    median = next(c for c in b.report["step_figures"] if c["key"] == "step_time_median_s")
+    assert not median["changed"] and "data wait share" in b.report["changed"]
+    lines = compare_text(b).plain.splitlines()
+    assert lines[0].startswith("changed: ") and "step time median" not in lines[0]
+    assert "step time median" in lines[2], lines
+    changed = [line for line in lines[3:] if line.startswith(("lower", "higher", "faster"))]
+    assert changed and lines.index(changed[0]) == 3, lines
+
+
 def test_a_recording_without_steps_is_shown_with_why_it_cannot_be_compared(
     tmp_path: Path,
 ) -> None:

@@ -34,6 +34,8 @@ B_STEP_STYLE = "magenta"
 B_WAIT_STYLE = "red"
 #: Cells for a figure's verdict ("within noise" and a space).
 VERDICT_WIDTH = 13
+#: The figure shown first whatever changed: what a user compares two runs for.
+HEADLINE_FIGURE = "step_time_median_s"
 
 
 @dataclass
@@ -103,8 +105,9 @@ def against_series(a: JobModel, b: Against, start: float, end: float) -> list[Ch
 
 
 def compare_text(b: Against) -> Text:
-    """The verdict, then each step figure (those that changed first) with its change and
-    verdict, then energy per step where the runs have it."""
+    """The verdict, then each step figure with its change and verdict: the step time median
+    first (the headline, kept in view however short the panel), then those that changed, then
+    the rest; then energy per step where the runs have it."""
     if b.report is None:
         return Text(f"cannot compare: {b.error}", "yellow")
     report = b.report
@@ -119,7 +122,9 @@ def compare_text(b: Against) -> Text:
     text.append("B step", B_STEP_STYLE)
     text.append(" ")
     text.append("B wait", B_WAIT_STYLE)
-    figures = sorted(report["step_figures"], key=lambda c: not c["changed"])
+    figures = sorted(
+        report["step_figures"], key=lambda c: (c["key"] != HEADLINE_FIGURE, not c["changed"])
+    )
     energy = [e["energy_per_step_j"] for e in report.get("energy", [])]
     for c in [*figures, *energy]:
         # The verdict first: a narrow panel cuts the end of the line, never the verdict.
