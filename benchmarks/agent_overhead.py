@@ -12,7 +12,9 @@ most).
 The "on" arm samples op timings at the default settings: a torch.profiler window of two steps,
 spaced so that the windows cost at most the agent's default budget (0.5%) of the time. A
 median hides a rare slow step, so the ratio of the mean step times is given too (it carries the
-windows' amortized cost), and so is what one window cost on its own: starting and stopping the
+windows' amortized cost), with its 95% interval over the pairs (on a shared VM the steps slow
+down by half for tenths of a second at a time, in either arm, and the mean moves by a point or
+more with where those spells fall), and so is what one window cost on its own: starting and stopping the
 profiler in the training thread, and the whole (those, the profiled steps' slowdown, and
 reading the window). The agent's first window, which opens as soon as a job steps, runs before
 the blocks: once a job, it is no part of the steady state they measure.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import subprocess
@@ -133,13 +136,15 @@ def alternating(
     run_block: Callable[[], list[float]],
     rounds: int,
     hooks_only: bool = False,
+    blocks: list[tuple[list[float], list[float]]] | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """``rounds`` pairs of blocks, one with the agent off and one with it on: the step times of
     each arm, and each pair's ratio of medians. The "off" blocks pause the sampler and remove
     the hooks, so the arms differ only by the agent's work (hooks, sampling, encoding,
     serving), not by process start-up. Every other pair runs its "on" block first (off on, on
     off, off on, ...): a machine that speeds up or slows down within a pair, and whatever one
-    block leaves to the next (a sampler tick due, caches), fall on both arms alike."""
+    block leaves to the next (a sampler tick due, caches), fall on both arms alike. ``blocks``:
+    each pair's step times (on, off) are added to it."""
     off: list[float] = []
     on: list[float] = []
     pair_ratios: list[float] = []
@@ -179,7 +184,27 @@ def alternating(
         off += off_times
         on += on_times
         pair_ratios.append(statistics.median(on_times) / statistics.median(off_times))
+        if blocks is not None:
+            blocks.append((on_times, off_times))
     return off, on, pair_ratios
+
+
+def mean_interval95(
+    blocks: list[tuple[list[float], list[float]]], draws: int = 2000
+) -> tuple[float, float]:
+    """A 95% bootstrap interval for the mean ratio (on / off) of the pairs of blocks ``blocks``
+    (each pair's step times, on and off), the pairs drawn again with replacement. On a shared VM
+    the steps slow down by half for tenths of a second at a time, in either arm: the mean moves
+    by a point or more with where those spells fall, and this says how far."""
+    sums = [(math.fsum(on), len(on), math.fsum(off), len(off)) for on, off in blocks]
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(draws):
+        drawn = rng.choices(sums, k=len(sums))
+        on_s, on_n, off_s, off_n = (sum(column) for column in zip(*drawn, strict=True))
+        ratios.append((on_s / on_n) / (off_s / off_n))
+    ratios.sort()
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
 
 
 def interval95(values: list[float], draws: int = 2000) -> tuple[float, float]:
@@ -198,12 +223,15 @@ def summarize(
     pair_ratios: list[float],
     on_seconds: float,
     first: int = 0,
+    blocks: list[tuple[list[float], list[float]]] | None = None,
 ) -> dict[str, float]:
     """The arms' figures (``on_seconds``: how long the agent ran; the op windows after the
-    first ``first``), printed and returned."""
+    first ``first``; ``blocks``: each pair's step times, for the mean ratio's interval),
+    printed and returned."""
     rounds = len(pair_ratios)
     ratio = statistics.median(on) / statistics.median(off)
     low, high = interval95(pair_ratios)
+    mean_low, mean_high = mean_interval95(blocks) if blocks else (math.nan, math.nan)
     costs = list(agent.ops.costs)[first:] if agent.ops is not None else []
     result = {
         "model": name,
@@ -217,6 +245,9 @@ def summarize(
         "median_pair_ratio_low": low,
         "median_pair_ratio_high": high,
         "mean_ratio": statistics.fmean(on) / statistics.fmean(off),
+        # Where the mean ratio could lie, given how much the pairs vary (95%).
+        "mean_ratio_low": mean_low,
+        "mean_ratio_high": mean_high,
         "op_windows": len(costs),
         "window_start_ms": _median_ms([c[0] for c in costs]),
         "window_stop_ms": _median_ms([c[1] for c in costs]),
@@ -239,7 +270,8 @@ def summarize(
         f"  on {result['median_step_on_ms']:8.3f} ms"
         f"  ratio {ratio:.4f}  (median of {rounds} paired blocks {result['median_pair_ratio']:.4f},"
         f" 95% {low:.4f} to {high:.4f}; {len(off)} / {len(on)} steps)\n"
-        f"{'':10s} mean ratio {result['mean_ratio']:.4f}; {len(costs)} op windows, one costs"
+        f"{'':10s} mean ratio {result['mean_ratio']:.4f} (95% {mean_low:.4f} to {mean_high:.4f});"
+        f" {len(costs)} op windows, one costs"
         f" {result['window_cost_ms']:.2f} ms (profiler start {result['window_start_ms']:.2f} ms,"
         f" stop {result['window_stop_ms']:.2f} ms); the windows cost"
         f" {result['windows_share']:.2%} of the run\n"
@@ -290,12 +322,15 @@ def measure(
     time.sleep(1.0)  # the viewer connects and takes the history replay
     try:
         first = first_window(agent, step) if first_apart else 0
-        off, on, pair_ratios = alternating(agent, lambda: block(step, seconds), rounds, hooks_only)
+        blocks: list[tuple[list[float], list[float]]] = []
+        off, on, pair_ratios = alternating(
+            agent, lambda: block(step, seconds), rounds, hooks_only, blocks
+        )
     finally:
         viewer.kill()
         viewer.wait()
         torchtop.stop()
-    result = summarize(name, agent, off, on, pair_ratios, rounds * seconds, first)
+    result = summarize(name, agent, off, on, pair_ratios, rounds * seconds, first, blocks)
     if self_measure:
         result.update(self_measured(step, rounds * seconds, ops, settings))
     return result
