@@ -14,10 +14,10 @@ spaced so that the windows cost at most the agent's default budget (0.5%) of the
 median hides a rare slow step, so the ratio of the mean step times is given too (it carries the
 windows' amortized cost), with its 95% interval over the pairs (on a shared VM the steps slow
 down by half for tenths of a second at a time, in either arm, and the mean moves by a point or
-more with where those spells fall), and so is what one window cost on its own: starting and stopping the
-profiler in the training thread, and the whole (those, the profiled steps' slowdown, and
-reading the window). The agent's first window, which opens as soon as a job steps, runs before
-the blocks: once a job, it is no part of the steady state they measure.
+more with where those spells fall), and so is what one window cost on its own: starting and
+stopping the profiler in the training thread, and the whole (those, the profiled steps'
+slowdown, and reading the window). The agent's first window, which opens as soon as a job
+steps, runs before the blocks: once a job, it is no part of the steady state they measure.
 
     python -m benchmarks.agent_overhead            # about 6 minutes
     python -m benchmarks.agent_overhead --quick    # a smoke run
