@@ -341,8 +341,9 @@ def self_measured(
 ) -> dict[str, float]:
     """The agent's own measure of its cost on the steps (it pauses its sampler now and then and
     compares the steps in the pauses with those around them, and adds its hooks' own time,
-    which the pauses leave in), over ``seconds`` of steps with the agent on throughout: what
-    the viewer's header and the report say, beside the benchmark's ratio."""
+    which the pauses leave in; until the pauses agree, the steps its ticks overlapped against
+    the others), over ``seconds`` of steps with the agent on throughout: what the viewer's
+    header and the report say, beside the benchmark's ratio."""
     agent = core.start(ops=ops, measure_cost=True, cost_pause_every_s=6.0, **(settings or {}))
     viewer = attach_viewer(agent.info.address)
     try:
@@ -353,6 +354,7 @@ def self_measured(
         paused = agent.paused_steps
         measured = paused.measured() if paused is not None else None
         compared = paused.compared if paused is not None else 0
+        ticked = agent.ticked_steps.measured(fresh=True) if agent.ticked_steps else None
     finally:
         viewer.kill()
         viewer.wait()
@@ -369,8 +371,18 @@ def self_measured(
             f"the agent's pauses said nothing ({compared} comparisons, too far apart to say);"
             f" its hooks {hooks:.2%} of step time"
         )
+    ticks = ticked.step_share if ticked is not None else float("nan")
+    if ticked is not None:  # what the agent shows until its pauses agree
+        said += (
+            f"\n{'':10s} its ticks measured {ticks:.2%} of step time on the {ticked.pairs}"
+            f" steps they overlapped: {ticks + hooks:.2%} with its hooks"
+        )
+    else:
+        said += f"\n{'':10s} its ticks said nothing (too few steps, or too far apart to say)"
     print(f"{'':10s} {said}", flush=True)
     return {
+        "self_measured_ticks_share": ticks,
+        "self_measured_ticks_steps": ticked.pairs if ticked is not None else 0,
         "self_measured_step_share": pauses + hooks,
         "self_measured_pauses_share": pauses,
         "self_measured_hooks_share": hooks,

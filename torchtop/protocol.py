@@ -78,6 +78,10 @@ class ClientHello(Message):
 
 #: The agent's seconds between samples by default (``--interval``).
 DEFAULT_INTERVAL_S = 0.1
+#: What the agent's measured cost was measured by (``AgentStats.measured_by``).
+MEASURED_BY_PAUSES = "pauses"
+MEASURED_BY_TICKS = "ticks"
+MEASURED_BY = (MEASURED_BY_PAUSES, MEASURED_BY_TICKS)
 #: The share of the job's time the op windows may cost by default (``--ops-budget``). On the
 #: tiny-ops benchmark the windows were most of what the mean step time has beyond the median:
 #: 1.0% of the time at a budget of 1% (a window every 5 s), 0.54% and 0.56% at 0.5% (one every
@@ -310,13 +314,20 @@ class AgentStats(Message):
     #: above the budget it samples less often than its configured interval.
     cost_budget: float | None = None
     interval_s: float | None = None
-    #: The agent's cost on the steps as measured by pausing it now and then and comparing the
-    #: steps in the pauses with those around them (``measured_pairs`` comparisons; their
-    #: median, less one), plus ``hooks_share``. Includes the time a step waits for the GIL
+    #: The agent's cost on the steps as measured on the steps themselves (``measured_by``):
+    #: by pausing it now and then and comparing the steps in the pauses with those around
+    #: them (``measured_pairs`` comparisons so far; their median, less one), or by the steps
+    #: its ticks overlapped; plus ``hooks_share``. Includes the time a step waits for the GIL
     #: while the agent's threads hold it, which ``step_share`` cannot see. ``None`` until
-    #: measured, and while the comparisons (``measured_pairs`` so far) vary too much to say.
+    #: measured, and while the measure varies too much to say.
     measured_step_share: float | None = None
     measured_pairs: int | None = None
+    #: What ``measured_step_share`` was measured by: :data:`MEASURED_BY_PAUSES` (the pauses
+    #: above, once they agree) or, until then, :data:`MEASURED_BY_TICKS`: the steps a sampler
+    #: tick overlapped (``measured_steps`` of them) against the others, the difference of their
+    #: medians times the overlapped steps over the steps' time. ``None`` with no measure.
+    measured_by: str | None = None
+    measured_steps: int | None = None
     #: The training thread's own time in the agent's hooks over the last second, as a share
     #: of its training time (included in ``step_share`` and ``measured_step_share``).
     hooks_share: float | None = None

@@ -1,4 +1,5 @@
-"""The agent measures its own cost on the steps by pausing itself, as the benchmark does."""
+"""The agent measures its own cost on the steps: by pausing itself, as the benchmark does, and
+by the steps its sampler's ticks overlapped."""
 
 from __future__ import annotations
 
@@ -52,6 +53,20 @@ def test_a_job_made_to_pay_sees_its_cost_measured_by_the_pauses() -> None:
     assert not measured or measured[-1] > 0, measured
     # Sampling goes on after each pause.
     assert stats[-1].ticks > last.ticks or stats[-1] is last
+
+
+def test_steps_that_hold_the_gil_show_the_ticks_cost_within_seconds() -> None:
+    """Pure-Python steps of about 0.3 ms at the default interval, no pause due yet: each
+    tick holds a step up (the sampler gets the GIL at the interpreter's switch interval), and
+    the agent says what that costs from the steps the ticks overlapped."""
+    options = {"ops": False, "nvml": False}
+    stats = _stats_of(options, seconds=15)
+    ticked = [s for s in stats if s.measured_by == "ticks"]
+    assert ticked, [(s.t, s.measured_by, s.measured_step_share) for s in stats]
+    last = ticked[-1]
+    assert last.measured_steps is not None and last.measured_steps >= 50
+    assert last.measured_step_share is not None and last.measured_step_share > 0
+    assert all(s.measured_pairs == 0 for s in stats)  # no pause yet
 
 
 def test_no_measure_no_pause() -> None:

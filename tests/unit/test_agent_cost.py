@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import deque
@@ -10,7 +11,15 @@ from dataclasses import replace
 import pytest
 
 from tests.fakes.cost import agent_stats
-from torchtop.agent.cost import OVER_BUDGET_S, Cost, CostMeter, PausedSteps
+from torchtop.agent.cost import (
+    OVER_BUDGET_S,
+    TICK_TAIL_S,
+    Cost,
+    CostMeter,
+    PausedSteps,
+    TickedSteps,
+)
+from torchtop.agent.sampler import TICKS_KEPT, Sampler
 from torchtop.agent.threads import agent_cpu_s, agent_thread
 from torchtop.export.families import families
 from torchtop.export.figures import figures_of
@@ -308,6 +317,136 @@ def test_a_pause_with_too_few_steps_on_a_side_is_not_counted() -> None:
     clock.run(2.5, 0.010)
     paused.add(clock.ends)
     assert paused.measured() is None and paused._ratios == deque()
+
+
+def ticked_job(
+    seconds: float, step_s: float, tick_s: float, delay_s: float, seed: int = 0
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """A job's steps (end, duration) and the sampler's ticks (start, end): a tick of
+    ``tick_s`` every 0.1 s, and each step a tick overlaps ``delay_s`` longer. The machine's
+    own noise: steps vary by 5%, and one in eight runs at half speed (in spells, as on a VM)."""
+    rng = random.Random(seed)
+    ticks = [(t / 10, t / 10 + tick_s) for t in range(1, int(seconds * 10))]
+    ends: list[tuple[float, float]] = []
+    now, spell = 0.0, 0
+    j = 0
+    while now < seconds:
+        if spell == 0 and rng.random() < 1 / 200:
+            spell = 25
+        duration = step_s * rng.uniform(0.95, 1.05) * (2.0 if spell else 1.0)
+        spell = max(0, spell - 1)
+        while j < len(ticks) and ticks[j][1] + TICK_TAIL_S <= now:
+            j += 1
+        if j < len(ticks) and ticks[j][0] < now + duration:
+            duration += delay_s
+        now += duration
+        ends.append((now, duration))
+    return ends, ticks
+
+
+def test_the_steps_a_tick_overlapped_measure_what_the_ticks_cost() -> None:
+    """Steps of 2 ms, a 1 ms tick every 0.1 s that holds each step it overlaps up by 1 ms:
+    about one step in 45 pays, 1 ms in 100 ms of steps, 1% of the time."""
+    ends, ticks = ticked_job(30.0, 0.002, 0.001, 0.001)
+    ticked = TickedSteps(keep=20000)
+    ticked.add(ends, ticks, known_until=ends[-1][0] + 1)
+    measured = ticked.measured()
+    assert measured is not None
+    hit = sum(1 for end, d in ends if any(b < end and e + TICK_TAIL_S > end - d for b, e in ticks))
+    assert measured.pairs == ticked.overlapped == hit
+    cost = 0.001 * hit / sum(d for _, d in ends)
+    assert measured.step_share == pytest.approx(cost, rel=0.3)
+
+
+def test_ticks_that_hold_no_step_up_measure_nothing() -> None:
+    """The same ticks over steps that let go of the GIL (a C++ or CUDA step): the overlapped
+    steps run as fast as the others, and the measure says so, however much CPU the ticks
+    used."""
+    ends, ticks = ticked_job(30.0, 0.014, 0.001, 0.0)
+    ticked = TickedSteps(keep=20000)
+    ticked.add(ends, ticks, known_until=ends[-1][0] + 1)
+    measured = ticked.measured()
+    assert measured is not None and abs(measured.step_share) < 0.0015
+
+
+def test_a_step_is_classed_once_every_tick_that_could_overlap_it_is_known() -> None:
+    ticked = TickedSteps(every_s=0.0)
+    ends = [(1.000, 0.010), (1.010, 0.010), (1.020, 0.010)]
+    # The tick running now began at 1.005: the steps after it are left for the next reading.
+    ticked.add(ends, [(0.900, 0.901)], known_until=1.005)
+    assert list(ticked._steps) == [(0.010, False)]
+    ticked.add(ends, [(0.900, 0.901), (1.005, 1.006)], known_until=1.100)
+    # The tick (and the sending 2 ms after it) overlapped the second step, not the third.
+    assert list(ticked._steps) == [(0.010, False), (0.010, True), (0.010, False)]
+    # Nothing is classed twice; a step begun before the ticks kept start is left out.
+    ends.append((1.200, 0.010))
+    ticked.add(ends, [(1.195, 1.196)], known_until=1.300, known_from=1.185)
+    assert len(ticked._steps) == 4 and ticked._steps[-1] == (0.010, True)
+    ends.append((1.400, 0.300))
+    ticked.add(ends, [(1.195, 1.196), (1.300, 1.301)], known_until=1.500, known_from=1.185)
+    assert len(ticked._steps) == 4
+
+
+def test_the_tick_measure_is_worked_out_again_every_ten_seconds_once_said() -> None:
+    """Each reading sorts the steps kept: once said, the measure stands for ten seconds; while
+    it says nothing, it is looked at again every two."""
+    now = [0.0]
+    ticked = TickedSteps(keep=20000, clock=lambda: now[0])
+    assert ticked.measured() is None  # no step yet
+    ends, ticks = ticked_job(30.0, 0.002, 0.001, 0.001)
+    ticked.add(ends[:5000], ticks, known_until=ends[4999][0])
+    now[0] = 1.0
+    assert ticked.measured() is None  # two seconds not yet passed
+    now[0] = 2.0
+    first = ticked.measured()
+    assert first is not None
+    ticked.add(ends, ticks, known_until=ends[-1][0] + 1)
+    now[0] = 11.0
+    assert ticked.measured() is first
+    assert ticked.measured(fresh=True) is not first
+    now[0] = 12.5
+    assert ticked.measured().pairs == ticked.overlapped
+
+
+def test_too_few_overlapped_steps_say_nothing() -> None:
+    ends, ticks = ticked_job(1.0, 0.002, 0.001, 0.001)  # about 10 ticks
+    ticked = TickedSteps()
+    ticked.add(ends, ticks, known_until=ends[-1][0] + 1)
+    assert 0 < ticked.overlapped < 50 and ticked.measured() is None
+
+
+def test_the_sampler_keeps_its_ticks_times_without_its_pauses() -> None:
+    sampler = Sampler(lambda message: None, host=None, cpu_memory=None, cuda_memory=None, nvml=None)
+    sampler._record_tick(1.0, 1.001)
+    sampler._pause = (1.1005, 3.1005)
+    sampler._record_tick(1.100, 3.101)
+    assert list(sampler.ticks) == [(1.0, 1.001), (1.100, 1.1005), (3.1005, 3.101)]
+    sampler.tick_began = 3.2
+    ticks, known_from, known_until = sampler.known_ticks()
+    assert ticks is sampler.ticks and known_from == float("-inf") and known_until == 3.2
+    for k in range(TICKS_KEPT):
+        sampler._record_tick(4.0 + k, 4.5 + k)
+    assert sampler.known_ticks()[1] == 4.0
+
+
+def test_the_measured_cost_by_ticks_is_reported_as_such() -> None:
+    model = JobModel()
+    model.apply(hello())
+    measured = {"measured_step_share": 0.004, "measured_by": "ticks", "measured_steps": 812}
+    model.apply(replace(stats(1001.0, 0.004, 0.008), measured_pairs=1, **measured))
+    summary = agent_cost_summary(model)
+    assert summary is not None and summary["measured_by"] == "ticks"
+    assert "0.4% of step time measured on 812 steps its ticks overlapped" in agent_cost_line(
+        summary
+    )
+    assert agent_cost(model) == "torchtop 0.4% of step"
+    # A recording's word for it that is neither is not carried.
+    model.apply(
+        replace(stats(1002.0, 0.004, 0.008), measured_step_share=0.004, measured_by="\x1b[2J")
+    )
+    summary = agent_cost_summary(model)
+    assert summary is not None and summary["measured_by"] is None
+    assert "measured over" in agent_cost_line(summary)
 
 
 def test_the_measured_cost_is_shown_reported_and_exported() -> None:

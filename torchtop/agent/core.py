@@ -22,7 +22,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from torchtop.agent.collectives import BUDGET_PART, FINAL_WAIT_S, CollectiveMonitor
-from torchtop.agent.cost import MAX_INTERVAL_S, CostMeter, Measured, PausedSteps
+from torchtop.agent.cost import (
+    MAX_INTERVAL_S,
+    CostMeter,
+    Measured,
+    PausedSteps,
+    TickedSteps,
+)
 from torchtop.agent.identity import rank_identity
 from torchtop.agent.oom import OomController
 from torchtop.agent.ops import PROBE as OPS_PROBE
@@ -37,6 +43,8 @@ from torchtop.agent.training import TrainingMonitor
 from torchtop.protocol import (
     DEFAULT_INTERVAL_S,
     DEFAULT_OPS_BUDGET,
+    MEASURED_BY_PAUSES,
+    MEASURED_BY_TICKS,
     PACED_SAMPLE_S,
     PROTOCOL_VERSION,
     REQUEST_PROFILE,
@@ -283,10 +291,12 @@ class Agent:
             batched=self.server.batched,
         )
         ops = self.ops
-        #: The cost on the steps, measured by pausing the sampler now and then.
+        #: The cost on the steps, measured by pausing the sampler now and then, and by the
+        #: steps its ticks overlapped.
         self.paused_steps = (
             PausedSteps(every_s=config.cost_pause_every_s) if config.measure_cost else None
         )
+        self.ticked_steps = TickedSteps() if config.measure_cost else None
         self.cost = CostMeter(
             config.cost_budget,
             lambda: self.training.steps.total,
@@ -415,9 +425,9 @@ class Agent:
                 self.publish(
                     ProbeStatus(t=time.time(), probe=COST_PROBE, available=True, detail=detail)
                 )
-        measured = self._measure_cost()
+        measured, measured_by = self._measure_cost()
         measured_share = None
-        if measured is not None:  # the pauses leave the hooks in: their own time is added
+        if measured is not None:  # neither measure sees the hooks: their own time is added
             measured_share = round(measured.step_share + (cost.hooks_share or 0.0), 5)
         return AgentStats(
             t=time.time(),
@@ -435,16 +445,26 @@ class Agent:
             interval_s=self.sampler.interval_s,
             measured_step_share=measured_share,
             measured_pairs=self.paused_steps.compared if self.paused_steps is not None else None,
+            measured_by=measured_by,
+            measured_steps=(
+                measured.pairs
+                if measured is not None and measured_by == MEASURED_BY_TICKS
+                else None
+            ),
             hooks_share=None if cost.hooks_share is None else round(cost.hooks_share, 5),
         )
 
-    def _measure_cost(self) -> Measured | None:
+    def _measure_cost(self) -> tuple[Measured | None, str | None]:
         """In the sampler thread, once a second: compare the last pause's steps with those
-        around it, and pause again when one is due (not while an op window is under way)."""
+        around it, and pause again when one is due (not while an op window is under way);
+        class the steps since by the ticks that overlapped them. The measure, and what it was
+        measured by: the pauses once they agree, else the ticks."""
         paused = self.paused_steps
-        if paused is None:
-            return None
+        if paused is None or self.ticked_steps is None:
+            return None, None
         steps = self.training.steps
+        ticks, known_from, known_until = self.sampler.known_ticks()
+        self.ticked_steps.add(steps.ends, ticks, known_until, known_from)
         paused.add(steps.ends)
         usual = statistics.median(steps.recent) if steps.recent else None
         busy = self.ops is not None and not self.ops.idle
@@ -452,7 +472,11 @@ class Agent:
             began, ended = self.sampler.pause_for(paused.pause_s)
             self.training.drain()  # the steps taken in the pause, from the hooks' events
             paused.paused(began, ended, steps.ends)
-        return paused.measured()
+        measured = paused.measured()
+        if measured is not None:
+            return measured, MEASURED_BY_PAUSES
+        ticked = self.ticked_steps.measured()
+        return ticked, MEASURED_BY_TICKS if ticked is not None else None
 
     def publish(self, message: Message) -> None:
         if isinstance(message, Sample) and self._repeats_last_sample(message):

@@ -20,7 +20,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from torchtop.agent.threads import agent_cpu_s
@@ -137,8 +137,9 @@ MAX_ERROR = 0.005
 
 @dataclass(frozen=True)
 class Measured:
-    """The agent's cost on the job's steps, measured by pausing it: the median over ``pairs``
-    comparisons of (median step time around a pause / median step time in it) - 1."""
+    """The agent's cost on the job's steps as a share of their time, measured on ``pairs``
+    comparisons: pauses (:class:`PausedSteps`) or steps a tick overlapped
+    (:class:`TickedSteps`)."""
 
     step_share: float
     pairs: int
@@ -220,12 +221,16 @@ class PausedSteps:
         if len(ratios) < MIN_PAIRS:
             return None
         share = statistics.median(ratios) - 1.0
-        q1, _, q3 = statistics.quantiles(ratios, n=4)
-        # The median's standard error for noise of this spread (sigma ~ IQR / 1.349).
-        error = 1.2533 * (q3 - q1) / 1.349 / math.sqrt(len(ratios))
+        error = _median_error(ratios)
         if error > max(MAX_ERROR, abs(share) / 2):
             return None
         return Measured(share, len(ratios))
+
+
+def _median_error(values: list[float]) -> float:
+    """The standard error of the median of ``values``, from their spread (sigma ~ IQR / 1.349)."""
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return 1.2533 * (q3 - q1) / 1.349 / math.sqrt(len(values))
 
 
 def _ratio(on: list[float], off: list[float]) -> float | None:
@@ -237,3 +242,147 @@ def _ratio(on: list[float], off: list[float]) -> float | None:
     if off_median <= 0:
         return None
     return statistics.median(on) / off_median
+
+
+# --------------------------------------------------------------------------------------------
+# The cost on the steps, measured: the steps a sampler tick overlapped against the others
+# --------------------------------------------------------------------------------------------
+
+#: Steps kept for the tick measure (a fast job's last 20 seconds or so, a slow one's minutes).
+TICKED_KEEP = 10000
+#: Seconds between two readings of the tick measure (each sorts the steps kept), and while
+#: it has said nothing yet.
+TICKED_EVERY_S = 10.0
+TICKED_UNSAID_EVERY_S = 2.0
+#: Steps a tick overlapped, and steps none did, before the tick measure is said.
+MIN_TICKED = 50
+MIN_CLEAR = 200
+#: Seconds after a tick's end that still count as its own: the frames it published leave in
+#: the server's I/O thread just after it.
+TICK_TAIL_S = 0.002
+
+
+def _weighted_median(durations: list[float], span_s: float) -> float:
+    """The median of ``durations``, each weighed by its odds of meeting a span of ``span_s``."""
+    ordered = sorted(durations)
+    half = math.fsum(d + span_s for d in ordered) / 2
+    so_far = 0.0
+    for d in ordered:
+        so_far += d + span_s
+        if so_far >= half:
+            return d
+    return ordered[-1]
+
+
+class TickedSteps:
+    """Measures what the agent's threads cost the steps from the steps themselves, with no
+    pause: the sampler's ticks (and the sending just after each) are where its threads run, so
+    the steps a tick overlapped are the ones that could wait for it, and the others are the
+    steps without it. (median of the overlapped - median of the others) x the overlapped steps,
+    over the steps' time, is the share of the step time the ticks cost.
+
+    A step that holds the GIL (Python-bound) waits for a tick that holds it; a step in C++ or
+    CUDA that let go of it does not, and its overlapped steps run as fast as the others: there
+    the agent's CPU share says far more than the steps lose. The machine's own slow spells fall
+    on both kinds (the others' median is weighed by each step's odds of being overlapped, as a
+    longer step is likelier to be). The op windows' reading (a long tick every several seconds,
+    paced by their own budget) moves the median of the overlapped steps by little, and is not
+    in this measure; nor are the hooks, which run in every step: the agent adds their own time
+    to it.
+
+    :meth:`add` takes the steps' ends and durations and the ticks' start and end, all
+    ``perf_counter``; a step is classed once no tick that could overlap it is still to come.
+    """
+
+    def __init__(
+        self,
+        keep: int = TICKED_KEEP,
+        every_s: float = TICKED_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        #: (duration, overlapped by a tick) of the latest steps.
+        self._steps: deque[tuple[float, bool]] = deque(maxlen=keep)
+        self._last_end = -math.inf
+        self._every_s = every_s
+        self._clock = clock
+        self._next = -math.inf
+        self._measured: Measured | None = None
+        #: How long a tick's span lasts, its tail included (the latest ticks' mean).
+        self._span_s = TICK_TAIL_S
+
+    def add(
+        self,
+        ends: Sequence[tuple[float, float]],
+        ticks: Sequence[tuple[float, float]],
+        known_until: float,
+        known_from: float = -math.inf,
+    ) -> None:
+        """Class the steps (``ends``: each step's end and duration) that ended by
+        ``known_until`` (the start of the tick now running) and were not classed before.
+        ``ticks``: each tick's start and end, every one from ``known_from`` on (a step that
+        began before it is left out: a tick no longer kept may have overlapped it)."""
+        last = self._last_end
+        new: list[tuple[float, float]] = []
+        for step in reversed(ends):  # the new steps only, from the latest back
+            if step[0] <= last:
+                break
+            new.append(step)
+        if not new:
+            return
+        earliest = min(end - duration for end, duration in new)
+        spans: list[tuple[float, float]] = []
+        for began, ended in reversed(ticks):  # the ticks that could overlap them
+            if ended + TICK_TAIL_S <= earliest:
+                break
+            spans.append((began, ended + TICK_TAIL_S))
+        spans.reverse()
+        if spans:
+            self._span_s = math.fsum(e - b for b, e in spans) / len(spans)
+        j = 0
+        for end, duration in reversed(new):
+            if end > known_until:
+                break
+            start = end - duration
+            last = end
+            if start < known_from:
+                continue
+            while j < len(spans) and spans[j][1] <= start:
+                j += 1  # ticks that ended before this step began
+            self._steps.append((duration, j < len(spans) and spans[j][0] < end))
+        self._last_end = last
+
+    @property
+    def overlapped(self) -> int:
+        """Steps kept that a tick overlapped."""
+        return sum(1 for _, hit in self._steps if hit)
+
+    def measured(self, fresh: bool = False) -> Measured | None:
+        """The ticks' cost as a share of the step time, over :attr:`overlapped` steps; ``None``
+        until :data:`MIN_TICKED` and :data:`MIN_CLEAR` steps, and while the medians are known
+        too roughly to say (:data:`MAX_ERROR`, as for the pauses). Worked out again every
+        :data:`TICKED_EVERY_S` (:data:`TICKED_UNSAID_EVERY_S` while it says nothing), or now
+        if ``fresh``."""
+        now = self._clock()
+        if fresh or now >= self._next:
+            self._measured = self._measure()
+            self._next = now + (self._every_s if self._measured else TICKED_UNSAID_EVERY_S)
+        return self._measured
+
+    def _measure(self) -> Measured | None:
+        hit = [d for d, overlapped in self._steps if overlapped]
+        clear = [d for d, overlapped in self._steps if not overlapped]
+        if len(hit) < MIN_TICKED or len(clear) < MIN_CLEAR:
+            return None
+        total = math.fsum(d for d, _ in self._steps)
+        if total <= 0:
+            return None
+        weight = len(hit) / total
+        # A longer step is likelier to be overlapped (a step of d seconds meets a span of L
+        # with odds d + L): the others' median is weighed the same way, or the machine's slow
+        # spells, overlapped more often, would read as a cost.
+        usual = _weighted_median(clear, self._span_s)
+        share = (statistics.median(hit) - usual) * weight
+        error = math.hypot(_median_error(hit), _median_error(clear)) * weight
+        if error > max(MAX_ERROR, abs(share) / 2):
+            return None
+        return Measured(share, len(hit))

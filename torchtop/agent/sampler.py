@@ -9,9 +9,11 @@ reported once as a ``probe_status`` message.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -34,6 +36,9 @@ from torchtop.protocol import (
 
 #: Consecutive failures after which a probe is switched off.
 MAX_FAILURES = 3
+#: Ticks whose times are kept (at the fastest interval, 1 ms, two seconds of them; the cost
+#: measure reads them about once a second).
+TICKS_KEPT = 2048
 
 
 def torch_imported() -> bool:
@@ -146,6 +151,12 @@ class Sampler:
         self._stats_period_s = stats_every * interval_s
         self._next_stats = 0.0
         self._rescheduled = False
+        #: When the latest ticks ran (``perf_counter``), and when the one running began: the
+        #: cost measure classes the steps they overlapped (:class:`~torchtop.agent.cost.
+        #: TickedSteps`).
+        self.ticks: deque[tuple[float, float]] = deque(maxlen=TICKS_KEPT)
+        self.tick_began = -math.inf
+        self._pause: tuple[float, float] | None = None
 
     def slow_down(self, factor: float, most_s: float) -> float:
         """Sample ``factor`` times less often, ``most_s`` seconds apart at most (never faster
@@ -166,7 +177,26 @@ class Sampler:
         began = time.perf_counter()
         self._stop.wait(seconds)
         self._rescheduled = True
-        return began, time.perf_counter()
+        self._pause = (began, time.perf_counter())
+        return self._pause
+
+    def _record_tick(self, began: float, ended: float) -> None:
+        """Keep when a tick ran (its pause left out: the sampler did nothing then)."""
+        pause, self._pause = self._pause, None
+        if pause is None:
+            self.ticks.append((began, ended))
+        else:
+            self.ticks.append((began, pause[0]))
+            self.ticks.append((pause[1], ended))
+
+    def known_ticks(self) -> tuple[deque[tuple[float, float]], float, float]:
+        """From the sampler thread (the one that adds to them), within a tick: the ticks
+        kept, each its start and end (``perf_counter``); the time from which every tick is
+        among them; and the start of the tick now running, before which every tick has
+        ended."""
+        ticks = self.ticks
+        full = len(ticks) == ticks.maxlen
+        return ticks, ticks[0][0] if full else -math.inf, self.tick_began
 
     def pause(self) -> None:
         """Stop sampling until :meth:`resume` (the thread stays, idle)."""
@@ -206,8 +236,10 @@ class Sampler:
                     if self._stop.is_set():
                         return
                 start, k = time.monotonic(), 0
+            began = self.tick_began = time.perf_counter()
             with self._batched():
                 self._timed_tick()
+            self._record_tick(began, time.perf_counter())
             if self._rescheduled:  # a new interval: the schedule starts again from here
                 self._rescheduled = False
                 start, k = time.monotonic(), 0

@@ -30,6 +30,7 @@ from torchtop.model.oom_advice import Evidence, phase_at, step_floors
 from torchtop.model.ops import OpTimings
 from torchtop.model.training import DEFAULT_HISTORY_STEPS, DEFAULT_STEP_POINTS, TrainingState
 from torchtop.protocol import (
+    MEASURED_BY,
     AgentStats,
     CollectivesSeen,
     DeviceHolding,
@@ -675,7 +676,7 @@ def capture_evidence(model: JobModel, capture: MemoryCapture) -> Evidence:
     return model.evidence_for(capture)
 
 
-def agent_cost_summary(model: JobModel) -> dict[str, float | None] | None:
+def agent_cost_summary(model: JobModel) -> dict[str, float | str | None] | None:
     """The agent's cost over the job: its threads' CPU seconds, their share of one core over
     the job's time, the mean of its step-time shares, and its budget; ``None`` from an agent
     that did not measure itself."""
@@ -693,6 +694,13 @@ def agent_cost_summary(model: JobModel) -> dict[str, float | None] | None:
         "interval_s": stats.interval_s,
         "measured_step_share": stats.measured_step_share,
         "measured_pairs": stats.measured_pairs,
+        # A recording's word is one of the two, or none.
+        "measured_by": (
+            stats.measured_by
+            if stats.measured_step_share is not None and stats.measured_by in MEASURED_BY
+            else None
+        ),
+        "measured_steps": stats.measured_steps,
         # The hooks' part of the mean (null from an agent that does not time its hooks).
         "hooks_step_share": (
             round(model.agent_hooks_share_sum / count, 5)

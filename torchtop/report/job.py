@@ -21,7 +21,13 @@ from torchtop.model.job import agent_cost_summary
 from torchtop.model.oom_advice import verdict_text
 from torchtop.model.ops import op_avg_s
 from torchtop.model.training import LoaderState
-from torchtop.protocol import MemorySnapshotTaken, Message, OpStat, OutOfMemory
+from torchtop.protocol import (
+    MEASURED_BY_TICKS,
+    MemorySnapshotTaken,
+    Message,
+    OpStat,
+    OutOfMemory,
+)
 from torchtop.sizes import format_bytes
 
 
@@ -386,7 +392,11 @@ def agent_cost_line(cost: dict[str, Any]) -> str:
     parts = []
     if cost.get("measured_step_share") is not None:
         measured = max(0.0, cost["measured_step_share"])
-        parts.append(f"{measured:.1%} of step time measured over {cost['measured_pairs']} pauses")
+        if cost.get("measured_by") == MEASURED_BY_TICKS:
+            how = f"on {cost.get('measured_steps')} steps its ticks overlapped"
+        else:
+            how = f"over {cost['measured_pairs']} pauses"
+        parts.append(f"{measured:.1%} of step time measured {how}")
     if cost.get("mean_step_share") is not None:
         mean = f"{cost['mean_step_share']:.1%} of step time (mean"
         if cost.get("hooks_step_share") is not None:
