@@ -324,8 +324,8 @@ class AgentStats(Message):
     measured_pairs: int | None = None
     #: What ``measured_step_share`` was measured by: :data:`MEASURED_BY_PAUSES` (the pauses
     #: above, once they agree) or, until then, :data:`MEASURED_BY_TICKS`: the steps a sampler
-    #: tick overlapped (``measured_steps`` of them) against the others, the difference of their
-    #: medians times the overlapped steps over the steps' time. ``None`` with no measure.
+    #: tick overlapped (``measured_steps`` of them) against the others: their mean's excess
+    #: times the overlapped steps over the steps' time. ``None`` with no measure.
     measured_by: str | None = None
     measured_steps: int | None = None
     #: The training thread's own time in the agent's hooks over the last second, as a share

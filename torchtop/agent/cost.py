@@ -233,6 +233,11 @@ def _median_error(values: list[float]) -> float:
     return 1.2533 * (q3 - q1) / 1.349 / math.sqrt(len(values))
 
 
+def _mean_error(values: list[float]) -> float:
+    """The standard error of the mean of ``values``."""
+    return statistics.stdev(values) / math.sqrt(len(values))
+
+
 def _ratio(on: list[float], off: list[float]) -> float | None:
     """Median step time with the agent (``on``: the steps just before and after a pause) over
     the median without it (``off``: the steps wholly inside it)."""
@@ -262,33 +267,38 @@ MIN_CLEAR = 200
 TICK_TAIL_S = 0.002
 
 
-def _weighted_median(durations: list[float], span_s: float) -> float:
-    """The median of ``durations``, each weighed by its odds of meeting a span of ``span_s``."""
-    ordered = sorted(durations)
-    half = math.fsum(d + span_s for d in ordered) / 2
-    so_far = 0.0
-    for d in ordered:
-        so_far += d + span_s
-        if so_far >= half:
-            return d
-    return ordered[-1]
+def _overlapped_mean(clear: list[float], span_s: float, period_s: float) -> float | None:
+    """What the mean overlapped step would take were the ticks free, from the steps no tick
+    overlapped (``clear``): a step of d seconds meets a tick's span of ``span_s`` once every
+    ``period_s`` with odds (d + span) / period, and misses it with the rest, so each is weighed
+    by their ratio. ``None`` where too few steps are short enough to miss a tick."""
+    total = weights = 0.0
+    for d in clear:
+        miss = period_s - d - span_s
+        if miss <= 0:
+            continue
+        weight = (d + span_s) / miss
+        total += d * weight
+        weights += weight
+    return total / weights if weights > 0 else None
 
 
 class TickedSteps:
     """Measures what the agent's threads cost the steps from the steps themselves, with no
     pause: the sampler's ticks (and the sending just after each) are where its threads run, so
     the steps a tick overlapped are the ones that could wait for it, and the others are the
-    steps without it. (median of the overlapped - median of the others) x the overlapped steps,
-    over the steps' time, is the share of the step time the ticks cost.
+    steps without it. (mean of the overlapped - what they would take without the ticks) x the
+    overlapped steps, over the steps' time, is the share of the step time the ticks cost. A
+    tick holds up one or two steps, however many its span meets, hence means, not medians.
 
     A step that holds the GIL (Python-bound) waits for a tick that holds it; a step in C++ or
     CUDA that let go of it does not, and its overlapped steps run as fast as the others: there
-    the agent's CPU share says far more than the steps lose. The machine's own slow spells fall
-    on both kinds (the others' median is weighed by each step's odds of being overlapped, as a
-    longer step is likelier to be). The op windows' reading (a long tick every several seconds,
-    paced by their own budget) moves the median of the overlapped steps by little, and is not
-    in this measure; nor are the hooks, which run in every step: the agent adds their own time
-    to it.
+    the agent's CPU share says far more than the steps lose. What the overlapped steps would
+    take without the ticks comes from the others, each weighed by its odds of being overlapped
+    against missed (a longer step is likelier to be overlapped: the machine's slow spells would
+    otherwise read as a cost). The op windows' reading, a long tick every several seconds, is
+    in it while its steps are kept; the hooks, which run in every step, are not: the agent adds
+    their own time to it.
 
     :meth:`add` takes the steps' ends and durations and the ticks' start and end, all
     ``perf_counter``; a step is classed once no tick that could overlap it is still to come.
@@ -309,6 +319,8 @@ class TickedSteps:
         self._measured: Measured | None = None
         #: How long a tick's span lasts, its tail included (the latest ticks' mean).
         self._span_s = TICK_TAIL_S
+        #: How far apart the ticks start (the latest ticks' mean).
+        self._period_s = math.inf
 
     def add(
         self,
@@ -338,6 +350,8 @@ class TickedSteps:
         spans.reverse()
         if spans:
             self._span_s = math.fsum(e - b for b, e in spans) / len(spans)
+        if len(spans) > 1:
+            self._period_s = (spans[-1][0] - spans[0][0]) / (len(spans) - 1)
         j = 0
         for end, duration in reversed(new):
             if end > known_until:
@@ -380,9 +394,11 @@ class TickedSteps:
         # A longer step is likelier to be overlapped (a step of d seconds meets a span of L
         # with odds d + L): the others' median is weighed the same way, or the machine's slow
         # spells, overlapped more often, would read as a cost.
-        usual = _weighted_median(clear, self._span_s)
-        share = (statistics.median(hit) - usual) * weight
-        error = math.hypot(_median_error(hit), _median_error(clear)) * weight
+        usual = _overlapped_mean(clear, self._span_s, self._period_s)
+        if usual is None:
+            return None
+        share = (statistics.fmean(hit) - usual) * weight
+        error = math.hypot(_mean_error(hit), _mean_error(clear)) * weight
         if error > max(MAX_ERROR, abs(share) / 2):
             return None
         return Measured(share, len(hit))
