@@ -39,8 +39,9 @@ def _stats_of(options: dict[str, object], seconds: float) -> list[AgentStats]:
 def test_a_job_made_to_pay_sees_its_cost_measured_by_the_pauses() -> None:
     """A sampler every millisecond with no budget to slow it, on steps that hold the GIL: the
     steps in the agent's pauses run faster than those around them, and the agent says by how
-    much, over several pauses (before they agree, from the steps its ticks overlapped). (Here: 2.6% measured where its threads' CPU share said 1.6%;
-    the sampler gets the GIL only at the interpreter's switch interval.)"""
+    much, over several pauses (before they agree, from the steps its ticks overlapped). (Here:
+    2.6% measured where its threads' CPU share said 1.6%; the sampler gets the GIL only at the
+    interpreter's switch interval.)"""
     options = {"interval_s": 0.001, "cost_budget": 0, "ops": False, "nvml": False}
     stats = _stats_of({**options, "cost_pause_every_s": 3.0}, seconds=22)
     compared = [s for s in stats if (s.measured_pairs or 0) >= 3]
