@@ -408,6 +408,17 @@ def test_the_tick_measure_is_worked_out_again_every_ten_seconds_once_said() -> N
     assert ticked.measured().pairs == ticked.overlapped
 
 
+def test_a_pause_between_ticks_is_not_taken_for_their_spacing() -> None:
+    """The paused measure stops the ticks for 2 s: the ticks' usual gap stays 0.1 s, which
+    weighs the steps no tick overlapped."""
+    ticks = [(0.1 * k, 0.1 * k + 0.001) for k in range(1, 6)]
+    ticks += [(2.5 + 0.1 * k, 2.5 + 0.1 * k + 0.001) for k in range(5)]
+    ends = [(0.01 * k, 0.01) for k in range(1, 300)]
+    ticked = TickedSteps()
+    ticked.add(ends, ticks, known_until=3.0)
+    assert ticked._period_s == pytest.approx(0.1)
+
+
 def test_too_few_overlapped_steps_say_nothing() -> None:
     ends, ticks = ticked_job(1.0, 0.002, 0.001, 0.001)  # about 10 ticks
     ticked = TickedSteps()

@@ -16,6 +16,7 @@ Neither sees the hooks, which run in the training thread itself: they keep their
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -319,7 +320,7 @@ class TickedSteps:
         self._measured: Measured | None = None
         #: How long a tick's span lasts, its tail included (the latest ticks' mean).
         self._span_s = TICK_TAIL_S
-        #: How far apart the ticks start (the latest ticks' mean).
+        #: How far apart the ticks start (the latest ticks' median gap).
         self._period_s = math.inf
 
     def add(
@@ -350,8 +351,10 @@ class TickedSteps:
         spans.reverse()
         if spans:
             self._span_s = math.fsum(e - b for b, e in spans) / len(spans)
-        if len(spans) > 1:
-            self._period_s = (spans[-1][0] - spans[0][0]) / (len(spans) - 1)
+        if len(spans) > 1:  # the usual gap: a pause of the other measure is not one
+            self._period_s = statistics.median(
+                later[0] - earlier[0] for earlier, later in itertools.pairwise(spans)
+            )
         j = 0
         for end, duration in reversed(new):
             if end > known_until:
@@ -391,9 +394,9 @@ class TickedSteps:
         if total <= 0:
             return None
         weight = len(hit) / total
-        # A longer step is likelier to be overlapped (a step of d seconds meets a span of L
-        # with odds d + L): the others' median is weighed the same way, or the machine's slow
-        # spells, overlapped more often, would read as a cost.
+        # A longer step is likelier to be overlapped: the others are weighed by their odds of
+        # a tick against a miss, or the machine's slow spells, overlapped more often, would
+        # read as a cost.
         usual = _overlapped_mean(clear, self._span_s, self._period_s)
         if usual is None:
             return None
