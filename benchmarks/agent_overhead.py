@@ -45,8 +45,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -56,6 +56,8 @@ import torchtop
 from torchtop.agent import core
 from torchtop.agent.steps import HOOK_S
 from torchtop.agent.threads import agent_cpu_s
+
+T = TypeVar("T")
 
 
 def mlp() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -189,30 +191,33 @@ def alternating(
     return off, on, pair_ratios
 
 
-def mean_interval95(
-    blocks: list[tuple[list[float], list[float]]], draws: int = 2000
+def bootstrap95(
+    items: Sequence[T], statistic: Callable[[list[T]], float], draws: int = 2000
 ) -> tuple[float, float]:
-    """A 95% bootstrap interval for the mean ratio (on / off) of the pairs of blocks ``blocks``
-    (each pair's step times, on and off), the pairs drawn again with replacement. On a shared VM
-    the steps slow down by half for tenths of a second at a time, in either arm: the mean moves
-    by a point or more with where those spells fall, and this says how far."""
-    sums = [(math.fsum(on), len(on), math.fsum(off), len(off)) for on, off in blocks]
-    rng = random.Random(0)
-    ratios = []
-    for _ in range(draws):
-        drawn = rng.choices(sums, k=len(sums))
-        on_s, on_n, off_s, off_n = (sum(column) for column in zip(*drawn, strict=True))
-        ratios.append((on_s / on_n) / (off_s / off_n))
-    ratios.sort()
-    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
-
-
-def interval95(values: list[float], draws: int = 2000) -> tuple[float, float]:
-    """A 95% bootstrap interval for the median of ``values`` (the pairs drawn again with
+    """A 95% bootstrap interval for ``statistic`` of ``items`` (the items drawn again with
     replacement, ``draws`` times; seeded, so that a run's figures can be read again)."""
     rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
-    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+    values = sorted(statistic(rng.choices(items, k=len(items))) for _ in range(draws))
+    return values[int(0.025 * draws)], values[int(0.975 * draws) - 1]
+
+
+def interval95(values: list[float]) -> tuple[float, float]:
+    """A 95% bootstrap interval for the median of ``values`` (the pairs' ratios)."""
+    return bootstrap95(values, statistics.median)
+
+
+def mean_interval95(blocks: list[tuple[list[float], list[float]]]) -> tuple[float, float]:
+    """A 95% bootstrap interval for the mean ratio (on / off) of the pairs of blocks ``blocks``
+    (each pair's step times, on and off), the pairs drawn again. On a shared VM the steps slow
+    down by half for tenths of a second at a time, in either arm: the mean moves by a point or
+    more with where those spells fall, and this says how far."""
+    sums = [(math.fsum(on), len(on), math.fsum(off), len(off)) for on, off in blocks]
+
+    def mean_ratio(drawn: list[tuple[float, int, float, int]]) -> float:
+        on_s, on_n, off_s, off_n = (sum(column) for column in zip(*drawn, strict=True))
+        return (on_s / on_n) / (off_s / off_n)
+
+    return bootstrap95(sums, mean_ratio)
 
 
 def summarize(

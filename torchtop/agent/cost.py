@@ -8,7 +8,9 @@ for :data:`OVER_BUDGET_S` seconds in a row, the sampler's interval doubles, up t
 
 CPU time does not show what a step that holds the GIL loses waiting for the agent's threads to
 let go of it. :class:`PausedSteps` measures that too, as the benchmark does: it pauses the
-agent now and then and compares the steps in the pause with those around it.
+agent now and then and compares the steps in the pause with those around it; until those
+comparisons agree, :class:`TickedSteps` measures it from the steps the sampler's ticks
+overlapped against the others.
 
 Neither sees the hooks, which run in the training thread itself: they keep their own time
 (:data:`torchtop.agent.steps.HOOK_S`), and its share of the training time is added to both.
@@ -272,7 +274,7 @@ def _overlapped_mean(clear: list[float], span_s: float, period_s: float) -> floa
     """What the mean overlapped step would take were the ticks free, from the steps no tick
     overlapped (``clear``): a step of d seconds meets a tick's span of ``span_s`` once every
     ``period_s`` with odds (d + span) / period, and misses it with the rest, so each is weighed
-    by their ratio. ``None`` where too few steps are short enough to miss a tick."""
+    by their ratio. ``None`` where no step is short enough to miss a tick."""
     total = weights = 0.0
     for d in clear:
         miss = period_s - d - span_s
@@ -382,7 +384,8 @@ class TickedSteps:
         now = self._clock()
         if fresh or now >= self._next:
             self._measured = self._measure()
-            self._next = now + (self._every_s if self._measured else TICKED_UNSAID_EVERY_S)
+            said = self._measured is not None
+            self._next = now + (self._every_s if said else TICKED_UNSAID_EVERY_S)
         return self._measured
 
     def _measure(self) -> Measured | None:
