@@ -160,6 +160,29 @@ def test_the_hooks_keep_their_own_time_in_a_real_training_loop() -> None:
     assert step_hooks.HOOK_S[0] == before
 
 
+def test_a_monitor_counts_its_own_steps_whatever_another_left_undrained() -> None:
+    """A step of another optimizer left in the hooks' queue (hooks a previous monitor did not
+    drain) would become the new monitor's step clock, and its first steps would go uncounted."""
+    torch = pytest.importorskip("torch")
+    from torchtop.agent import steps as step_hooks
+    from torchtop.agent.training import TrainingMonitor
+
+    step_hooks.PENDING.append((step_hooks.OPT_STEP, time.perf_counter(), 12345, None, 0.0))
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TrainingMonitor()
+    monitor.start()
+    try:
+        for _ in range(32):
+            optimizer.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+        monitor.drain()
+        assert monitor.steps.total == 32
+    finally:
+        monitor.stop(time.time())
+
+
 def test_agent_threads_cpu_is_measured() -> None:
     spun, release = threading.Event(), threading.Event()
 

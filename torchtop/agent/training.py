@@ -181,6 +181,9 @@ class TrainingMonitor:
         global _current
         self._running = True
         _current = self
+        # Events from before this monitor (hooks another one left undrained) are none of its
+        # steps: a stale optimizer's step first would make that optimizer its step clock.
+        PENDING.clear()
         if not self.try_install():
             self._watcher = TorchImportWatcher(self)
             sys.meta_path.insert(0, self._watcher)
