@@ -1,9 +1,11 @@
 """The agent's cost on training step time: agent on against off, side by side in one run.
 
-Each model trains in one process through alternating one-second blocks: a block with the agent's
-sampler paused and its step and DataLoader hooks removed (off), then a block with the agent
-sampling at its default settings and the hooks in (on), and so on, with a viewer process attached
-and reading all along. Short alternating blocks spread machine noise evenly over both arms. Each
+Each model trains in one process through alternating quarter-second blocks: a block with the
+agent's sampler paused and its step and DataLoader hooks removed (off), then a block with the
+agent sampling at its default settings and the hooks in (on), and so on, with a viewer process
+attached and reading all along. Short alternating blocks spread machine noise evenly over both
+arms; the time paused does not count in the agent's schedules (its ticks, frames, op windows and
+reads of what holds the memory go on in the "on" blocks as densely as in a job's own time). Each
 step takes its batch from a DataLoader and ends in ``optimizer.step()``, so the hooks run every
 step. The result is the ratio of the median step times (on / off), for a small MLP and for a
 model made of many tiny ops (where the per-step work is smallest and any cost of the agent shows
@@ -74,6 +76,14 @@ def tiny_ops() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     model = nn.Sequential(*layers, nn.Linear(16, 10))
     return model, torch.randn(8, 16), torch.randint(0, 10, (8,))
 
+
+#: Seconds per block, and pairs of blocks per model: 40 s an arm. On a shared VM the machine's
+#: speed wanders over seconds, and a pair of blocks is as fair as its blocks are short: with
+#: one-second blocks, the paired median of an A/A run (both arms the same, no agent) strayed
+#: by 1.4% (MLP 1.0%) from one choice of blocks to the next, with quarter-second blocks by 0.4%
+#: (0.3%).
+BLOCK_S = 0.25
+DEFAULT_ROUNDS = 160
 
 #: The models by name, for ``--model``.
 MODELS = {"mlp": mlp, "tiny-ops": tiny_ops}
@@ -154,15 +164,15 @@ def alternating(
     agent.hooks_measured = []  # type: ignore[attr-defined]
 
     def off_block() -> list[float]:
+        # The pause leaves the agent's schedules where they were (its ticks, frames and op
+        # windows go on in the "on" blocks as if there had been no "off" block in between),
+        # and so do the hooks' reads of what holds the memory.
         if not hooks_only:
             agent.sampler.pause()
         agent.training.remove()  # not put back by the sampler's ticks in the block
-        paused = time.monotonic()
         times = run_block()
         agent.training.reinstall()
         agent.sampler.resume()
-        if not hooks_only and agent.ops is not None:
-            agent.ops.resumed_after(time.monotonic() - paused)
         return times
 
     def on_block() -> list[float]:
@@ -453,11 +463,11 @@ def across_processes(args: argparse.Namespace) -> None:
     """Each model measured in ``args.processes`` fresh processes (this script with
     ``--processes 1``), the rounds shared among them; the agent's own measure in the first only.
     Prints each process's figures as it ends, then the medians across the processes."""
-    rounds = args.rounds or (3 if args.quick else 40)
+    rounds = args.rounds or (3 if args.quick else DEFAULT_ROUNDS)
     share = [
         rounds // args.processes + (k < rounds % args.processes) for k in range(args.processes)
     ]
-    passed = ["--threads", str(args.threads)]
+    passed = ["--threads", str(args.threads), "--block", str(args.block)]
     passed += [flag for flag, on in (("--quick", args.quick), ("--hooks-only", args.hooks_only),
                                      ("--no-ops", args.no_ops)) if on]  # fmt: skip
     if args.interval is not None:
@@ -529,7 +539,15 @@ def main() -> None:
         " backward) in against out alone, then all of them",
     )
     parser.add_argument("--model", choices=("mlp", "tiny-ops"), help="measure this model only")
-    parser.add_argument("--rounds", type=int, help="paired blocks per model (default 40)")
+    parser.add_argument(
+        "--rounds", type=int, help=f"paired blocks per model (default {DEFAULT_ROUNDS})"
+    )
+    parser.add_argument(
+        "--block",
+        type=float,
+        default=BLOCK_S,
+        help=f"seconds per block (default {BLOCK_S:g})",
+    )
     parser.add_argument(
         "--threads",
         default="1",
@@ -569,7 +587,7 @@ def main() -> None:
     if args.threads != "default":
         torch.set_num_threads(int(args.threads))
     print(f"torch threads: {torch.get_num_threads()} ({args.threads})", flush=True)
-    rounds, seconds = (3, 0.5) if args.quick else (40, 1.0)
+    rounds, seconds = (3, 0.5) if args.quick else (DEFAULT_ROUNDS, args.block)
     if args.rounds:
         rounds = args.rounds
     models = [(name, build) for name, build in MODELS.items() if args.model in (None, name)]

@@ -420,6 +420,44 @@ def test_removed_hooks_stay_out_through_the_samplers_ticks_until_reinstalled(
     assert monitor.installed
 
 
+def test_the_time_without_hooks_does_not_count_toward_the_holders_reads(
+    monitor: TrainingMonitor,
+) -> None:
+    """The benchmark's "off" blocks: an optimizer's next read of what holds the memory is
+    due in the time the hooks were in, so short blocks do not make the reads denser."""
+    from torchtop.agent import holders
+
+    _, opt = _model()
+    holders.note_optimizer(opt)
+    due = holders._NOTED[opt].next_at
+    monitor.remove()
+    time.sleep(0.05)
+    monitor.reinstall()
+    assert holders._NOTED[opt].next_at >= due + 0.05
+    moved = holders._NOTED[opt].next_at
+    monitor.resumed_after(0.5)  # the sampler's pause moves the sampler's schedules only
+    assert holders._NOTED[opt].next_at == moved
+
+
+class _Windows:
+    """The op windows' side of a pause: what they were told."""
+
+    def __init__(self) -> None:
+        self.moved: list[float] = []
+
+    def resumed_after(self, paused_s: float) -> None:
+        self.moved.append(paused_s)
+
+
+def test_a_paused_sampler_moves_the_frames_scheduled_in_sampling_time() -> None:
+    windows = _Windows()
+    monitor = TrainingMonitor(ops=windows)  # type: ignore[arg-type]
+    steps, workers = monitor._next_steps, monitor._next_workers
+    monitor.resumed_after(2.0)
+    assert (monitor._next_steps, monitor._next_workers) == (steps + 2.0, workers + 2.0)
+    assert windows.moved == [2.0]
+
+
 def test_reinstalled_with_only_some_parts_the_others_stay_out(monitor: TrainingMonitor) -> None:
     """``benchmarks.agent_overhead --hook-parts``: one part of the hooks in, the rest out."""
     from torch.optim import optimizer as optim_module

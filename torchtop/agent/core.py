@@ -289,6 +289,7 @@ class Agent:
             # What every viewer reads from outside the job (/proc, NVML) the agent leaves to it.
             outside=self.server.read_outside,
             batched=self.server.batched,
+            on_resumed=self.training.resumed_after,
         )
         ops = self.ops
         #: The cost on the steps, measured by pausing the sampler now and then, and by the

@@ -162,6 +162,26 @@ def next_read_at(now: float, cost_s: float, interval_s: float, budget: float) ->
     return now + max(interval_s, cost_s / budget if budget > 0 else interval_s)
 
 
+def noted() -> list[tuple[Any, _Noted]]:
+    """The optimizers noted so far, each with its record (strong references: for
+    :func:`restore`)."""
+    for _ in range(3):  # the training thread may note an optimizer meanwhile
+        try:
+            return list(_NOTED.items())
+        except RuntimeError:
+            continue
+    return []
+
+
+def restore(records: list[tuple[Any, _Noted]], postponed_s: float) -> None:
+    """Note again what :func:`noted` returned, each next read ``postponed_s`` later: the hooks
+    were out that long (the overhead benchmark's "off" blocks), and the reads are spaced in
+    the time they are in, not read again at once."""
+    for optimizer, record in records:
+        record.next_at += postponed_s
+        _NOTED.setdefault(optimizer, record)
+
+
 def step_seen(optimizer: Any, now: float) -> None:
     """An optimizer's step is about to run (``now``: ``time.perf_counter()``): note the
     optimizer, and read it when due. Called by the agent's step pre-hook

@@ -108,6 +108,7 @@ class Sampler:
         collectives: Any | None = None,
         outside: Callable[[str], bool] | None = None,
         batched: Callable[[], AbstractContextManager[None]] | None = None,
+        on_resumed: Callable[[float], None] | None = None,
     ) -> None:
         #: ``batched()``: a block whose frames reach the viewers together, at its end (one
         #: wake of the I/O thread a tick).
@@ -157,6 +158,13 @@ class Sampler:
         self.ticks: deque[tuple[float, float]] = deque(maxlen=TICKS_KEPT)
         self.tick_began = -math.inf
         self._pause: tuple[float, float] | None = None
+        #: :meth:`pause` and :meth:`resume`: when the pause began, the seconds paused in all,
+        #: and how many of them the sampler thread has moved its schedule by.
+        self._paused_at: float | None = None
+        self._paused_s = 0.0
+        self._paused_taken = 0.0
+        #: ``on_resumed(seconds)``: what others schedule in sampling time moves on too.
+        self._on_resumed = on_resumed
 
     def slow_down(self, factor: float, most_s: float) -> float:
         """Sample ``factor`` times less often, ``most_s`` seconds apart at most (never faster
@@ -199,11 +207,33 @@ class Sampler:
         return ticks, ticks[0][0] if full else -math.inf, self.tick_began
 
     def pause(self) -> None:
-        """Stop sampling until :meth:`resume` (the thread stays, idle)."""
-        self._resumed.clear()
+        """Stop sampling until :meth:`resume` (the thread stays, idle): the overhead
+        benchmark's "off" blocks. The time paused does not count: the ticks go on from where
+        they were, and so does everything scheduled in sampling time (the agent's stats, NVML,
+        the steps' and loaders' frames, op windows), so that however short the blocks, the
+        sampling in them is as dense as the job's own."""
+        if self._resumed.is_set():
+            self._paused_at = time.monotonic()
+            self._resumed.clear()
 
     def resume(self) -> None:
+        paused_at, self._paused_at = self._paused_at, None
+        if paused_at is not None:
+            self._paused_s += time.monotonic() - paused_at
         self._resumed.set()
+
+    def _take_paused(self) -> float:
+        """From the sampler thread: the seconds paused since it last asked."""
+        paused = self._paused_s - self._paused_taken
+        self._paused_taken += paused
+        return paused
+
+    def _resumed_after(self, paused_s: float) -> None:
+        """Move what is scheduled in sampling time ``paused_s`` seconds later."""
+        self._next_stats += paused_s
+        self._next_nvml += paused_s
+        if self._on_resumed is not None:
+            self._on_resumed(paused_s)
 
     def stop(self, timeout: float = 1.0, final: bool = False) -> None:
         """Stop the thread, waiting ``timeout`` at most. ``final``: the job is ending; the
@@ -235,7 +265,14 @@ class Sampler:
                 while not self._resumed.wait(0.2):
                     if self._stop.is_set():
                         return
-                start, k = time.monotonic(), 0
+            paused = self._take_paused()
+            if paused > 0:  # the ticks go on where they were, the pause left out
+                start += paused
+                self._resumed_after(paused)
+                wait = start + k * self.interval_s - time.monotonic()
+                if wait > 0:
+                    self._stop.wait(wait)
+                    continue
             began = self.tick_began = time.perf_counter()
             with self._batched():
                 self._timed_tick()

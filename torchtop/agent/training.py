@@ -163,6 +163,9 @@ class TrainingMonitor:
         self._running = False
         self._next_workers = 0.0
         self._next_steps = 0.0
+        #: When :meth:`remove` took the hooks out (``perf_counter``), and the optimizers then
+        #: noted (:func:`holders.noted`), until :meth:`reinstall`.
+        self._removed: tuple[float, list[tuple[Any, Any]]] | None = None
         self._error_reported = False
         #: One drain at a time: the agent's last tick may overlap a sampler tick that the
         #: sampler thread has not finished (its join timed out on a busy machine).
@@ -313,14 +316,20 @@ class TrainingMonitor:
         """Remove every hook until :meth:`reinstall` (the benchmark's "off" blocks): unlike
         :meth:`uninstall` alone, the sampler's ticks do not put them back meanwhile."""
         self._running = False
+        noted = holder_hooks.noted()
         self.uninstall()
+        self._removed = (time.perf_counter(), noted)
 
     def reinstall(self, only: Collection[str] | None = None) -> None:
         """Install again after :meth:`remove` (the benchmark's on/off blocks); ``only``: keep
         just these parts (``"optimizer"``, ``"dataloader"``, ``"backward"``, ...), to measure
         each alone, with the sampler paused (its ticks would put the others back)."""
         # In order with the events: the next step must not span the time without hooks.
-        PENDING.append((GAP, time.perf_counter()))
+        now = time.perf_counter()
+        PENDING.append((GAP, now))
+        removed, self._removed = self._removed, None
+        if removed is not None:  # what holds memory is read as often as if never removed
+            holder_hooks.restore(removed[1], now - removed[0])
         self._running = True
         self.try_install()
         if only is not None:
@@ -329,6 +338,14 @@ class TrainingMonitor:
             _undo_parts(dropped)
 
     # -- the sampler thread ----------------------------------------------------------------
+
+    def resumed_after(self, paused_s: float) -> None:
+        """The sampler was paused ``paused_s`` seconds (:meth:`Sampler.pause`): the frames
+        and op windows scheduled in sampling time move on by as much."""
+        self._next_steps += paused_s
+        self._next_workers += paused_s
+        if self.ops is not None:
+            self.ops.resumed_after(paused_s)
 
     def tick(self, now: float) -> list[Message]:
         """Drain the hooks' events; the frames to publish (``steps`` on ticks with steps,

@@ -1,0 +1,90 @@
+"""The sampler's pause (the overhead benchmark's "off" blocks): the time paused is left out
+of its schedule, so that the sampling in the blocks between pauses is as dense as a job's."""
+
+from __future__ import annotations
+
+import time
+
+from torchtop.agent.sampler import Sampler
+
+
+class _Host:
+    """No figures: the schedule alone is under test."""
+
+    def read(self) -> None:
+        return None
+
+    read_rss = read
+
+
+class _NoMemory:
+    def read(self, rss: int | None) -> None:
+        return None
+
+
+def _sampler(interval_s: float, resumed: list[float]) -> Sampler:
+    return Sampler(
+        lambda message: None,
+        host=_Host(),
+        cpu_memory=_NoMemory(),
+        cuda_memory=None,
+        nvml=None,
+        interval_s=interval_s,
+        on_resumed=resumed.append,
+    )
+
+
+def _wait_for(predicate, limit_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, "the sampler did not tick"
+        time.sleep(0.005)
+
+
+def test_after_a_pause_the_ticks_go_on_from_where_they_were() -> None:
+    """Paused 0.1 s after a tick, for 0.4 s, at a 0.5 s interval: the next tick comes 0.4 s
+    after the resume (the rest of the interval), not at once, and what is scheduled in
+    sampling time moves on by the pause."""
+    resumed: list[float] = []
+    sampler = _sampler(0.5, resumed)
+    sampler.start()
+    try:
+        _wait_for(lambda: len(sampler.ticks) >= 1)
+        last_began = sampler.ticks[-1][0]
+        time.sleep(0.1)
+        stats_due = sampler._next_stats
+        paused_at = time.perf_counter()
+        sampler.pause()
+        time.sleep(0.4)
+        sampler.resume()
+        resumed_at = time.perf_counter()
+        _wait_for(lambda: len(sampler.ticks) >= 2)
+        next_began = sampler.ticks[1][0]
+    finally:
+        sampler.stop()
+    # The sampler may tick late, never early; 0.2 s of slack for a late first tick.
+    rest = 0.5 - (paused_at - last_began)
+    assert next_began - resumed_at >= rest - 0.2
+    assert len(resumed) == 1 and resumed[0] >= 0.4
+    assert sampler._next_stats >= stats_due + 0.4
+
+
+def test_a_pause_without_a_resume_stops_the_ticks_and_a_second_pause_changes_nothing() -> None:
+    resumed: list[float] = []
+    sampler = _sampler(0.02, resumed)
+    sampler.start()
+    try:
+        _wait_for(lambda: len(sampler.ticks) >= 1)
+        sampler.pause()
+        began = sampler._paused_at
+        time.sleep(0.1)  # a tick under way when paused may end meanwhile
+        ticks = len(sampler.ticks)
+        sampler.pause()
+        assert sampler._paused_at == began
+        time.sleep(0.2)
+        assert len(sampler.ticks) == ticks
+        sampler.resume()
+        _wait_for(lambda: len(sampler.ticks) > ticks)
+    finally:
+        sampler.stop()
+    assert len(resumed) == 1 and resumed[0] >= 0.3
