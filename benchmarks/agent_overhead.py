@@ -28,6 +28,8 @@ steps, runs before the blocks: once a job, it is no part of the steady state the
     python -m benchmarks.agent_overhead --threads default  # torch's own thread count
     python -m benchmarks.agent_overhead --hook-parts  # the sampler paused in both arms: each
                                                      # part of the hooks alone, then all
+    python -m benchmarks.agent_overhead --aa  # no agent in either arm: the noise floor, to
+                                              # read a run of the same hour against
 
 Each model is measured in three fresh processes (``--processes``), the pairs of blocks shared
 among them, and the figures given are the medians across the processes. Within one process the
@@ -48,7 +50,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -121,6 +123,16 @@ def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[]
         nn.functional.cross_entropy(model(bx), by).backward()
         opt.step()
 
+    return step
+
+
+def warmed_step(
+    build: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
+) -> Callable[[], None]:
+    """The model's training step (seeded), run for a second first to warm up."""
+    torch.manual_seed(0)
+    step = make_step(*build())
+    block(step, 1.0)
     return step
 
 
@@ -280,6 +292,16 @@ def summarize(
         "hooks_measured_share": statistics.median(getattr(agent, "hooks_measured", []) or [0.0]),
         "interval_s": agent.sampler.interval_s,
     }
+    if isinstance(agent, _NoAgent):  # an A/A run: no windows, no agent to speak of
+        print(
+            f"{name:10s} A/A: off {result['median_step_off_ms']:8.3f} ms"
+            f"  off too {result['median_step_on_ms']:8.3f} ms  ratio {ratio:.4f}  (median of"
+            f" {rounds} paired blocks {result['median_pair_ratio']:.4f}, 95% {low:.4f} to"
+            f" {high:.4f}); mean ratio {result['mean_ratio']:.4f} (95% {mean_low:.4f} to"
+            f" {mean_high:.4f})",
+            flush=True,
+        )
+        return result
     print(
         f"{name:10s} off {result['median_step_off_ms']:8.3f} ms"
         f"  on {result['median_step_on_ms']:8.3f} ms"
@@ -326,9 +348,7 @@ def measure(
     """The model's figures; ``self_measure``: then the agent's own measure of its cost too
     (:func:`self_measured`, at least 48 s more); ``first_apart``: the first op window runs
     before the blocks (:func:`first_window`)."""
-    torch.manual_seed(0)
-    step = make_step(*build())
-    block(step, 1.0)  # warm up
+    step = warmed_step(build)
     # One agent and one viewer for the whole run.
     # The agent's own pauses (its measured cost) would fall in the "on" blocks: off here, and
     # measured on their own in :func:`self_measured`.
@@ -349,6 +369,50 @@ def measure(
     if self_measure:
         result.update(self_measured(step, rounds * seconds, ops, settings))
     return result
+
+
+class _Still:
+    """An A/A run's stand-in for the sampler and the hooks: pausing, resuming, removing and
+    reinstalling change nothing."""
+
+    interval_s = math.nan
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def remove(self) -> None:
+        pass
+
+    def reinstall(self) -> None:
+        pass
+
+
+class _NoAgent:
+    """An A/A run's stand-in for the agent: no agent at all, in either arm."""
+
+    ops = None
+
+    def __init__(self) -> None:
+        self.sampler = self.training = _Still()
+
+
+def noise_floor(
+    name: str,
+    build: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
+    rounds: int,
+    seconds: float,
+) -> dict[str, float]:
+    """``--aa``: the model's figures with no agent in either arm, the blocks cut and paired as
+    in a measurement: how far from 1 this machine's noise puts them now, to read the agent's
+    figures of the same hour against."""
+    step = warmed_step(build)
+    blocks: list[tuple[list[float], list[float]]] = []
+    agent = cast(core.Agent, _NoAgent())
+    off, on, pair_ratios = alternating(agent, lambda: block(step, seconds), rounds, False, blocks)
+    return summarize(name, agent, off, on, pair_ratios, rounds * seconds, 0, blocks)
 
 
 def self_measured(
@@ -418,9 +482,7 @@ def hook_parts(
     """Each part of the hooks alone, then all of them, in against out with the sampler paused
     in both arms: what the training thread pays for the hooks themselves, in the job's own
     steps (a hook costs several times more there, its code and data cold, than timed alone)."""
-    torch.manual_seed(0)
-    step = make_step(*build())
-    block(step, 1.0)  # warm up
+    step = warmed_step(build)
     agent = core.start(ops=False, measure_cost=False)
     agent.sampler.pause()
     training = agent.training
@@ -468,13 +530,14 @@ def across_processes(args: argparse.Namespace) -> None:
         rounds // args.processes + (k < rounds % args.processes) for k in range(args.processes)
     ]
     passed = ["--threads", str(args.threads), "--block", str(args.block)]
-    passed += [flag for flag, on in (("--quick", args.quick), ("--hooks-only", args.hooks_only),
-                                     ("--no-ops", args.no_ops)) if on]  # fmt: skip
+    flags = (("--quick", args.quick), ("--hooks-only", args.hooks_only),
+             ("--no-ops", args.no_ops), ("--aa", args.aa))  # fmt: skip
+    passed += [flag for flag, on in flags if on]
     if args.interval is not None:
         passed += ["--interval", str(args.interval)]
     if args.ops_budget is not None:
         passed += ["--ops-budget", str(args.ops_budget)]
-    first_self_measures = not args.no_self_measure
+    first_self_measures = not args.no_self_measure and not args.aa
     results = []
     for name in [m for m in MODELS if args.model in (None, m)]:
         runs: list[dict[str, Any]] = []
@@ -532,6 +595,11 @@ def main() -> None:
         help="keep the sampler running in both arms: measure the step and DataLoader hooks",
     )
     parser.add_argument("--no-ops", action="store_true", help="no op-timing windows in the on arm")
+    parser.add_argument(
+        "--aa",
+        action="store_true",
+        help="no agent in either arm (A/A): where this machine's noise puts the figures now",
+    )
     parser.add_argument(
         "--hook-parts",
         action="store_true",
@@ -594,6 +662,8 @@ def main() -> None:
     results: list[dict[str, object]]
     if args.hook_parts:
         results = [hook_parts(name, build, rounds, seconds) for name, build in models]
+    elif args.aa:
+        results = [dict(noise_floor(name, build, rounds, seconds)) for name, build in models]
     else:
         results = [
             dict(
