@@ -87,6 +87,9 @@ def tiny_ops() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 BLOCK_S = 0.25
 DEFAULT_ROUNDS = 160
 
+#: A model's builder: the model, a batch's inputs and its targets.
+Build = Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]]
+
 #: The models by name, for ``--model``.
 MODELS = {"mlp": mlp, "tiny-ops": tiny_ops}
 
@@ -127,7 +130,7 @@ def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[]
 
 
 def warmed_step(
-    build: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
+    build: Build,
 ) -> Callable[[], None]:
     """The model's training step (seeded), run for a second first to warm up."""
     torch.manual_seed(0)
@@ -336,7 +339,7 @@ def first_window(agent: core.Agent, step: Callable[[], None], limit_s: float = 1
 
 def measure(
     name: str,
-    build: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
+    build: Build,
     rounds: int,
     seconds: float,
     hooks_only: bool = False,
@@ -401,7 +404,7 @@ class _NoAgent:
 
 def noise_floor(
     name: str,
-    build: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
+    build: Build,
     rounds: int,
     seconds: float,
 ) -> dict[str, float]:
@@ -475,7 +478,7 @@ HOOK_PARTS = ("optimizer", "dataloader", "backward")
 
 def hook_parts(
     name: str,
-    build: Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]],
+    build: Build,
     rounds: int,
     seconds: float,
 ) -> dict[str, object]:

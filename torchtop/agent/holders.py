@@ -404,13 +404,7 @@ class HolderReader:
 
 
 def _reads() -> list[Holders]:
-    for _ in range(3):  # the training thread may note an optimizer while this copies
-        try:
-            noted = list(_NOTED.values())
-        except RuntimeError:
-            continue
-        return [n.read for n in noted if n.read is not None]
-    return []
+    return [n.read for _, n in noted() if n.read is not None]
 
 
 def _safe_here() -> bool:
