@@ -102,15 +102,35 @@ def test_module_options_belong_to_the_module(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "args ['--epochs', '3', '--record', 'x']" in out.stdout
     assert not (tmp_path / "x").exists()
-    (tmp_path / "ddp.py").write_text(
-        "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+    out = _two_ranks(
+        tmp_path, "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
     )
+    assert "rank 0 of 2" in out.stdout and "rank 1 of 2" in out.stdout
+
+
+def _two_ranks(tmp_path: Path, script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run by ``torchtop run -m torch.distributed.run`` in two ranks."""
+    (tmp_path / "ddp.py").write_text(script)
     out = torchtop(
         "run", "--headless", "--no-ops", "-m", "torch.distributed.run", "--standalone",
         "--nproc_per_node=2", "ddp.py", cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "rank 0 of 2" in out.stdout and "rank 1 of 2" in out.stdout
+    return out
+
+
+def test_a_ranks_line_written_in_pieces_reaches_the_output_whole(tmp_path: Path) -> None:
+    """Unbuffered, a line written in two pieces a moment apart was read by torchrun's tee
+    between them and came out as ``[rank0]:rank[rank1]:rank[rank0]: 0 of 2``."""
+    out = _two_ranks(
+        tmp_path,
+        "import os, sys, time\n"
+        "sys.stdout.write('rank')\n"
+        "time.sleep(0.4)\n"
+        "print('', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n",
+    )
+    lines = out.stdout.splitlines()
+    assert "[rank0]:rank 0 of 2" in lines and "[rank1]:rank 1 of 2" in lines, out.stdout
 
 
 def test_file_is_absolute_as_under_python(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ scale (the tmux tests in tests/viewer/test_ranks_view.py drive them in a termina
 from __future__ import annotations
 
 from tests.unit.test_ranks_model import T0, feed_run, hello
+from torchtop.agent.rank_site.torchtop_rank_marks import WHOLE_LINES_ENV, unbuffered, whole_lines
 from torchtop.agent.rank_start import rank_environment
 from torchtop.job_output import RANK_PREFIX_TEMPLATE, split_rank
 from torchtop.protocol import LogLine
@@ -18,12 +19,14 @@ def test_the_launcher_tees_each_ranks_output_behind_its_global_rank() -> None:
     env = rank_environment({"PATH": "/bin"}, {}, ["torchrun", "--nproc_per_node=2", "t.py"])
     assert env["PET_TEE"] == "3"
     assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == RANK_PREFIX_TEMPLATE == "[rank${rank}]:"
+    assert env[WHOLE_LINES_ENV] == "1"  # torchrun copies each rank's file a line at a time
 
 
 def test_the_users_own_tee_redirects_or_prefix_stand() -> None:
     for args in (["--tee", "1"], ["--redirects=3"], ["-r", "3"], ["-t1"]):
         env = rank_environment({}, {}, ["torchrun", *args, "t.py", "-r"])
         assert "PET_TEE" not in env, args
+        assert WHOLE_LINES_ENV not in env, args
     env = rank_environment({"PET_REDIRECTS": "3"}, {}, ["torchrun", "t.py"])
     assert "PET_TEE" not in env
     # The script's own arguments are not the launcher's.
@@ -31,6 +34,30 @@ def test_the_users_own_tee_redirects_or_prefix_stand() -> None:
     assert env["PET_TEE"] == "3"
     env = rank_environment({"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${rank}>"}, {}, [])
     assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == "<${rank}>"
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.calls: list[dict[str, bool]] = []
+
+    def reconfigure(self, **options: bool) -> None:
+        self.calls.append(options)
+
+
+def test_the_job_writes_whole_lines_only_where_torchtop_chose_its_buffering() -> None:
+    env: dict[str, str] = {}
+    unbuffered(env)
+    assert env == {"PYTHONUNBUFFERED": "1", WHOLE_LINES_ENV: "1"}
+    stream = _Stream()
+    whole_lines(env, (stream, object()))  # a stream that cannot be reconfigured is left be
+    assert stream.calls == [{"line_buffering": True, "write_through": False}]
+    # The user's own choice stands: unbuffered means each piece at once.
+    env = {"PYTHONUNBUFFERED": "1"}
+    unbuffered(env)
+    assert env == {"PYTHONUNBUFFERED": "1"}
+    stream = _Stream()
+    whole_lines(env, (stream,))
+    assert stream.calls == []
 
 
 def test_a_line_is_a_ranks_by_its_prefix_and_the_launchers_without() -> None:

@@ -26,10 +26,12 @@ from torchtop.agent.rank_site.torchtop_rank_marks import (
     OWNER_RANK_ENV,
     RANK_MARKS,
     RANK_OPTIONS_ENV,
+    WHOLE_LINES_ENV,
     GroupWatcher,
     enable_recorder,
     launcher_rank,
     should_start,
+    unbuffered,
     wrap_init_process_group,
 )
 from torchtop.job_output import RANK_PREFIX_TEMPLATE
@@ -50,6 +52,7 @@ __all__ = [
     "rank_environment",
     "should_start",
     "start_if_rank",
+    "unbuffered",
 ]
 
 #: Whether this process already waits for its process group (:func:`follow_group`).
@@ -210,5 +213,6 @@ def rank_environment(
     out = job_environment(env, options, run_id)
     if not chooses_output(args) and not any(name in out for name in OUTPUT_ENV):
         out["PET_TEE"] = "3"
+        out[WHOLE_LINES_ENV] = "1"  # torchrun copies each rank's file on a line at a time
     out.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_PREFIX_TEMPLATE)
     return out

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchtop.agent.rank_start import job_environment, new_run_id, rank_environment
+from torchtop.agent.rank_start import job_environment, new_run_id, rank_environment, unbuffered
 from torchtop.job_output import JobOutput
 from torchtop.launch import python_module
 from torchtop.private_files import open_private
@@ -173,7 +173,7 @@ class Job:
             env = job_environment(os.environ, options, self.run_id)
             env[OPTIONS_ENV] = json.dumps(options)
             cmd = [*python_module("torchtop.agent.bootstrap"), *spec.target]
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        unbuffered(env)
         try:
             # The agent listens there: a folder that is not the user's own is refused up front.
             directory = ensure_runtime_dir()

@@ -13,6 +13,10 @@ run (later on the path), as ``opentelemetry-instrument`` and ``ddtrace-run`` do.
   ``init_process_group``: once a process group exists in this process, it is a rank, and gets
   an agent (or, having one, its rank identity) from :mod:`torchtop.agent.rank_start`.
 
+Where ``torchtop run`` chose how the job writes its output, each process writes whole lines
+(:func:`whole_lines`): a rank's line copied on by torchrun, or written into a pipe that other
+processes share, is never cut in two.
+
 A process that starts an agent marks the environment with the rank it has
 (:data:`OWNER_RANK_ENV`), so the processes it starts (DataLoader workers under spawn or
 forkserver, any subprocess) inherit the mark and start none from the same marks; forked workers
@@ -33,6 +37,7 @@ from torchtop_rank_marks import (  # this folder is first on the job's path
     RANK_OPTIONS_ENV,
     GroupWatcher,
     should_start,
+    whole_lines,
     wrap_init_process_group,
 )
 
@@ -63,6 +68,7 @@ def _chain() -> None:
 
 
 def _start() -> None:
+    whole_lines(os.environ, (sys.stdout, sys.stderr))
     if RANK_OPTIONS_ENV not in os.environ:
         return
     if should_start(os.environ):

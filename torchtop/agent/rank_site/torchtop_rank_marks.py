@@ -29,6 +29,10 @@ TASK_MARKS = (
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS"),
     ("mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
 )
+#: Set where ``torchtop run`` itself decided how the job's Python writes its output (it made
+#: it unbuffered, or chose torchrun's ``--tee``): each process then writes whole lines
+#: (:func:`whole_lines`).
+WHOLE_LINES_ENV = "TORCHTOP_WHOLE_LINES"
 #: Where ``init_process_group`` lives, and the package that exports it.
 C10D_MODULE = "torch.distributed.distributed_c10d"
 DIST_MODULE = "torch.distributed"
@@ -141,3 +145,32 @@ def enable_recorder(environ: MutableMapping[str, str]) -> bool:
         return False
     environ[BUFFER_ENV] = str(DEFAULT_RING)
     return True
+
+
+def unbuffered(environ: MutableMapping[str, str]) -> None:
+    """Make the job's Python write each line as it ends, so that the viewer shows it at once:
+    ``PYTHONUNBUFFERED`` where the user chose nothing (it holds even where no
+    ``sitecustomize`` runs, under ``python -S``), marked for :func:`whole_lines`."""
+    if "PYTHONUNBUFFERED" not in environ:
+        environ["PYTHONUNBUFFERED"] = "1"
+        environ[WHOLE_LINES_ENV] = "1"
+
+
+def whole_lines(environ: Mapping[str, str], streams: tuple[Any, ...]) -> None:
+    """Line-buffer ``streams`` (the process's stdout and stderr) where torchtop marked the
+    job (:data:`WHOLE_LINES_ENV`).
+
+    Unbuffered, ``print("rank", 1)`` writes its pieces one by one (the words, the spaces, the
+    newline), and a reader between two pieces gets half a line: torchrun's ``--tee`` copies
+    each rank's log file a line at a time and showed ``[rank1]:rank`` then ``[rank1]: 1``;
+    processes writing into one pipe mix their pieces. Line-buffered, each line is written in
+    one piece as soon as it ends, as a Python in a terminal writes it; text without a newline
+    waits for one, or for the job's own ``flush()``.
+    """
+    if environ.get(WHOLE_LINES_ENV) != "1":
+        return
+    for stream in streams:
+        try:
+            stream.reconfigure(line_buffering=True, write_through=False)
+        except Exception:  # a stream the job's own sitecustomize replaced: left as it is
+            pass
