@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import torchtop
 from tests.conftest import Forked
+from torchtop.agent import steps as step_hooks
 from torchtop.agent.loaders import LoaderTracker, batch_size_of, settings_of, wrap_next
 from torchtop.agent.steps import BATCH, BEFORE_STEP, PENDING, StepCollector
 from torchtop.agent.training import TrainingMonitor, loaded
@@ -329,6 +331,83 @@ class _SlowModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(0.02)
         return self.linear(x)
+
+
+def _steps_in_thread(
+    model: nn.Module, opt: torch.optim.Optimizer, seconds: float, pause_s: float = 0.0
+) -> threading.Thread:
+    """A training loop of ``seconds`` in a thread of its own (the job's training thread),
+    started; ``pause_s``: a sleep before each backward pass (longer steps)."""
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def train() -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            time.sleep(pause_s)
+            loss.backward()
+            opt.step()
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    return thread
+
+
+def test_a_tick_waits_for_the_next_backward_pass_of_a_job_that_steps_often(
+    monitor: TrainingMonitor,
+) -> None:
+    """The tick runs while the pass holds no GIL: it waits for one to begin, at most two
+    steps' time, and only for a job whose steps are short beside the interval."""
+    model, opt = _model()
+    assert not monitor.before_tick(0.1)  # no step yet: no wait
+    trainer = _steps_in_thread(model, opt, 1.0)
+    try:
+        time.sleep(0.2)
+        monitor.tick(time.time())  # drains the steps so far
+        assert monitor.steps.last_backward is not None and monitor.steps.recent
+        met = sum(monitor.before_tick(0.1) for _ in range(20))
+        assert met >= 15, met  # the next pass begins within two steps' time
+        assert step_hooks._WAKE[0] is None  # nothing left waiting
+    finally:
+        trainer.join()
+    # Steps that stopped: no wait (the last pass is too long ago), and it takes no time.
+    monitor.tick(time.time())
+    time.sleep(0.25)
+    began = time.perf_counter()
+    assert not monitor.before_tick(0.1)
+    assert time.perf_counter() - began < 0.01
+
+
+def test_a_tick_does_not_wait_for_a_job_whose_steps_are_long(monitor: TrainingMonitor) -> None:
+    model, opt = _model()
+    trainer = _steps_in_thread(model, opt, 0.6, pause_s=0.05)
+    try:
+        time.sleep(0.3)
+        monitor.tick(time.time())
+        assert monitor.steps.recent and min(monitor.steps.recent) >= 0.05
+        assert not any(monitor.before_tick(0.1) for _ in range(3))
+    finally:
+        trainer.join()
+
+
+def test_a_wait_for_a_backward_pass_ends_with_the_pass_or_its_timeout(
+    monitor: TrainingMonitor,
+) -> None:
+    began = time.perf_counter()
+    assert not step_hooks.wait_for_backward(0.05)
+    assert time.perf_counter() - began >= 0.05 and step_hooks._WAKE[0] is None
+    model, _ = _model()
+    seen: list[bool] = []
+    waiter = threading.Thread(target=lambda: seen.append(step_hooks.wait_for_backward(5.0)))
+    waiter.start()
+    while step_hooks._WAKE[0] is None:
+        time.sleep(0.001)
+    began = time.perf_counter()
+    model(torch.randn(2, 4)).sum().backward()
+    waiter.join()
+    assert seen == [True] and time.perf_counter() - began < 1.0
+    model(torch.randn(2, 4)).sum().backward()  # no tick waits: nothing to release
 
 
 @pytest.mark.parametrize("how", ["positional", "keyword", "lbfgs"])

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tests.unit.test_server import HELLO
-from torchtop.agent import holders
+from torchtop.agent import holders, steps
 from torchtop.agent.holders import HolderReader, read_holders
 
 F32 = 4
@@ -143,6 +143,44 @@ def test_the_step_hook_keeps_two_optimizers_apart_and_holds_neither_alive() -> N
     assert [id(o) for o in holders._NOTED] == [id(a)]
     holders.forget_all()
     assert holders._LAST == [None, None]
+
+
+def test_the_agents_step_hook_calls_the_holders_only_when_a_read_may_be_due() -> None:
+    """Past an optimizer's first steps (whose state is read as it appears), its step costs a
+    comparison until its next read; another optimizer's step is seen at once."""
+    holders.forget_all()
+    calls: list[int] = []
+
+    def counted(optimizer: object, now: float) -> None:
+        calls.append(id(optimizer))
+        holders.step_seen(optimizer, now)
+
+    a_layer, b_layer = nn.Linear(4, 4), nn.Linear(8, 8)
+    a = torch.optim.SGD(a_layer.parameters(), lr=0.1, momentum=0.9)
+    b = torch.optim.SGD(b_layer.parameters(), lr=0.1)
+    steps.BEFORE_STEP[0] = counted
+    try:
+        for _ in range(8):
+            steps.optimizer_pre_hook(a, (a,), {})
+            a.state[a_layer.weight]["momentum_buffer"] = torch.zeros(4, 4)  # the step's state
+        assert calls == [id(a)] * (1 + holders.WATCH_STEPS)
+        read = holders._NOTED[a].read
+        assert read is not None and read.devices["cpu"].optimizer_state == 16 * F32
+        steps.optimizer_pre_hook(b, (b,), {})  # another optimizer: seen at once
+        steps.optimizer_pre_hook(a, (a,), {})  # and the first again, after it
+        assert calls[-2:] == [id(b), id(a)]
+        # A read interval later a read is due: the hook calls, once.
+        later = holders.READ_INTERVAL_S + 1.0
+        steps._clock = holders._clock = lambda: time.perf_counter() + later
+        del calls[:]
+        steps.optimizer_pre_hook(a, (a,), {})
+        steps.optimizer_pre_hook(a, (a,), {})
+        assert calls == [id(a)]
+    finally:
+        steps._clock = holders._clock = time.perf_counter
+        steps.BEFORE_STEP[0] = None
+        steps._began.clear()
+        holders.forget_all()
 
 
 def test_the_step_hook_reads_in_the_training_thread_and_the_sampler_touches_no_tensor() -> None:

@@ -88,3 +88,41 @@ def test_a_pause_without_a_resume_stops_the_ticks_and_a_second_pause_changes_not
     finally:
         sampler.stop()
     assert len(resumed) == 1 and resumed[0] >= 0.3
+
+
+class _Training:
+    """A training monitor whose ticks meet a backward pass every other time, and then fail."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+        self.ticked = 0
+
+    def before_tick(self, interval_s: float) -> bool:
+        self.asked.append(interval_s)
+        if len(self.asked) > 4:
+            raise RuntimeError("odd")
+        return len(self.asked) % 2 == 0
+
+    def tick(self, now: float) -> list[object]:
+        self.ticked += 1
+        return []
+
+
+def test_each_tick_first_asks_to_meet_the_jobs_backward_pass_and_counts_when_it_did() -> None:
+    training = _Training()
+    sampler = Sampler(
+        lambda message: None,
+        host=_Host(),
+        cpu_memory=_NoMemory(),
+        cuda_memory=None,
+        nvml=None,
+        interval_s=0.01,
+        training=training,
+    )
+    sampler.start()
+    try:
+        _wait_for(lambda: training.ticked >= 8)  # a failing wait leaves the ticks as they were
+    finally:
+        sampler.stop()
+    assert training.asked[:4] == [0.01] * 4
+    assert sampler.stats.met_backward == 2

@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchtop.agent.steps import HOOK_S
+from torchtop.agent.steps import BEFORE_AT, HOOK_S
 from torchtop.protocol import DeviceHolding, MemoryHolders
 
 #: Seconds between two reads of one optimizer at most, and between two frames.
@@ -101,15 +101,23 @@ class Holders:
         held.add(category, nbytes)
 
 
+#: An optimizer's first steps each seen by :func:`step_seen`: its state, made by its first
+#: step, is read on the next, not a read interval later.
+WATCH_STEPS = 3
+
+
 class _Noted:
     """What the step pre-hook keeps of one optimizer: its last read, and when to read again."""
 
-    __slots__ = ("cost_s", "next_at", "read", "states")
+    __slots__ = ("cost_s", "next_at", "read", "states", "watch")
 
     def __init__(self) -> None:
         self.next_at = 0.0
-        #: Entries in ``optimizer.state`` at the last read: a change (the first step creates
-        #: them) calls for a read at once.
+        #: Steps still to be seen one by one, each checked for new state, before the
+        #: pre-hook calls only when a read is due (:data:`~torchtop.agent.steps.BEFORE_AT`).
+        self.watch = WATCH_STEPS
+        #: Entries in ``optimizer.state`` at the last read: a change in the first steps (the
+        #: first creates them) calls for a read at once; a later one waits for the next read.
         self.states = -1
         self.read: Holders | None = None
         #: What the last read took, in seconds of the training thread.
@@ -199,11 +207,16 @@ def step_seen(optimizer: Any, now: float) -> None:
         else:
             noted = _note(optimizer)
             last[0], last[1] = weakref.ref(optimizer), noted
-        if now < noted.next_at and len(optimizer.state) == noted.states:
-            return
-        read_due(optimizer, noted, READ_INTERVAL_S, READ_BUDGET)
+        if now >= noted.next_at or len(optimizer.state) != noted.states:
+            read_due(optimizer, noted, READ_INTERVAL_S, READ_BUDGET)
+        if noted.watch:
+            noted.watch -= 1
+            BEFORE_AT[0] = 0.0  # the next step is seen too
+        else:
+            BEFORE_AT[0] = noted.next_at
     except Exception:  # cannot be weakly referenced, an odd optimizer: never the job's failure
         FAILURES[0] += 1
+        BEFORE_AT[0] = 0.0
 
 
 def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -262,6 +275,7 @@ def forget_all() -> None:
     _NOTED.clear()
     _LAST[0] = _LAST[1] = None
     _STEPPING[0] = 0
+    BEFORE_AT[0] = 0.0
 
 
 def _state_tensors(value: Any, tensor_type: type, found: list[Any]) -> None:

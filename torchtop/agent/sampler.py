@@ -86,6 +86,8 @@ class SamplerStats:
     late_ticks: int = 0
     max_tick_s: float = 0.0
     total_tick_s: float = 0.0
+    #: Ticks that waited for the job's backward pass and ran in it (:meth:`Sampler._meet_backward`).
+    met_backward: int = 0
 
 
 class Sampler:
@@ -273,6 +275,7 @@ class Sampler:
                 if wait > 0:
                     self._stop.wait(wait)
                     continue
+            self._meet_backward()
             began = self.tick_began = time.perf_counter()
             with self._batched():
                 self._timed_tick()
@@ -289,6 +292,18 @@ class Sampler:
                 k += missed
                 due = start + k * self.interval_s
             self._stop.wait(max(0.0, due - now))
+
+    def _meet_backward(self) -> None:
+        """Let the tick wait, briefly, for the job's next backward pass
+        (:meth:`~torchtop.agent.training.TrainingMonitor.before_tick`)."""
+        training = self._training
+        if training is None or not self._guards["training"].enabled:
+            return
+        try:
+            if training.before_tick(self.interval_s):
+                self.stats.met_backward += 1
+        except Exception:  # the tick runs as it would have
+            pass
 
     def _timed_tick(self) -> None:
         began = time.monotonic()

@@ -23,6 +23,7 @@ step: the closure is timed apart, and its time is compute, not optimizer time.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,6 +46,7 @@ PENDING: deque[tuple[Any, ...]] = deque(maxlen=1 << 16)
 
 _clock = time.perf_counter
 _append = PENDING.append
+_allocate_lock = threading.Lock
 #: Called with the step's key (an optimizer's id, or ``"explicit"``) at each step's end while
 #: an op-timing window is armed or open (:mod:`torchtop.agent.ops`); ``None`` otherwise, so the
 #: hooks pay one list lookup.
@@ -53,6 +55,12 @@ BOUNDARY: list[Callable[[int | str], None] | None] = [None]
 #: read of what holds the memory, when due (:func:`torchtop.agent.holders.step_seen`), within
 #: this hook's call and time rather than in a hook of its own; ``None`` while the agent is out.
 BEFORE_STEP: list[Callable[[Any, float], None] | None] = [None]
+#: When :data:`BEFORE_STEP` is next due (``perf_counter``; set by it), and the optimizer (its
+#: id) whose step called it last: the pre-hook calls it only once that time has come or for
+#: another optimizer's step. Most steps cost a comparison, not a call that finds nothing due
+#: (2 µs of a tiny model's step, its code and data cold).
+BEFORE_AT = [0.0]
+BEFORE_KEY = [0]
 #: When each optimizer's step began, from its pre hook to its post hook: one event per step.
 _began: dict[int, float] = {}
 #: Seconds each optimizer's current step has spent in its closure (forward and backward).
@@ -60,6 +68,9 @@ _in_closure: dict[int, float] = {}
 #: Set while a backward pass runs: one inside another (reentrant checkpointing) is not counted
 #: twice.
 _in_backward = [False]
+#: Set by the sampler thread while its tick waits for the training thread's next backward
+#: pass (:func:`wait_for_backward`): a held lock that the pass releases as it begins.
+_WAKE: list[Any] = [None]
 #: Seconds the training thread has spent in torchtop's own hook code so far: each hook's time
 #: from its first clock read to its last, less the original it wraps. What the hooks cost the
 #: steps directly (the sampler thread's cost is measured apart); added to the agent's cost.
@@ -95,7 +106,8 @@ def optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> Any:
     elif kwargs and callable(closure := kwargs.get("closure")):
         changed = args, {**kwargs, "closure": _timed_closure(closure, key)}
     before = BEFORE_STEP[0]
-    if before is not None:
+    if before is not None and (began >= BEFORE_AT[0] or key != BEFORE_KEY[0]):
+        BEFORE_KEY[0] = key
         before(optimizer, began)
     HOOK_S[0] += _clock() - began
     return changed
@@ -158,6 +170,13 @@ def wrap_backward(original: Any) -> Any:
         if _in_backward[0]:
             return original(*args, **kwargs)
         _in_backward[0] = True
+        wake = _WAKE[0]
+        if wake is not None:  # a tick waits for the pass, to run while the pass runs
+            _WAKE[0] = None
+            try:
+                wake.release()
+            except RuntimeError:  # released already, by another thread's pass
+                pass
         began = _clock()
         try:
             return original(*args, **kwargs)
@@ -171,6 +190,24 @@ def wrap_backward(original: Any) -> Any:
 
 
 # -- the sampler thread's side ---------------------------------------------------------------
+
+
+def wait_for_backward(timeout_s: float) -> bool:
+    """From the sampler thread: return as the training thread begins its next backward pass
+    (True), or after ``timeout_s`` (False).
+
+    A backward pass runs in torch's engine with the GIL let go of (on the GPU, the calling
+    thread just waits for it): a tick run then costs the training thread nothing. At any
+    other moment, the training thread lets go of the GIL in each op it calls and waits to
+    take it back until the tick is done, so a 0.6 ms tick lands on the step whole.
+    """
+    wake = _allocate_lock()
+    wake.acquire()
+    _WAKE[0] = wake
+    try:
+        return wake.acquire(timeout=timeout_s)
+    finally:
+        _WAKE[0] = None
 
 
 @dataclass(slots=True)
@@ -245,6 +282,8 @@ class StepCollector:
         #: When the training thread last got a batch (``perf_counter``): an evaluation loop
         #: between epochs takes no step but is not stuck.
         self.last_batch: float | None = None
+        #: When the latest backward pass ended (``perf_counter``).
+        self.last_backward: float | None = None
 
     @property
     def last_end(self) -> float | None:
@@ -348,6 +387,7 @@ class StepCollector:
     def backward(self, began: float, ended: float) -> None:
         """A backward pass that ran from ``began`` to ``ended``."""
         self._interval.backward += max(0.0, ended - began)
+        self.last_backward = ended
 
     def exhausted(self, wait: float) -> None:
         """A ``__next__`` that raised StopIteration (an epoch's end; may join the workers)."""

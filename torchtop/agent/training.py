@@ -347,6 +347,21 @@ class TrainingMonitor:
         if self.ops is not None:
             self.ops.resumed_after(paused_s)
 
+    def before_tick(self, interval_s: float) -> bool:
+        """From the sampler, before each tick: while the job steps and runs a backward pass
+        at least once every half an interval, wait for its next pass to begin, so that the
+        tick runs while the pass holds no GIL (:func:`~torchtop.agent.steps.wait_for_backward`).
+        At most two steps' time, never half an interval: the ticks keep their schedule. True
+        if the tick met a pass."""
+        steps = self.steps
+        last, recent = steps.last_backward, steps.recent
+        if last is None or not recent or "backward" not in self._undo:
+            return False
+        step_s = recent[-1]
+        if step_s > interval_s / 4 or time.perf_counter() - last > interval_s + 4 * step_s:
+            return False  # long steps (the tick is a small part of one), or no pass of late
+        return step_hooks.wait_for_backward(min(2 * step_s, interval_s / 2))
+
     def tick(self, now: float) -> list[Message]:
         """Drain the hooks' events; the frames to publish (``steps`` on ticks with steps,
         ``loaders`` about once a second while any is in use).
@@ -503,6 +518,7 @@ def _uninstall_in_child() -> None:
         monitor._running = False
         step_hooks.BOUNDARY[0] = None
         step_hooks.BEFORE_STEP[0] = None
+        step_hooks._WAKE[0] = None
         if monitor.ops is not None:
             monitor.ops.forget_in_child()
         # Another thread may have held the lock at the fork; in the child it never will again.
