@@ -108,9 +108,9 @@ class _Training:
         return []
 
 
-def test_each_tick_first_asks_to_meet_the_jobs_backward_pass_and_counts_when_it_did() -> None:
-    training = _Training()
-    sampler = Sampler(
+def _training_sampler(training: _Training) -> Sampler:
+    """A sampler ticking every 10 ms with ``training`` as its training monitor."""
+    return Sampler(
         lambda message: None,
         host=_Host(),
         cpu_memory=_NoMemory(),
@@ -119,6 +119,11 @@ def test_each_tick_first_asks_to_meet_the_jobs_backward_pass_and_counts_when_it_
         interval_s=0.01,
         training=training,
     )
+
+
+def test_each_tick_first_asks_to_meet_the_jobs_backward_pass_and_counts_when_it_did() -> None:
+    training = _Training()
+    sampler = _training_sampler(training)
     sampler.start()
     try:
         _wait_for(lambda: training.ticked >= 8)  # a failing wait leaves the ticks as they were
@@ -126,3 +131,32 @@ def test_each_tick_first_asks_to_meet_the_jobs_backward_pass_and_counts_when_it_
         sampler.stop()
     assert training.asked[:4] == [0.01] * 4
     assert sampler.stats.met_backward == 2
+
+
+def test_a_pause_that_comes_while_a_tick_waits_for_a_backward_pass_holds_that_tick() -> None:
+    """The benchmark's "off" block may begin while the sampler waits for the job's backward
+    pass: the tick it waited for does not run in the block."""
+    import threading
+
+    waiting, paused = threading.Event(), threading.Event()
+
+    class Training(_Training):
+        def before_tick(self, interval_s: float) -> bool:
+            if not paused.is_set():
+                waiting.set()
+                paused.wait(5.0)  # the pause comes meanwhile
+            return False
+
+    training = Training()
+    sampler = _training_sampler(training)
+    sampler.start()
+    try:
+        assert waiting.wait(5.0)
+        sampler.pause()
+        paused.set()
+        time.sleep(0.2)
+        assert training.ticked == 0
+        sampler.resume()
+        _wait_for(lambda: training.ticked >= 1)
+    finally:
+        sampler.stop()

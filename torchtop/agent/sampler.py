@@ -276,6 +276,8 @@ class Sampler:
                     self._stop.wait(wait)
                     continue
             self._meet_backward()
+            if not self._resumed.is_set():  # paused while it waited: no tick in the pause
+                continue
             began = self.tick_began = time.perf_counter()
             with self._batched():
                 self._timed_tick()

@@ -192,22 +192,33 @@ def wrap_backward(original: Any) -> Any:
 # -- the sampler thread's side ---------------------------------------------------------------
 
 
+#: Seconds the tick lets the pass run on before it begins: ``torch.autograd.backward`` runs
+#: some Python (and an op, which lets go of the GIL) before torch's engine does; a tick that
+#: took the GIL then would hold the pass up.
+ENGINE_S = 1e-4
+
+
 def wait_for_backward(timeout_s: float) -> bool:
     """From the sampler thread: return as the training thread begins its next backward pass
     (True), or after ``timeout_s`` (False).
 
-    A backward pass runs in torch's engine with the GIL let go of (on the GPU, the calling
-    thread just waits for it): a tick run then costs the training thread nothing. At any
-    other moment, the training thread lets go of the GIL in each op it calls and waits to
-    take it back until the tick is done, so a 0.6 ms tick lands on the step whole.
+    The training thread lets go of the GIL in each op it calls and waits to take it back
+    until a tick running then is done: on a Python-bound step a tick landing at random holds
+    up whatever Python it interrupts. A backward pass runs in torch's engine, which holds the
+    GIL far less (though it takes it back at each node: where the steps are long, a tick in
+    the pass costs them more than one at random; see
+    :data:`torchtop.agent.training.ALIGN_STEPS`).
     """
     wake = _allocate_lock()
     wake.acquire()
     _WAKE[0] = wake
     try:
-        return wake.acquire(timeout=timeout_s)
+        met = wake.acquire(timeout=timeout_s)
     finally:
         _WAKE[0] = None
+    if met and ENGINE_S > 0:
+        time.sleep(ENGINE_S)
+    return met
 
 
 @dataclass(slots=True)
