@@ -365,7 +365,7 @@ class TrainingMonitor:
         if last is None or not recent or "backward" not in self._undo:
             return False
         step_s = recent[-1]
-        if step_s * ALIGN_STEPS > interval_s or time.perf_counter() - last > interval_s + step_s:
+        if step_s * ALIGN_STEPS > interval_s or time.perf_counter() - last > 2 * interval_s:
             return False  # steps too long to gain (see ALIGN_STEPS), or no pass of late
         return step_hooks.wait_for_backward(min(2 * step_s, interval_s / 2))
 
