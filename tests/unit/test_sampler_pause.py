@@ -22,7 +22,11 @@ class _NoMemory:
         return None
 
 
-def _sampler(interval_s: float, resumed: list[float]) -> Sampler:
+def _sampler(
+    interval_s: float, resumed: list[float] | None = None, training: object | None = None
+) -> Sampler:
+    """A sampler of no figures; ``resumed`` takes each pause's length, ``training`` is its
+    training monitor."""
     return Sampler(
         lambda message: None,
         host=_Host(),
@@ -30,7 +34,8 @@ def _sampler(interval_s: float, resumed: list[float]) -> Sampler:
         cuda_memory=None,
         nvml=None,
         interval_s=interval_s,
-        on_resumed=resumed.append,
+        on_resumed=None if resumed is None else resumed.append,
+        training=training,
     )
 
 
@@ -108,22 +113,9 @@ class _Training:
         return []
 
 
-def _training_sampler(training: _Training) -> Sampler:
-    """A sampler ticking every 10 ms with ``training`` as its training monitor."""
-    return Sampler(
-        lambda message: None,
-        host=_Host(),
-        cpu_memory=_NoMemory(),
-        cuda_memory=None,
-        nvml=None,
-        interval_s=0.01,
-        training=training,
-    )
-
-
 def test_each_tick_first_asks_to_meet_the_jobs_backward_pass_and_counts_when_it_did() -> None:
     training = _Training()
-    sampler = _training_sampler(training)
+    sampler = _sampler(0.01, training=training)
     sampler.start()
     try:
         _wait_for(lambda: training.ticked >= 8)  # a failing wait leaves the ticks as they were
@@ -148,7 +140,7 @@ def test_a_pause_that_comes_while_a_tick_waits_for_a_backward_pass_holds_that_ti
             return False
 
     training = Training()
-    sampler = _training_sampler(training)
+    sampler = _sampler(0.01, training=training)
     sampler.start()
     try:
         assert waiting.wait(5.0)
