@@ -371,7 +371,26 @@ def measure(
     result = summarize(name, agent, off, on, pair_ratios, rounds * seconds, first, blocks)
     if self_measure:
         result.update(self_measured(step, rounds * seconds, ops, settings))
+        print(f"{'':10s} {against_benchmark(result)}", flush=True)
     return result
+
+
+def against_benchmark(result: dict[str, Any]) -> str:
+    """The agent's figure (what it shows: the pauses' measure where they agreed, else the
+    ticks'; its hooks and op windows added) beside the benchmark's: the mean ratio's excess,
+    which carries the same rare slow steps the agent's means do, and the paired median's."""
+    shown = result["self_measured_step_share"]
+    if math.isnan(shown):
+        shown = result["self_measured_ticks_step_share"]
+    mean, median = result["mean_ratio"] - 1, result["median_pair_ratio"] - 1
+
+    def times(excess: float) -> str:
+        return f"{shown / excess:.2g}x" if excess > 0 else "n/a: no excess"
+
+    return (
+        f"the agent's figure {shown:.2%} against the benchmark's mean excess {mean:.2%}"
+        f" ({times(mean)}) and paired median excess {median:.2%} ({times(median)})"
+    )
 
 
 class _Still:
@@ -437,27 +456,31 @@ def self_measured(
         measured = paused.measured() if paused is not None else None
         compared = paused.compared if paused is not None else 0
         ticked = agent.ticked_steps.measured(fresh=True) if agent.ticked_steps else None
+        windows = (agent.ops.windows_share() if agent.ops is not None else None) or 0.0
     finally:
         viewer.kill()
         viewer.wait()
         torchtop.stop()
     pauses = measured.step_share if measured is not None else float("nan")
     pairs = measured.pairs if measured is not None else 0
+    # The hooks and the op windows measure themselves; each measure of the rest adds them.
+    added = hooks + windows
     if measured is not None:
         said = (
-            f"the agent measured itself at {pauses + hooks:.2%} of step time: its pauses"
-            f" {pauses:.2%} over {pairs} (paused against around), its hooks {hooks:.2%}"
+            f"the agent measured itself at {pauses + added:.2%} of step time: its pauses"
+            f" {pauses:.2%} over {pairs} (paused against around), its hooks {hooks:.2%},"
+            f" its op windows {windows:.2%}"
         )
     else:  # the agent then shows its threads' CPU and its hooks' time, as above
         said = (
             f"the agent's pauses said nothing ({compared} comparisons, too far apart to say);"
-            f" its hooks {hooks:.2%} of step time"
+            f" its hooks {hooks:.2%} of step time, its op windows {windows:.2%}"
         )
     ticks = ticked.step_share if ticked is not None else float("nan")
     if ticked is not None:  # what the agent shows until its pauses agree
         said += (
             f"\n{'':10s} its ticks measured {ticks:.2%} of step time on the {ticked.pairs}"
-            f" steps they overlapped: {ticks + hooks:.2%} with its hooks"
+            f" steps they overlapped: {ticks + added:.2%} with its hooks and op windows"
         )
     else:
         said += f"\n{'':10s} its ticks said nothing (too few steps, or too far apart to say)"
@@ -465,9 +488,11 @@ def self_measured(
     return {
         "self_measured_ticks_share": ticks,
         "self_measured_ticks_steps": ticked.pairs if ticked is not None else 0,
-        "self_measured_step_share": pauses + hooks,
+        "self_measured_step_share": pauses + added,
+        "self_measured_ticks_step_share": ticks + added,
         "self_measured_pauses_share": pauses,
         "self_measured_hooks_share": hooks,
+        "self_measured_windows_share": windows,
         "self_measured_pairs": pairs,
     }
 

@@ -317,9 +317,9 @@ class AgentStats(Message):
     #: The agent's cost on the steps as measured on the steps themselves (``measured_by``):
     #: by pausing it now and then and comparing the steps in the pauses with those around
     #: them (``measured_pairs`` comparisons so far; their median, less one), or by the steps
-    #: its ticks overlapped; plus ``hooks_share``. Includes the time a step waits for the GIL
-    #: while the agent's threads hold it, which ``step_share`` cannot see. ``None`` until
-    #: measured, and while the measure varies too much to say.
+    #: its ticks overlapped; plus ``hooks_share`` and ``windows_share``. Includes the time a
+    #: step waits for the GIL while the agent's threads hold it, which ``step_share`` cannot
+    #: see. ``None`` until measured, and while the measure varies too much to say.
     measured_step_share: float | None = None
     measured_pairs: int | None = None
     #: What ``measured_step_share`` was measured by: :data:`MEASURED_BY_PAUSES` (the pauses
@@ -331,6 +331,10 @@ class AgentStats(Message):
     #: The training thread's own time in the agent's hooks over the last second, as a share
     #: of its training time (included in ``step_share`` and ``measured_step_share``).
     hooks_share: float | None = None
+    #: What the op windows cost the job, as a share of its time: the latest windows' costs,
+    #: measured on its steps, over the time they spanned (included in
+    #: ``measured_step_share``). ``None`` before a window is priced, or with no op windows.
+    windows_share: float | None = None
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,18 @@ import sys
 import time
 
 from tests.conftest import SCRIPTS
-from torchtop.protocol import AgentStats
+from torchtop.protocol import DEFAULT_OPS_BUDGET, AgentStats
 from torchtop.transport import AgentConnection, list_agents
 
 
-def _stats_of(options: dict[str, object], seconds: float) -> list[AgentStats]:
-    script = str(SCRIPTS / "python_bound.py")
+def _stats_of(
+    options: dict[str, object], seconds: float, job_args: tuple[str, ...] = ()
+) -> list[AgentStats]:
+    """The agent's stats over a job's run: ``python_bound.py SECONDS``, or the script and
+    arguments ``job_args``."""
+    command = job_args or (str(SCRIPTS / "python_bound.py"), str(seconds))
     job = subprocess.Popen(
-        [sys.executable, "-m", "torchtop.agent.bootstrap", script, str(seconds)],
+        [sys.executable, "-m", "torchtop.agent.bootstrap", *command],
         env={**os.environ, "TORCHTOP_AGENT_OPTIONS": json.dumps(options)},
         stdout=subprocess.DEVNULL,
     )
@@ -74,3 +78,13 @@ def test_no_measure_no_pause() -> None:
     options = {"ops": False, "nvml": False, "measure_cost": False, "cost_pause_every_s": 2.0}
     stats = _stats_of(options, seconds=8)
     assert stats and all(s.measured_step_share is None for s in stats)
+
+
+def test_the_op_windows_cost_is_part_of_the_cost_shown() -> None:
+    """A torch job with op windows: what they cost it, measured on its steps, is said beside
+    the rest, a share of its time within their budget (``--ops-budget``)."""
+    script = str(SCRIPTS / "train_ops.py")
+    stats = _stats_of({"nvml": False}, 0, (script, "--steps", "1", "--seconds", "14"))
+    shares = [s.windows_share for s in stats if s.windows_share is not None]
+    assert shares, [(s.t, s.windows_share) for s in stats]
+    assert all(0 < share <= DEFAULT_OPS_BUDGET + 1e-9 for share in shares), shares

@@ -410,6 +410,29 @@ def test_a_step_is_classed_once_every_tick_that_could_overlap_it_is_known() -> N
     assert len(ticked._steps) == 4
 
 
+def test_an_op_windows_steps_are_left_to_the_window() -> None:
+    """Steps of 2 ms with ticks that cost nothing, and an op window every 5 s whose steps run
+    at twice their time, one tick reading it: the window's steps are its own cost, which it
+    measures itself, so the ticks' measure leaves them out instead of counting them twice."""
+    ends, ticks = ticked_job(30.0, 0.002, 0.001, 0.0)
+    windows = [(w, w + 0.03) for w in (5.05, 10.05, 15.05, 20.05, 25.05)]
+    slowed = []
+    for end, duration in ends:
+        inside = any(b < end and end - duration < e for b, e in windows)
+        slowed.append((end, duration * 2 if inside else duration))
+    # The window's reading is one long tick, at its end.
+    ticks = sorted(ticks + [(e - 0.02, e) for _, e in windows])
+    counted = TickedSteps(keep=20000)
+    counted.add(slowed, ticks, known_until=slowed[-1][0] + 1)
+    left_out = TickedSteps(keep=20000)
+    left_out.add(slowed, ticks, known_until=slowed[-1][0] + 1, windows=windows)
+    said, measured = counted.measured(), left_out.measured()
+    assert measured is not None and abs(measured.step_share) < 0.002
+    assert said is None or said.step_share > measured.step_share + 0.001
+    in_windows = sum(1 for end, d in ends if any(b < end and end - d < e for b, e in windows))
+    assert len(left_out._steps) == len(counted._steps) - in_windows
+
+
 def test_the_tick_measure_is_worked_out_again_every_ten_seconds_once_said() -> None:
     """Each reading sorts the steps kept: once said, the measure stands for ten seconds; while
     it says nothing, it is looked at again every two."""
@@ -467,11 +490,14 @@ def test_the_measured_cost_by_ticks_is_reported_as_such() -> None:
     model = JobModel()
     model.apply(hello())
     measured = {"measured_step_share": 0.004, "measured_by": "ticks", "measured_steps": 812}
-    model.apply(replace(stats(1001.0, 0.004, 0.008), measured_pairs=1, **measured))
+    model.apply(
+        replace(stats(1001.0, 0.004, 0.008), measured_pairs=1, windows_share=0.001, **measured)
+    )
     summary = agent_cost_summary(model)
     assert summary is not None and summary["measured_by"] == "ticks"
-    assert "0.4% of step time measured on 812 steps its ticks overlapped" in agent_cost_line(
-        summary
+    assert (
+        "0.4% of step time measured on 812 steps its ticks overlapped (its op windows 0.1% of it)"
+        in agent_cost_line(summary)
     )
     assert agent_cost(model) == "torchtop 0.4% of step"
     # A recording's word for it that is neither is not carried.

@@ -350,8 +350,12 @@ def test_a_windows_cost_is_what_the_steps_around_it_lost(sampler: OpsSampler) ->
     steps = FakeSteps()
     t = time.perf_counter() - 1.0
     steps.ends = deque((t + i * 0.01, 0.01) for i in range(50))  # type: ignore[attr-defined]
+    assert sampler.unsettled_since() is None and sampler.windows_share() is None
     assert _window(sampler, steps) == []  # held: no step has ended since
     (held,) = sampler._measuring
+    # Its steps are the window's until its cost is known: the tick measure leaves them out.
+    assert sampler.unsettled_since() == held.start
+    assert list(sampler.spans) == [(held.start, held.done)]
     span = held.done - held.start
     ends = steps.ends  # type: ignore[attr-defined]
     ends.append((held.start + span / 3, 0.03))  # the two profiled steps
@@ -363,6 +367,19 @@ def test_a_windows_cost_is_what_the_steps_around_it_lost(sampler: OpsSampler) ->
     assert isinstance(frame, OpsWindow) and frame.steps == 2
     assert frame.cost_s == pytest.approx(0.02 + 0.01 + 0.005)
     assert frame.spacing_s == pytest.approx(frame.cost_s / sampler.budget)
+    # Priced: what the windows cost the job, as a share of its time, is the agent's cost too.
+    assert sampler.unsettled_since() is None
+    (priced_at, _, _) = sampler.priced[-1]
+    assert sampler.windows_share(priced_at) == pytest.approx(sampler.budget)
+
+
+def test_the_windows_share_is_their_costs_over_the_time_they_spanned(
+    sampler: OpsSampler,
+) -> None:
+    sampler.priced.extend([(100.0, 0.01, 5.0), (105.0, 0.03, 6.0), (111.0, 0.02, 5.0)])
+    assert sampler.windows_share(111.0) == pytest.approx(0.06 / 16.0)
+    # Windows that stop coming (the job's own profiler, a job gone idle) count less and less.
+    assert sampler.windows_share(140.0) == pytest.approx(0.06 / 40.0)
 
 
 def test_cumulative_adds_up_over_windows(sampler: OpsSampler) -> None:

@@ -18,6 +18,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -427,9 +428,13 @@ class Agent:
                     ProbeStatus(t=time.time(), probe=COST_PROBE, available=True, detail=detail)
                 )
         measured, measured_by = self._measure_cost()
+        windows = self.ops.windows_share() if self.ops is not None else None
         measured_share = None
-        if measured is not None:  # neither measure sees the hooks: their own time is added
-            measured_share = round(measured.step_share + (cost.hooks_share or 0.0), 5)
+        if measured is not None:
+            # Neither measure sees the hooks or the op windows: their own measures are added.
+            measured_share = round(
+                measured.step_share + (cost.hooks_share or 0.0) + (windows or 0.0), 5
+            )
         return AgentStats(
             t=time.time(),
             clients=self.server.client_count,
@@ -453,6 +458,7 @@ class Agent:
                 else None
             ),
             hooks_share=None if cost.hooks_share is None else round(cost.hooks_share, 5),
+            windows_share=None if windows is None else round(windows, 5),
         )
 
     def _measure_cost(self) -> tuple[Measured | None, str | None]:
@@ -465,7 +471,14 @@ class Agent:
             return None, None
         steps = self.training.steps
         ticks, known_from, known_until = self.sampler.known_ticks()
-        self.ticked_steps.add(steps.ends, ticks, known_until, known_from)
+        ops = self.ops
+        windows: Sequence[tuple[float, float]] = ()
+        if ops is not None:  # an op window's steps are its own cost, once its span is known
+            windows = ops.spans
+            unsettled = ops.unsettled_since()
+            if unsettled is not None:
+                known_until = min(known_until, unsettled)
+        self.ticked_steps.add(steps.ends, ticks, known_until, known_from, windows)
         paused.add(steps.ends)
         usual = statistics.median(steps.recent) if steps.recent else None
         busy = self.ops is not None and not self.ops.idle

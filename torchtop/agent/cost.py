@@ -300,8 +300,9 @@ class TickedSteps:
     take without the ticks comes from the others, each weighed by its odds of being overlapped
     against missed (a longer step is likelier to be overlapped: the machine's slow spells would
     otherwise read as a cost). The op windows' reading, a long tick every several seconds, is
-    in it while its steps are kept; the hooks, which run in every step, are not: the agent adds
-    their own time to it.
+    not in it: the steps from a window's start to the end of its reading are the window's cost,
+    which the window measures itself (:meth:`~torchtop.agent.ops.sampler.OpsSampler.
+    windows_share`); nor are the hooks, which run in every step: the agent adds both to it.
 
     :meth:`add` takes the steps' ends and durations and the ticks' start and end, all
     ``perf_counter``; a step is classed once no tick that could overlap it is still to come.
@@ -331,11 +332,14 @@ class TickedSteps:
         ticks: Sequence[tuple[float, float]],
         known_until: float,
         known_from: float = -math.inf,
+        windows: Sequence[tuple[float, float]] = (),
     ) -> None:
         """Class the steps (``ends``: each step's end and duration) that ended by
         ``known_until`` (the start of the tick now running) and were not classed before.
         ``ticks``: each tick's start and end, every one from ``known_from`` on (a step that
-        began before it is left out: a tick no longer kept may have overlapped it)."""
+        began before it is left out: a tick no longer kept may have overlapped it).
+        ``windows``: the op windows' spans (start and end, in order): the steps they overlap
+        are their cost, measured by the windows themselves, and left out here."""
         last = self._last_end
         new: list[tuple[float, float]] = []
         for step in reversed(ends):  # the new steps only, from the latest back
@@ -357,7 +361,8 @@ class TickedSteps:
             self._period_s = statistics.median(
                 later[0] - earlier[0] for earlier, later in itertools.pairwise(spans)
             )
-        j = 0
+        opened = [w for w in windows if w[1] > earliest]
+        j = k = 0
         for end, duration in reversed(new):
             if end > known_until:
                 break
@@ -365,6 +370,10 @@ class TickedSteps:
             last = end
             if start < known_from:
                 continue
+            while k < len(opened) and opened[k][1] <= start:
+                k += 1  # windows that ended before this step began
+            if k < len(opened) and opened[k][0] < end:
+                continue  # a window's step: its cost is the window's
             while j < len(spans) and spans[j][1] <= start:
                 j += 1  # ticks that ended before this step began
             self._steps.append((duration, j < len(spans) and spans[j][0] < end))

@@ -701,6 +701,9 @@ def agent_cost_summary(model: JobModel) -> dict[str, float | str | None] | None:
             else None
         ),
         "measured_steps": stats.measured_steps,
+        # The op windows' part of the measured share (null without op windows, or from an
+        # agent that does not price them).
+        "windows_share": stats.windows_share,
         # The hooks' part of the mean (null from an agent that does not time its hooks).
         "hooks_step_share": (
             round(model.agent_hooks_share_sum / count, 5)

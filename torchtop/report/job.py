@@ -396,6 +396,8 @@ def agent_cost_line(cost: dict[str, Any]) -> str:
             how = f"on {cost.get('measured_steps')} steps its ticks overlapped"
         else:
             how = f"over {cost['measured_pairs']} pauses"
+        if cost.get("windows_share") is not None:
+            how += f" (its op windows {cost['windows_share']:.1%} of it)"
         parts.append(f"{measured:.1%} of step time measured {how}")
     if cost.get("mean_step_share") is not None:
         mean = f"{cost['mean_step_share']:.1%} of step time (mean"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -63,6 +64,8 @@ REFUSED_LIMIT = 16
 OWNER_WAIT_S = 2.0
 #: Requested windows: at most one a second.
 REQUEST_GAP_S = 1.0
+#: The windows whose costs make the share of the time the windows take (:meth:`windows_share`).
+SHARE_WINDOWS = 8
 
 
 class OpsSampler:
@@ -98,6 +101,13 @@ class OpsSampler:
         self.spacing_s = min_spacing_s
         #: (start, stop, total) cost of the latest windows, in seconds (benchmarks read it).
         self.costs: deque[tuple[float, float, float]] = deque(maxlen=256)
+        #: The latest windows priced: when (``monotonic``), their cost and the spacing it set
+        #: (:meth:`windows_share`).
+        self.priced: deque[tuple[float, float, float]] = deque(maxlen=SHARE_WINDOWS)
+        #: The latest windows measured on the job's steps: from their start to the end of the
+        #: agent's work on them (``perf_counter``). The steps in them are the windows' cost,
+        #: which the tick measure leaves to them (:meth:`unsettled_since`).
+        self.spans: deque[tuple[float, float]] = deque(maxlen=64)
         # -- training-thread state (changed only there once a window is armed) ------------
         self._state = IDLE
         self._thread: int | None = None
@@ -465,6 +475,33 @@ class OpsSampler:
         """No window armed or open."""
         return self._state == IDLE
 
+    def windows_share(self, now: float | None = None) -> float | None:
+        """What the windows cost the job, as a share of its time: the latest windows' costs
+        (measured on its steps) over the time they spanned, each window's the spacing its
+        cost set, or, where windows stopped coming, the time since the first of them
+        (``monotonic``). ``None`` before a window is priced. Part of the agent's cost that
+        the tick measure leaves to the windows (:meth:`unsettled_since`)."""
+        priced = self.priced
+        if not priced:
+            return None
+        now = time.monotonic() if now is None else now
+        span = max(math.fsum(spacing for _, _, spacing in priced), now - priced[0][0])
+        return math.fsum(cost for _, cost, _ in priced) / span if span > 0 else None
+
+    def unsettled_since(self) -> float | None:
+        """From the sampler thread: the start (``perf_counter``) of a window open, closed but
+        not yet read, or whose cost is still being measured; ``None`` if none. The steps from
+        then on belong to the window until its span is known (:attr:`spans`)."""
+        if self._measuring:
+            return self._measuring[0].start
+        closed = self._closed
+        if closed:
+            with contextlib.suppress(IndexError):
+                return closed[0].opened_at
+        if self._state == OPEN:
+            return self._opened_at
+        return None
+
     def tick(self, now: float, steps: Any) -> list[Message]:
         """Schedule windows and turn closed ones into frames. ``steps`` is the
         :class:`~torchtop.agent.steps.StepCollector`."""
@@ -560,11 +597,13 @@ class OpsSampler:
         # What the job lost is measured on its steps: from the window's start to the first
         # step that ends after all the work above.
         self._next_due = float("inf")
+        done = time.perf_counter()
+        self.spans.append((closed.opened_at, done))
         self._measuring.append(
             Measuring(
                 frame=frame,
                 start=closed.opened_at,
-                done=time.perf_counter(),
+                done=done,
                 usual=usual,
                 events=events,
                 start_cost_s=closed.start_cost_s,
@@ -579,6 +618,7 @@ class OpsSampler:
         """The frame with its cost, and the spacing to the next window that the cost sets."""
         self.costs.append((start, stop, cost))
         self.spacing_s = max(self.min_spacing_s, cost / self.budget)
+        self.priced.append((time.monotonic(), cost, self.spacing_s))
         self._next_due = time.monotonic() + self.spacing_s
         return dataclasses.replace(frame, cost_s=cost, spacing_s=self.spacing_s)
 
