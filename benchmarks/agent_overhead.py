@@ -597,6 +597,10 @@ def across_processes(args: argparse.Namespace) -> None:
         seconds = [r["on_seconds"] for r in runs]
         costs = sum(float(r["windows_share"]) * s for r, s in zip(runs, seconds, strict=True))
         summary["windows_share"] = costs / sum(seconds)
+        if runs and "self_measured_step_share" in runs[0]:
+            # The agent measured itself in the first process: beside the medians across all.
+            across = {k: summary[k] for k in ("mean_ratio", "median_pair_ratio")}
+            print(f"{name:10s} across: {against_benchmark({**runs[0], **across})}", flush=True)
         shown = " · ".join(f"{r['median_pair_ratio']:.4f}" for r in runs)
         means = " · ".join(f"{r['mean_ratio']:.4f}" for r in runs)
         print(
