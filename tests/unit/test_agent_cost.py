@@ -500,6 +500,9 @@ def test_the_measured_cost_by_ticks_is_reported_as_such() -> None:
         in agent_cost_line(summary)
     )
     assert agent_cost(model) == "torchtop 0.4% of step"
+    # A recording's negative share reads as none, as the measured share itself does.
+    summary["windows_share"] = -0.002
+    assert "(its op windows 0.0% of it)" in agent_cost_line(summary)
     # A recording's word for it that is neither is not carried.
     model.apply(
         replace(stats(1002.0, 0.004, 0.008), measured_step_share=0.004, measured_by="\x1b[2J")

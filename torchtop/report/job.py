@@ -397,7 +397,7 @@ def agent_cost_line(cost: dict[str, Any]) -> str:
         else:
             how = f"over {cost['measured_pairs']} pauses"
         if cost.get("windows_share") is not None:
-            how += f" (its op windows {cost['windows_share']:.1%} of it)"
+            how += f" (its op windows {max(0.0, cost['windows_share']):.1%} of it)"
         parts.append(f"{measured:.1%} of step time measured {how}")
     if cost.get("mean_step_share") is not None:
         mean = f"{cost['mean_step_share']:.1%} of step time (mean"
