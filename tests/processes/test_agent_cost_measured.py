@@ -87,4 +87,7 @@ def test_the_op_windows_cost_is_part_of_the_cost_shown() -> None:
     stats = _stats_of({"nvml": False}, 0, (script, "--steps", "1", "--seconds", "14"))
     shares = [s.windows_share for s in stats if s.windows_share is not None]
     assert shares, [(s.t, s.windows_share) for s in stats]
-    assert all(0 < share <= DEFAULT_OPS_BUDGET + 1e-9 for share in shares), shares
+    # Each window is spaced by its cost over the budget, so their share stays within it (a
+    # window whose steps ran no slower than usual costs nothing; not every one can).
+    assert all(0 <= share <= DEFAULT_OPS_BUDGET + 1e-9 for share in shares), shares
+    assert max(shares) > 0, shares
