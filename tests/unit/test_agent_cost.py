@@ -11,13 +11,16 @@ from dataclasses import replace
 import pytest
 
 from tests.fakes.cost import agent_stats
+from torchtop.agent.core import Agent, AgentConfig
 from torchtop.agent.cost import (
     OVER_BUDGET_S,
     TICK_TAIL_S,
+    WINDOWS_FLOOR,
     Cost,
     CostMeter,
     PausedSteps,
     TickedSteps,
+    windows_budget,
 )
 from torchtop.agent.sampler import TICKS_KEPT, Sampler
 from torchtop.agent.threads import agent_cpu_s, agent_thread
@@ -26,6 +29,7 @@ from torchtop.export.figures import figures_of
 from torchtop.model.job import JobModel, agent_cost_summary
 from torchtop.protocol import AgentStats, Hello, decode, encode
 from torchtop.report.job import agent_cost_line, report_json
+from torchtop.transport import remove_server_files
 from torchtop.tui.widgets.header import agent_cost
 
 
@@ -120,6 +124,69 @@ def test_the_hooks_time_counts_in_the_step_share_but_not_in_the_budget() -> None
     assert verdicts == [False] * (OVER_BUDGET_S * 2) and cost.slowdowns == 0
     clock.tick(1.0, 0.001, 0)  # no step: no share of the steps, the hooks' neither
     assert cost.read().hooks_share is None
+
+
+def test_the_op_windows_get_what_the_agents_budget_leaves() -> None:
+    """The windows' budget is their own (0.5%) where the rest of the agent's cost leaves room
+    for it in the agent's budget (1%), what is left where it does not, and a fifth of their
+    own at least: op timings still come, further apart."""
+    assert windows_budget(0.005, 0.01, None) == 0.005  # no reading yet
+    assert windows_budget(0.005, 0.0, 0.02) == 0.005  # no agent budget
+    assert windows_budget(0.005, 0.01, 0.003) == 0.005
+    assert windows_budget(0.005, 0.01, 0.008) == pytest.approx(0.002)
+    assert windows_budget(0.005, 0.01, 0.012) == pytest.approx(0.005 * WINDOWS_FLOOR)
+    assert windows_budget(0.02, 0.01, 0.004) == pytest.approx(0.006)
+
+
+def test_an_agent_whose_hooks_and_sampler_fill_its_budget_spaces_its_windows_out() -> None:
+    """Once a second the agent sets its op windows' budget from the median of its latest
+    readings of the rest of its cost (its threads' CPU without the windows' reading, and its
+    hooks' time): a Python-bound job's windows come five times further apart, and when the
+    rest falls again they get their own budget back."""
+    agent = Agent(AgentConfig(ops=True, nvml=False, oom_capture=False))
+    try:
+        assert agent.ops is not None and agent.ops.budget == 0.005
+        clock, hooks = Clock(), [0.0]
+        agent.cost = CostMeter(
+            0.01,
+            lambda: clock.steps,
+            lambda: clock.cpu,
+            lambda: clock.now,
+            hooks_s=lambda: hooks[0],
+        )
+        agent._agent_stats(agent.sampler.stats)  # the meter's first reading starts it
+        assert agent.ops.budget == 0.005
+        for _ in range(4):  # threads 0.7% of the time, hooks 0.3%: the budget is spent
+            clock.tick(1.0, 0.007, 500)
+            hooks[0] += 0.003
+            agent._agent_stats(agent.sampler.stats)
+        assert agent.ops.budget == pytest.approx(0.005 * WINDOWS_FLOOR)
+        clock.tick(1.0, 0.001, 500)  # one light second does not move the median
+        agent._agent_stats(agent.sampler.stats)
+        assert agent.ops.budget == pytest.approx(0.005 * WINDOWS_FLOOR)
+        for _ in range(10):  # threads 0.3%, hooks 0.1%: room for the windows' own budget
+            clock.tick(1.0, 0.003, 500)
+            hooks[0] += 0.001
+            agent._agent_stats(agent.sampler.stats)
+        assert agent.ops.budget == 0.005
+    finally:
+        agent.server.stop(drain_s=0)
+        remove_server_files(agent.pid)
+
+
+def test_the_samplers_clock_leaves_its_pauses_out() -> None:
+    """The cost's shares are of the time the sampler ran: the overhead benchmark's "off"
+    blocks, with the sampler paused and the hooks out, do not thin them."""
+    sampler = Sampler(lambda message: None, host=None, cpu_memory=None, cuda_memory=None, nvml=None)
+    began, sampled = time.monotonic(), sampler.sampling_time()
+    sampler.pause()
+    time.sleep(0.2)
+    in_pause = sampler.sampling_time()
+    sampler.resume()
+    elapsed = time.monotonic() - began
+    ran = sampler.sampling_time() - sampled
+    assert in_pause - sampled <= elapsed - 0.2
+    assert 0 <= ran <= elapsed - 0.2
 
 
 def test_the_hooks_keep_their_own_time_in_a_real_training_loop() -> None:

@@ -18,6 +18,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -25,10 +26,12 @@ from typing import Any
 from torchtop.agent.collectives import BUDGET_PART, FINAL_WAIT_S, CollectiveMonitor
 from torchtop.agent.cost import (
     MAX_INTERVAL_S,
+    REST_READINGS,
     CostMeter,
     Measured,
     PausedSteps,
     TickedSteps,
+    windows_budget,
 )
 from torchtop.agent.identity import rank_identity
 from torchtop.agent.oom import OomController
@@ -302,9 +305,15 @@ class Agent:
         self.cost = CostMeter(
             config.cost_budget,
             lambda: self.training.steps.total,
+            # Its shares are of the time the sampler ran (not of the overhead benchmark's
+            # "off" blocks, when it is paused and its hooks out).
+            clock=self.sampler.sampling_time,
             exempt_s=(lambda: ops.read_s) if ops is not None else (lambda: 0.0),
             hooks_s=lambda: HOOK_S[0],
         )
+        #: The rest of the agent's cost (its threads without the windows' reading, its hooks),
+        #: its latest readings: what the agent's budget leaves the op windows.
+        self._rest_shares: deque[float] = deque(maxlen=REST_READINGS)
 
     def _on_request(self, request: Request) -> None:
         """A viewer's request, in the server's I/O thread: hand it over and return.
@@ -427,6 +436,12 @@ class Agent:
                 self.publish(
                     ProbeStatus(t=time.time(), probe=COST_PROBE, available=True, detail=detail)
                 )
+        if self.ops is not None and cost.budgeted_share is not None:
+            self._rest_shares.append(cost.budgeted_share + (cost.hooks_share or 0.0))
+            # The next window's spacing is set by its cost over this budget.
+            self.ops.budget = windows_budget(
+                self.config.ops_budget, self.cost.budget, statistics.median(self._rest_shares)
+            )
         measured, measured_by = self._measure_cost()
         windows = self.ops.windows_share() if self.ops is not None else None
         measured_share = None

@@ -34,6 +34,26 @@ OVER_BUDGET_S = 2
 MAX_INTERVAL_S = 1.0
 
 
+#: The least of their own budget (``--ops-budget``) the op windows keep however much of the
+#: agent's budget the rest of it takes: op timings still come, further apart.
+WINDOWS_FLOOR = 0.2
+#: The agent's readings (one a second) whose median is the rest of its cost, for the windows'
+#: budget: a second's spell of noise does not move the windows.
+REST_READINGS = 10
+
+
+def windows_budget(ops_budget: float, cost_budget: float, rest_share: float | None) -> float:
+    """The share of the job's time the op windows may cost: their own budget, or what the
+    agent's budget leaves after the rest of its cost (``rest_share``: its threads' CPU
+    without the windows' reading, and its hooks' time), whichever is less, and never below
+    :data:`WINDOWS_FLOOR` of their own. On a model whose steps are Python-bound the rest
+    takes most of the agent's budget: its windows come further apart, and the agent's whole
+    cost stays near its budget. No agent budget (0), or no reading yet: their own."""
+    if cost_budget <= 0 or rest_share is None:
+        return ops_budget
+    return min(ops_budget, max(ops_budget * WINDOWS_FLOOR, cost_budget - rest_share))
+
+
 @dataclass(frozen=True)
 class Cost:
     """One reading: the agent's CPU so far and its shares over the last interval."""

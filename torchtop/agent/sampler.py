@@ -219,10 +219,19 @@ class Sampler:
             self._resumed.clear()
 
     def resume(self) -> None:
-        paused_at, self._paused_at = self._paused_at, None
-        if paused_at is not None:
+        paused_at = self._paused_at
+        if paused_at is not None:  # the seconds counted before the pause is cleared
             self._paused_s += time.monotonic() - paused_at
+            self._paused_at = None
         self._resumed.set()
+
+    def sampling_time(self) -> float:
+        """``time.monotonic`` less the time :meth:`pause` held the sampler: the clock of the
+        agent's own schedules, and of its cost's shares (a share of time it was paused in
+        would read lower than what it costs while it runs)."""
+        now = time.monotonic()
+        paused_at = self._paused_at
+        return now - self._paused_s - (now - paused_at if paused_at is not None else 0.0)
 
     def _take_paused(self) -> float:
         """From the sampler thread: the seconds paused since it last asked."""

@@ -91,7 +91,8 @@ def add_agent_options(p: argparse.ArgumentParser) -> None:
         type=budget_type,
         default=1.0,
         help="share of the job's step time torchtop's agent may use, in percent (default 1; "
-        "0: no budget); above it the agent samples less often and says so",
+        "0: no budget); its op windows get what the rest of its cost leaves (up to "
+        "--ops-budget); above it the agent samples less often and says so",
     )
 
 
@@ -215,8 +216,8 @@ def add_ops_options(p: argparse.ArgumentParser) -> None:
         type=percent_type,
         default=DEFAULT_OPS_BUDGET * 100,
         help=f"share of the job's time op windows may cost, in percent (default"
-        f" {DEFAULT_OPS_BUDGET * 100:g}); "
-        "their spacing adapts to what they measured",
+        f" {DEFAULT_OPS_BUDGET * 100:g}); less where the rest of the agent's cost leaves less"
+        " of --cost-budget (a fifth of it at least); their spacing adapts to what they measured",
     )
     p.add_argument(
         "--ops-window",
