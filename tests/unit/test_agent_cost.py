@@ -138,11 +138,13 @@ def test_the_op_windows_get_what_the_agents_budget_leaves() -> None:
     assert windows_budget(0.02, 0.01, 0.004) == pytest.approx(0.006)
 
 
-def test_an_agent_whose_hooks_and_sampler_fill_its_budget_spaces_its_windows_out() -> None:
+def test_an_agent_whose_hooks_and_sampler_fill_its_budget_spaces_its_windows_out(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     """Once a second the agent sets its op windows' budget from the median of its latest
     readings of the rest of its cost (its threads' CPU without the windows' reading, and its
-    hooks' time): a Python-bound job's windows come five times further apart, and when the
-    rest falls again they get their own budget back."""
+    hooks' time): a Python-bound job's windows come five times further apart, which it says
+    once on the job's stderr, and when the rest falls again they get their own budget back."""
     agent = Agent(AgentConfig(ops=True, nvml=False, oom_capture=False))
     try:
         assert agent.ops is not None and agent.ops.budget == 0.005
@@ -161,6 +163,12 @@ def test_an_agent_whose_hooks_and_sampler_fill_its_budget_spaces_its_windows_out
             hooks[0] += 0.003
             agent._agent_stats(agent.sampler.stats)
         assert agent.ops.budget == pytest.approx(0.005 * WINDOWS_FLOOR)
+        said = [line for line in capfd.readouterr().err.splitlines() if "op windows" in line]
+        assert said == [
+            "torchtop: the agent's sampler and hooks take 1.0% of the step time, of its budget"
+            " of 1.0%: its op windows get 0.10% of the time instead of 0.50%, and come further"
+            " apart (--cost-budget, --ops-budget)"
+        ]
         clock.tick(1.0, 0.001, 500)  # one light second does not move the median
         agent._agent_stats(agent.sampler.stats)
         assert agent.ops.budget == pytest.approx(0.005 * WINDOWS_FLOOR)
@@ -169,6 +177,12 @@ def test_an_agent_whose_hooks_and_sampler_fill_its_budget_spaces_its_windows_out
             hooks[0] += 0.001
             agent._agent_stats(agent.sampler.stats)
         assert agent.ops.budget == 0.005
+        for _ in range(10):  # spent again: said once a job, not each time
+            clock.tick(1.0, 0.008, 500)
+            hooks[0] += 0.003
+            agent._agent_stats(agent.sampler.stats)
+        assert agent.ops.budget == pytest.approx(0.005 * WINDOWS_FLOOR)
+        assert "op windows" not in capfd.readouterr().err
     finally:
         agent.server.stop(drain_s=0)
         remove_server_files(agent.pid)

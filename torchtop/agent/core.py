@@ -314,6 +314,8 @@ class Agent:
         #: The rest of the agent's cost (its threads without the windows' reading, its hooks),
         #: its latest readings: what the agent's budget leaves the op windows.
         self._rest_shares: deque[float] = deque(maxlen=REST_READINGS)
+        #: Said once, on the job's stderr, when that leaves the windows half their own or less.
+        self._windows_said = False
 
     def _on_request(self, request: Request) -> None:
         """A viewer's request, in the server's I/O thread: hand it over and return.
@@ -438,10 +440,17 @@ class Agent:
                 )
         if self.ops is not None and cost.budgeted_share is not None:
             self._rest_shares.append(cost.budgeted_share + (cost.hooks_share or 0.0))
+            rest = statistics.median(self._rest_shares)
             # The next window's spacing is set by its cost over this budget.
-            self.ops.budget = windows_budget(
-                self.config.ops_budget, self.cost.budget, statistics.median(self._rest_shares)
-            )
+            self.ops.budget = windows_budget(self.config.ops_budget, self.cost.budget, rest)
+            if not self._windows_said and self.ops.budget <= self.config.ops_budget / 2:
+                self._windows_said = True
+                self._say(
+                    f"the agent's sampler and hooks take {rest:.1%} of the step time, of its "
+                    f"budget of {self.cost.budget:.1%}: its op windows get {self.ops.budget:.2%}"
+                    f" of the time instead of {self.config.ops_budget:.2%}, and come further "
+                    "apart (--cost-budget, --ops-budget)"
+                )
         measured, measured_by = self._measure_cost()
         windows = self.ops.windows_share() if self.ops is not None else None
         measured_share = None
