@@ -165,9 +165,9 @@ def test_an_agent_whose_hooks_and_sampler_fill_its_budget_spaces_its_windows_out
         assert agent.ops.budget == pytest.approx(0.005 * WINDOWS_FLOOR)
         said = [line for line in capfd.readouterr().err.splitlines() if "op windows" in line]
         assert said == [
-            "torchtop: the agent's sampler and hooks take 1.0% of the step time, of its budget"
-            " of 1.0%: its op windows get 0.10% of the time instead of 0.50%, and come further"
-            " apart (--cost-budget, --ops-budget)"
+            "torchtop: the agent's sampler and hooks take 1.0% of the step time, against its"
+            " budget of 1.0%: its op windows get 0.10% of the time instead of 0.50%, and come"
+            " further apart (--cost-budget, --ops-budget)"
         ]
         clock.tick(1.0, 0.001, 500)  # one light second does not move the median
         agent._agent_stats(agent.sampler.stats)

@@ -446,8 +446,8 @@ class Agent:
             if not self._windows_said and self.ops.budget <= self.config.ops_budget / 2:
                 self._windows_said = True
                 self._say(
-                    f"the agent's sampler and hooks take {rest:.1%} of the step time, of its "
-                    f"budget of {self.cost.budget:.1%}: its op windows get {self.ops.budget:.2%}"
+                    f"the agent's sampler and hooks take {rest:.1%} of the step time, against its"
+                    f" budget of {self.cost.budget:.1%}: its op windows get {self.ops.budget:.2%}"
                     f" of the time instead of {self.config.ops_budget:.2%}, and come further "
                     "apart (--cost-budget, --ops-budget)"
                 )
