@@ -18,7 +18,6 @@ import statistics
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -26,7 +25,6 @@ from typing import Any
 from torchtop.agent.collectives import BUDGET_PART, FINAL_WAIT_S, CollectiveMonitor
 from torchtop.agent.cost import (
     MAX_INTERVAL_S,
-    REST_READINGS,
     CostMeter,
     Measured,
     PausedSteps,
@@ -311,9 +309,6 @@ class Agent:
             exempt_s=(lambda: ops.read_s) if ops is not None else (lambda: 0.0),
             hooks_s=lambda: HOOK_S[0],
         )
-        #: The rest of the agent's cost (its threads without the windows' reading, its hooks),
-        #: its latest readings: what the agent's budget leaves the op windows.
-        self._rest_shares: deque[float] = deque(maxlen=REST_READINGS)
         #: Said once, on the job's stderr, when that leaves the windows half their own or less.
         self._windows_said = False
 
@@ -438,9 +433,8 @@ class Agent:
                 self.publish(
                     ProbeStatus(t=time.time(), probe=COST_PROBE, available=True, detail=detail)
                 )
-        if self.ops is not None and cost.budgeted_share is not None:
-            self._rest_shares.append(cost.budgeted_share + (cost.hooks_share or 0.0))
-            rest = statistics.median(self._rest_shares)
+        rest = self.cost.rest_share()
+        if self.ops is not None and rest is not None:
             # The next window's spacing is set by its cost over this budget.
             self.ops.budget = windows_budget(self.config.ops_budget, self.cost.budget, rest)
             if not self._windows_said and self.ops.budget <= self.config.ops_budget / 2:
@@ -505,7 +499,7 @@ class Agent:
         self.ticked_steps.add(steps.ends, ticks, known_until, known_from, windows)
         paused.add(steps.ends)
         usual = statistics.median(steps.recent) if steps.recent else None
-        busy = self.ops is not None and not self.ops.idle
+        busy = ops is not None and not ops.idle
         if paused.due(usual, busy=busy):
             began, ended = self.sampler.pause_for(paused.pause_s)
             self.training.drain()  # the steps taken in the pause, from the hooks' events

@@ -94,6 +94,8 @@ class CostMeter:
         self._last: tuple[float, float, int, float, float] | None = None
         self._over = 0
         self.slowdowns = 0
+        #: The latest readings of the rest of the agent's cost (:meth:`rest_share`).
+        self._rest: deque[float] = deque(maxlen=REST_READINGS)
 
     def read(self) -> Cost:
         """The cost since the previous reading (the shares are ``None`` on the first)."""
@@ -118,7 +120,14 @@ class CostMeter:
         # does the hooks' time in the training thread.
         budgeted = max(0.0, cpu - last[1] - (exempt - last[3])) / wall
         hooks_share = max(0.0, hooks - last[4]) / wall
+        self._rest.append(budgeted + hooks_share)
         return Cost(cpu, share, share + hooks_share, budgeted, hooks_share)
+
+    def rest_share(self) -> float | None:
+        """The rest of the agent's cost besides its op windows (its threads' CPU without the
+        windows' reading, and its hooks' time): the median of the latest
+        :data:`REST_READINGS` readings taken while the job stepped; ``None`` before one."""
+        return statistics.median(self._rest) if self._rest else None
 
     def over_budget(self, cost: Cost) -> bool:
         """True when the sampler should slow down now: ``cost`` is the latest reading, above
